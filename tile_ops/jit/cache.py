@@ -1,0 +1,187 @@
+"""On-disk kernel cache: one directory per key with the CUDA source, the cubin and metadata.
+
+Layout: ``<root>/<key[:2]>/<key>/{kernel.cu, kernel.cubin, meta.json}``.  ``meta.json``
+records the sha256 and size of the two other files, so a truncated or corrupted entry
+is detected on load, removed (with a warning) and rebuilt by the caller.  Stores are
+atomic (temp directory + ``os.rename``; the first writer wins) and :meth:`DiskCache.lock`
+lets concurrent processes compile a key once.
+
+This module must not import TVM (nor torch): a process with a warm cache only reads files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import warnings
+from typing import Iterator
+
+__all__ = ["CacheEntry", "DiskCache", "cache_dir"]
+
+SOURCE_FILE = "kernel.cu"
+CUBIN_FILE = "kernel.cubin"
+META_FILE = "meta.json"
+_RESERVED = ("tmp", "locks", "build")  # top-level dirs that are not entry shards (shards have 2 chars)
+
+
+def cache_dir() -> pathlib.Path:
+    """``$TILE_OPS_CACHE_DIR`` if set (read at each call), else ``~/.tile_ops/cache``."""
+    env = os.environ.get("TILE_OPS_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".tile_ops" / "cache"
+
+
+@dataclasses.dataclass
+class CacheEntry:
+    source: str
+    cubin: bytes
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_synced(path: pathlib.Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class DiskCache:
+    """Kernel cache rooted at ``root`` (default: :func:`cache_dir` at construction time)."""
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = pathlib.Path(root) if root is not None else cache_dir()
+
+    def path(self, key: str) -> pathlib.Path:
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"tile_ops: invalid cache key {key!r}")
+        return self.root / key[:2] / key
+
+    # -- read ----------------------------------------------------------------------------
+    def load(self, key: str) -> CacheEntry | None:
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            return self._read(path)
+        except (_Corrupt, OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"tile_ops: cache entry {key} at {path} is corrupt ({e}); rebuilding it")
+            shutil.rmtree(path, ignore_errors=True)
+            return None
+
+    @staticmethod
+    def _read(path: pathlib.Path) -> CacheEntry:
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+        except FileNotFoundError:
+            raise _Corrupt(f"{META_FILE} is missing") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Corrupt(f"{META_FILE} is not valid JSON: {e}") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+            raise _Corrupt(f"{META_FILE} has no 'files' record")
+        data = {}
+        for name in (SOURCE_FILE, CUBIN_FILE):
+            rec = meta["files"].get(name)
+            if not isinstance(rec, dict):
+                raise _Corrupt(f"{META_FILE} has no record for {name}")
+            try:
+                blob = (path / name).read_bytes()
+            except FileNotFoundError:
+                raise _Corrupt(f"{name} is missing") from None
+            if len(blob) != rec.get("size"):
+                raise _Corrupt(f"{name} has {len(blob)} bytes, expected {rec.get('size')}")
+            if _sha256(blob) != rec.get("sha256"):
+                raise _Corrupt(f"{name} sha256 mismatch")
+            data[name] = blob
+        return CacheEntry(source=data[SOURCE_FILE].decode("utf-8"), cubin=data[CUBIN_FILE],
+                          meta=meta.get("meta", {}))
+
+    # -- write ---------------------------------------------------------------------------
+    def store(self, key: str, entry: CacheEntry) -> None:
+        """Atomically publish ``entry``; if another process already published ``key``, keep theirs."""
+        final = self.path(key)
+        if final.exists():
+            return
+        tmp_root = self.root / "tmp"
+        tmp_root.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{key}.", dir=tmp_root))
+        try:
+            blobs = {SOURCE_FILE: entry.source.encode("utf-8"), CUBIN_FILE: bytes(entry.cubin)}
+            for name, blob in blobs.items():
+                _write_synced(tmp / name, blob)
+            meta = {
+                "key": key,
+                "files": {n: {"sha256": _sha256(b), "size": len(b)} for n, b in blobs.items()},
+                "meta": entry.meta,
+            }
+            _write_synced(tmp / META_FILE, json.dumps(meta, indent=1, sort_keys=True).encode())
+            _fsync_dir(tmp)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.exists():  # not a lost race: a real error
+                    raise
+            else:
+                _fsync_dir(final.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """Exclusive inter-process lock for ``key`` (fcntl.flock on ``<root>/locks/<key>.lock``)."""
+        self.path(key)  # validate the key
+        lock_dir = self.root / "locks"
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with open(lock_dir / f"{key}.lock", "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    # -- maintenance ---------------------------------------------------------------------
+    def _entries(self) -> list[pathlib.Path]:
+        if not self.root.is_dir():
+            return []
+        return [e for shard in self.root.iterdir()
+                if shard.is_dir() and shard.name not in _RESERVED
+                for e in shard.iterdir() if e.is_dir()]
+
+    def info(self) -> dict:
+        entries = self._entries()
+        size = 0
+        for e in entries:
+            with contextlib.suppress(OSError):  # an entry may vanish while we look
+                size += sum(f.stat().st_size for f in e.iterdir() if f.is_file())
+        return {"path": str(self.root), "entries": len(entries), "bytes": size}
+
+    def clear(self) -> int:
+        """Remove every entry (and leftover temp dirs); returns the number of entries removed."""
+        entries = self._entries()
+        for e in entries:
+            shutil.rmtree(e, ignore_errors=True)
+        shutil.rmtree(self.root / "tmp", ignore_errors=True)
+        return len(entries)
