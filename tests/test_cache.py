@@ -1,0 +1,224 @@
+"""tile_ops.jit.cache: hits, misses, corruption recovery, atomic stores under races, locking."""
+
+import json
+import multiprocessing
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from tile_ops.jit import cache as cache_mod
+from tile_ops.jit.cache import CacheEntry, DiskCache, cache_dir
+
+KEY = "ab" + "0123456789abcdef" * 3
+SOURCE = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n'
+CUBIN = bytes(range(256)) * 40
+
+# fork: workers only touch the cache (no CUDA), and it avoids re-importing tile_ops per process.
+MP = multiprocessing.get_context("fork")
+
+
+def _entry(cubin=CUBIN, **meta):
+    return CacheEntry(source=SOURCE, cubin=cubin, meta=dict({"kernel": "k", "smem": 0}, **meta))
+
+
+@pytest.fixture
+def dc(tmp_path):
+    return DiskCache(tmp_path / "cache")
+
+
+def test_miss_returns_none_without_warning(dc):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dc.load(KEY) is None
+
+
+def test_hit_roundtrip_and_layout(dc):
+    dc.store(KEY, _entry(arch="sm_90a"))
+    got = dc.load(KEY)
+    assert got == _entry(arch="sm_90a")
+    path = dc.root / KEY[:2] / KEY
+    assert sorted(p.name for p in path.iterdir()) == ["kernel.cu", "kernel.cubin", "meta.json"]
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["files"]["kernel.cubin"]["size"] == len(CUBIN)
+    assert len(meta["files"]["kernel.cu"]["sha256"]) == 64
+    assert list((dc.root / "tmp").iterdir()) == []  # no temp dir left behind
+
+
+def test_store_keeps_first_writer(dc):
+    dc.store(KEY, _entry(cubin=b"first"))
+    dc.store(KEY, _entry(cubin=b"second"))  # silently discarded
+    assert dc.load(KEY).cubin == b"first"
+    assert list((dc.root / "tmp").iterdir()) == []
+
+
+def _truncate_cubin(p):
+    data = (p / "kernel.cubin").read_bytes()
+    (p / "kernel.cubin").write_bytes(data[: len(data) // 2])
+
+
+def _flip_cubin_byte(p):
+    data = bytearray((p / "kernel.cubin").read_bytes())
+    data[100] ^= 0xFF
+    (p / "kernel.cubin").write_bytes(bytes(data))
+
+
+def _garble_meta(p):
+    (p / "meta.json").write_text('{"files": {"kernel.cu": ')
+
+
+def _meta_not_a_dict(p):
+    (p / "meta.json").write_text("[1, 2, 3]")
+
+
+def _delete(name):
+    return lambda p: (p / name).unlink()
+
+
+@pytest.mark.parametrize("damage", [
+    _truncate_cubin, _flip_cubin_byte, _garble_meta, _meta_not_a_dict,
+    _delete("kernel.cu"), _delete("kernel.cubin"), _delete("meta.json"),
+], ids=["truncated-cubin", "flipped-byte", "garbled-meta", "meta-not-dict",
+        "no-source", "no-cubin", "no-meta"])
+def test_corrupt_entry_warns_is_removed_and_rebuilt(dc, damage):
+    dc.store(KEY, _entry())
+    path = dc.root / KEY[:2] / KEY
+    damage(path)
+    with pytest.warns(UserWarning, match=rf"tile_ops: cache entry {KEY} at .* is corrupt \(.+\); rebuilding it"):
+        assert dc.load(KEY) is None
+    assert not path.exists()
+    dc.store(KEY, _entry())  # the caller rebuilds it
+    assert dc.load(KEY) == _entry()
+
+
+def test_invalid_keys_rejected(dc):
+    for bad in ["", "../etc", "a/b", ".hidden"]:
+        with pytest.raises(ValueError):
+            dc.load(bad)
+
+
+def test_cache_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert cache_dir() == tmp_path / "elsewhere"
+    assert DiskCache().root == tmp_path / "elsewhere"
+    monkeypatch.delenv("TILE_OPS_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".tile_ops" / "cache"  # read at call time
+
+
+def test_info_and_clear(dc):
+    assert dc.info() == {"path": str(dc.root), "entries": 0, "bytes": 0}
+    keys = [f"{i:02x}" + "f" * 30 for i in range(5)] + ["00" + "e" * 30]
+    for k in keys:
+        dc.store(k, _entry())
+    with dc.lock(keys[0]):
+        pass
+    info = dc.info()
+    assert info["entries"] == len(keys)
+    assert info["bytes"] > len(keys) * (len(CUBIN) + len(SOURCE))
+    assert dc.clear() == len(keys)
+    assert dc.info()["entries"] == 0
+    assert all(dc.load(k) is None for k in keys)
+
+
+def test_cache_module_does_not_import_tvm_or_torch():
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('cache_probe', {cache_mod.__file__!r})\n"
+        "m = sys.modules['cache_probe'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(m)\n"
+        "bad = [n for n in sys.modules if n.split('.')[0] in ('tvm', 'torch', 'tile_ops')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- concurrency ---------------------------------------------------------------------------
+
+RACE_KEYS = [f"{i:02x}" + "c" * 40 for i in range(40)]
+PAYLOAD = {"A": b"A" * 50_000, "B": b"B" * 50_000}
+
+
+def _writer(root, tag, barrier):
+    dc = DiskCache(root)
+    barrier.wait()
+    for k in RACE_KEYS:
+        dc.store(k, _entry(cubin=PAYLOAD[tag], writer=tag))
+
+
+def _reader(root, barrier, done, errors):
+    dc = DiskCache(root)
+    barrier.wait()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a half-written entry would warn "corrupt"
+            while True:
+                finished = done.is_set()
+                for k in RACE_KEYS:
+                    e = dc.load(k)
+                    if e is not None and e.cubin != PAYLOAD[e.meta["writer"]]:
+                        raise AssertionError(f"mixed entry for {k}")
+                if finished:
+                    break
+    except BaseException as e:  # noqa: BLE001
+        errors.put(repr(e))
+
+
+def test_concurrent_stores_publish_one_valid_entry(tmp_path):
+    root = tmp_path / "cache"
+    barrier, done, errors = MP.Barrier(3), MP.Event(), MP.Queue()
+    writers = [MP.Process(target=_writer, args=(root, t, barrier)) for t in "AB"]
+    reader = MP.Process(target=_reader, args=(root, barrier, done, errors))
+    for p in writers + [reader]:
+        p.start()
+    for p in writers:
+        p.join(60)
+        assert p.exitcode == 0
+    done.set()
+    reader.join(60)
+    assert reader.exitcode == 0
+    assert errors.empty(), errors.get()
+    dc = DiskCache(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in RACE_KEYS:
+            e = dc.load(k)
+            assert e is not None and e.cubin == PAYLOAD[e.meta["writer"]]
+    assert dc.info()["entries"] == len(RACE_KEYS)
+    assert list((root / "tmp").iterdir()) == []  # losers cleaned up their temp dirs
+
+
+N_INCREMENTS = 200
+
+
+def _incrementer(root, counter, barrier):
+    dc = DiskCache(root)
+    barrier.wait()
+    for _ in range(N_INCREMENTS):
+        with dc.lock(KEY):
+            value = int(counter.read_text())
+            os.sched_yield()  # widen the read-modify-write window
+            counter.write_text(str(value + 1))
+
+
+def test_lock_serializes_processes(tmp_path):
+    root, counter = tmp_path / "cache", tmp_path / "counter"
+    counter.write_text("0")
+    barrier = MP.Barrier(3)
+    procs = [MP.Process(target=_incrementer, args=(root, counter, barrier)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert int(counter.read_text()) == 3 * N_INCREMENTS
+    assert (root / "locks" / f"{KEY}.lock").exists()
+
+
+def test_nested_locks_on_different_keys(dc):
+    with dc.lock(KEY), dc.lock("cd" + "1" * 30):
+        dc.store(KEY, _entry())
+    assert dc.load(KEY) is not None
