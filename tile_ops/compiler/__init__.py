@@ -1,0 +1,39 @@
+"""tile_ops.compiler — tile IR -> TIRx -> CUDA.
+
+``compile_program(prog, arch)`` infers layouts, lowers tile ops for the target, and returns the
+CUDA source with everything a launcher needs (entry, grid, block, shared memory, parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..lang.ir import Program
+
+
+@dataclass
+class CompiledProgram:
+    source: str
+    entry: str
+    arch: str
+    grid: tuple
+    block: tuple
+    smem_bytes: int
+    params: list  # [(name, shape, dtype)] of the program, in order
+    kept: list  # names of the parameters the CUDA entry takes, in order
+    layouts: dict = field(default_factory=dict)
+    tir: str = ""
+
+
+def arch_number(arch: str) -> int:
+    return int("".join(c for c in arch.split("_")[-1] if c.isdigit()))
+
+
+def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
+    from .codegen import emit_cuda
+    from .lower import lower
+
+    lowered = lower(prog, arch_number(arch))
+    source, entry, kept = emit_cuda(lowered, arch)
+    return CompiledProgram(source, entry, arch, lowered.grid, lowered.block, lowered.smem_bytes,
+                           lowered.params, kept, lowered.layouts, lowered.func.script())

@@ -1,0 +1,28 @@
+"""TIRx -> CUDA source through TVM's CUDA code generator."""
+
+from __future__ import annotations
+
+import re
+
+import tvm
+
+from .lower import LoweredKernel
+
+_ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+(?:,\s*\d+)?\) )?(\w+)\(([^)]*)\)\s*\{')
+
+
+def target_for(arch: str) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "cuda", "arch": arch})
+
+
+def emit_cuda(lowered: LoweredKernel, arch: str) -> tuple[str, str, list[str]]:
+    """CUDA source, the entry symbol, and the names of the parameters it kept, in order
+    (TVM drops parameters the kernel never touches)."""
+    mod = tvm.compile(tvm.IRModule({"main": lowered.func}), target=target_for(arch), tir_pipeline="tirx")
+    source = mod.mod.imports[0].inspect_source()
+    m = _ENTRY.search(source)
+    if m is None:
+        raise RuntimeError("tile_ops: could not find the kernel entry in TVM's CUDA output")
+    names = [p.strip().split()[-1] for p in m.group(2).split(",") if p.strip()]
+    params = [n[: -len("_ptr")] if n.endswith("_ptr") else n for n in names]
+    return source, m.group(1), params

@@ -1,0 +1,166 @@
+"""Layout inference: give every fragment a layout, driven by the gemm instruction chosen and
+propagated through copies, reductions and T.Parallel, to a fixed point."""
+
+from __future__ import annotations
+
+import tvm
+
+from ..lang import ir
+from ..lang.ir import Copy, For, Gemm, Parallel, Reduce, Store, error
+from .exprs import collect_loads
+from .layout import BlockedLayout, MmaAccumLayout, MmaRowLayout, MmaWarps
+
+
+def walk(body):
+    for node in body:
+        yield node
+        if isinstance(node, (For, Parallel)):
+            yield from walk(node.body)
+
+
+def dtype_bits(dtype: str) -> int:
+    return tvm.runtime.DataType(dtype).bits
+
+
+class LayoutInference:
+    def __init__(self, kernel: ir.Kernel):
+        self.kernel = kernel
+        self.warps = kernel.threads // 32
+        self.layouts: dict = {}  # TileBuffer -> FragmentLayout
+        self.origin: dict = {}  # TileBuffer -> node that fixed its layout
+        self.parallel: dict = {}  # id(Parallel node) -> anchor layout or None
+
+    def run(self) -> "LayoutInference":
+        nodes = list(walk(self.kernel.body))
+        for node in nodes:  # the gemm instruction fixes accumulators (and fragment A operands) first
+            if isinstance(node, Gemm):
+                self.gemm(node)
+        for _ in range(4):
+            changed = False
+            for node in nodes:
+                changed |= self.propagate(node)
+            if not changed:
+                break
+        for buf in self.kernel.allocs:
+            if buf.scope == "fragment" and buf not in self.layouts:
+                lay = BlockedLayout.make(buf.shape, self.kernel.threads, dtype_bits(buf.dtype))
+                if lay is None:
+                    raise error(buf.loc, f"fragment {buf.name}{list(buf.shape)} cannot be split evenly over "
+                                         f"{self.kernel.threads} threads")
+                self.layouts[buf] = lay
+        for node in nodes:
+            if isinstance(node, Parallel) and id(node) not in self.parallel:
+                self.parallel[id(node)] = self.anchor(node)
+        return self
+
+    def assign(self, buf, layout, node) -> bool:
+        old = self.layouts.get(buf)
+        if old is None:
+            if tuple(layout.shape) != buf.shape:
+                raise error(node.loc, f"fragment {buf.name}{list(buf.shape)} cannot take a layout of shape "
+                                      f"{list(layout.shape)}")
+            self.layouts[buf], self.origin[buf] = layout, node
+            return True
+        if old != layout:
+            first = self.origin[buf].loc
+            raise error(node.loc, f"fragment {buf.name} is used inconsistently: here it needs a {layout.kind} "
+                                  f"layout, but line {first.lineno if first else '?'} gave it a {old.kind} layout "
+                                  f"with another thread mapping")
+        return False
+
+    def gemm(self, g: Gemm):
+        M, N = g.C.shape if len(g.C.shape) == 2 else (None, None)
+        if g.C.scope != "fragment" or M is None:
+            raise error(g.loc, f"T.gemm: C must be a 2-D fragment, got {g.C.scope} {list(g.C.shape)}")
+        policy = "full_row" if g.A.scope == "fragment" else g.policy
+        if policy not in ("square", "full_row", "full_col"):
+            raise error(g.loc, f"T.gemm: unknown policy {g.policy!r}; accepted: square, full_row, full_col")
+        warps = MmaWarps.choose(M, N, self.warps, policy)
+        if warps is None:
+            raise error(g.loc, f"T.gemm: a {M}x{N} accumulator cannot be tiled by {self.warps} warps with m16n8 "
+                               f"mma.sync tiles (policy {policy}); M must be a multiple of 16*warps_m and N of 8*warps_n")
+        self.assign(g.C, MmaAccumLayout(warps), g)
+        if g.A.scope == "fragment":
+            if g.transpose_A:
+                raise error(g.loc, "T.gemm: a fragment A operand cannot be transposed")
+            K = g.A.shape[1]
+            self.assign(g.A, MmaAccumLayout(MmaWarps(M, K, warps.wm, 1)), g)
+
+    def propagate(self, node) -> bool:
+        changed = False
+        if isinstance(node, Reduce):
+            src_l = self.layouts.get(node.src)
+            if node.src.scope != "fragment" or node.dst.scope != "fragment":
+                raise error(node.loc, "T.reduce_*: source and destination must be fragments")
+            if src_l is not None:
+                if len(node.src.shape) != 2 or node.dim not in (1, -1):
+                    raise error(node.loc, "T.reduce_*: only row reductions (dim=1) of 2-D fragments are supported")
+                if not isinstance(src_l, MmaAccumLayout):
+                    raise error(node.loc, f"T.reduce_*: {node.src.name} must have a gemm accumulator layout "
+                                          f"(reduce a fragment produced by T.gemm or copied from one)")
+                changed |= self.assign(node.dst, src_l.row_layout(), node)
+        elif isinstance(node, Copy):
+            s, d = node.src.buffer, node.dst.buffer
+            if s.scope == "fragment" and d.scope == "fragment":
+                for a, b in ((s, d), (d, s)):
+                    if a in self.layouts and b not in self.layouts:
+                        changed |= self.assign(b, self.layouts[a], node)
+                if s in self.layouts and d in self.layouts and self.layouts[s] != self.layouts[d]:
+                    raise error(node.loc, f"T.copy between fragments {s.name} and {d.name} with different layouts")
+        elif isinstance(node, Parallel):
+            anchor = self.anchor(node)
+            if anchor is not None:
+                for buf, kind in self.fragments_in(node):
+                    want = anchor if kind == "full" else self.row_of(anchor, node)
+                    if want is not None and buf not in self.layouts:
+                        changed |= self.assign(buf, want, node)
+        return changed
+
+    def fragments_in(self, node: Parallel):
+        """Fragments accessed in a T.Parallel body: 'full' when indexed by all loop vars in order,
+        'row' when a 1-D fragment is indexed by the first loop var."""
+        out = []
+
+        def classify(buf, idx, loc):
+            if buf.scope != "fragment":
+                return
+            if _is_vars(idx, node.vars):
+                out.append((buf, "full"))
+            elif len(idx) == 1 and len(node.vars) == 2 and _is_vars(idx, node.vars[:1]):
+                out.append((buf, "row"))
+            else:
+                raise error(loc, f"inside T.Parallel, fragment {buf.name} must be indexed by the loop variables "
+                                 f"({', '.join(str(v) for v in node.vars)})")
+
+        for st in node.body:
+            if not isinstance(st, Store):
+                raise error(st.loc, "only element assignments are allowed inside T.Parallel")
+            classify(st.buffer, st.indices, st.loc)
+            for buf_var, idx in collect_loads(st.value):
+                buf = ir._BUFFERS_BY_TIR.get(buf_var)
+                if buf is not None:
+                    classify(buf, idx, st.loc)
+        return out
+
+    def row_of(self, anchor, node):
+        if len(node.vars) == 1:
+            return anchor
+        if isinstance(anchor, MmaAccumLayout):
+            return anchor.row_layout()
+        return None
+
+    def anchor(self, node: Parallel):
+        full = [self.layouts[b] for b, k in self.fragments_in(node) if k == "full" and b in self.layouts]
+        if not full:
+            return None
+        first = full[0]
+        for lay in full[1:]:
+            if lay != first:
+                raise error(node.loc, "T.Parallel mixes fragments with different layouts")
+        if list(first.shape) != list(node.extents):
+            raise error(node.loc, f"T.Parallel extents {node.extents} differ from the fragment shape {list(first.shape)}")
+        return first
+
+
+def _is_vars(idx, vars_) -> bool:
+    return len(idx) == len(vars_) and all(isinstance(i, tvm.ir.expr.Var) and i.same_as(v) for i, v in zip(idx, vars_))

@@ -1,0 +1,204 @@
+"""Layouts: where each element of a fragment lives (thread, register) and where each element
+of a shared tile lives (a swizzled offset).  Fragment layouts are inferred, never written by
+the kernel author: ``T.gemm`` fixes its accumulator's, and copies, reductions and
+``T.Parallel`` propagate them (infer.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+
+
+@dataclass(frozen=True)
+class MmaWarps:
+    """How a block's warps tile an (M, N) mma.sync accumulator: ``wm x wn`` warps of ``WM x WN``."""
+
+    M: int
+    N: int
+    wm: int
+    wn: int
+
+    @property
+    def WM(self) -> int:
+        return self.M // self.wm
+
+    @property
+    def WN(self) -> int:
+        return self.N // self.wn
+
+    @staticmethod
+    def choose(M: int, N: int, warps: int, policy: str) -> "MmaWarps":
+        """Split ``warps`` over (M, N) so warp tiles are multiples of 16x16 and as square as possible."""
+        options = []
+        for wm in range(1, warps + 1):
+            if warps % wm:
+                continue
+            wn = warps // wm
+            if M % (16 * wm) or N % (8 * wn):
+                continue
+            if policy == "full_row" and wn != 1 or policy == "full_col" and wm != 1:
+                continue
+            WM, WN = M // wm, N // wn
+            # prefer warp tiles with N a multiple of 16 (ldmatrix.x4 on B), then squareness
+            options.append(((WN % 16 != 0), abs(WM - WN), -WM, wm, wn))
+        if not options:
+            return None
+        *_, wm, wn = min(options)
+        return MmaWarps(M, N, wm, wn)
+
+
+class FragmentLayout:
+    """Maps (thread, local index) of a fragment to its logical coordinates.
+
+    ``coords(tid, r)`` returns the logical index tuple of local element ``r`` of thread ``tid``;
+    ``local_size`` elements per thread; ``vec``: consecutive local indices that are consecutive
+    along the last logical dim (the width of vector accesses).
+    """
+
+    kind = "abstract"
+    local_size: int
+    vec: int = 1
+
+    def coords(self, tid, r):
+        raise NotImplementedError
+
+    def row_layout(self) -> "FragmentLayout":
+        raise NotImplementedError(f"{self.kind} fragments cannot be reduced along a dimension")
+
+
+class MmaAccumLayout(FragmentLayout):
+    """The m16n8 mma.sync accumulator layout over a warp grid (also the A-operand register layout
+    of m16n8k16, which is what lets a gemm take its A from a fragment)."""
+
+    kind = "mma"
+    vec = 2
+
+    def __init__(self, warps: MmaWarps):
+        self.w = warps
+        self.mi, self.ni = warps.WM // 16, warps.WN // 8
+        self.local_size = self.mi * self.ni * 4
+        self.shape = (warps.M, warps.N)
+
+    def __eq__(self, other):
+        return isinstance(other, MmaAccumLayout) and other.w == self.w
+
+    def __hash__(self):
+        return hash(self.w)
+
+    def warp_rc(self, tid):
+        warp = tid // 32
+        return warp // self.w.wn, warp % self.w.wn
+
+    @staticmethod
+    def local_index(mi_idx, ni_idx, e, ni):
+        return (mi_idx * ni + ni_idx) * 4 + e
+
+    def coords(self, tid, r):
+        # r = ((mi * ni + nj) * 4 + e); e: (row half, column pair element)
+        lane = tid % 32
+        wr, wc = self.warp_rc(tid)
+        e = r % 4
+        nj = (r // 4) % self.ni
+        mi = r // (4 * self.ni)
+        i = wr * self.w.WM + mi * 16 + (e // 2) * 8 + lane // 4
+        j = wc * self.w.WN + nj * 8 + (lane % 4) * 2 + e % 2
+        return (i, j)
+
+    def row_layout(self) -> "MmaRowLayout":
+        return MmaRowLayout(self)
+
+
+class MmaRowLayout(FragmentLayout):
+    """A 1-D fragment holding one value per accumulator row, replicated over the 4 lanes (and the
+    warps) that share the row: what ``T.reduce_*(acc, row, dim=1)`` produces."""
+
+    kind = "mma_row"
+
+    def __init__(self, accum: MmaAccumLayout):
+        self.accum = accum
+        self.local_size = accum.mi * 2
+        self.shape = (accum.w.M,)
+
+    def __eq__(self, other):
+        return isinstance(other, MmaRowLayout) and other.accum == self.accum
+
+    def __hash__(self):
+        return hash(("row", self.accum))
+
+    def coords(self, tid, r):
+        lane = tid % 32
+        wr, _ = self.accum.warp_rc(tid)
+        return (wr * self.accum.w.WM + (r // 2) * 16 + (r % 2) * 8 + lane // 4,)
+
+    def row_of_accum_local(self, r_acc):
+        """Local index in this layout of the row that accumulator local ``r_acc`` lies in."""
+        e = r_acc % 4
+        mi = r_acc // (4 * self.accum.ni)
+        return mi * 2 + e // 2
+
+
+class BlockedLayout(FragmentLayout):
+    """Default for fragments no gemm constrains: threads own ``vec`` consecutive elements of the
+    row-major flattened tile, round-robin (coalesced, vectorizable)."""
+
+    kind = "blocked"
+
+    def __init__(self, shape, threads: int, vec: int):
+        self.shape, self.threads, self.vec = tuple(shape), threads, vec
+        total = 1
+        for s in shape:
+            total *= s
+        self.local_size = total // threads
+
+    def __eq__(self, other):
+        return isinstance(other, BlockedLayout) and (other.shape, other.threads, other.vec) == (
+            self.shape, self.threads, self.vec)
+
+    def __hash__(self):
+        return hash((self.shape, self.threads, self.vec))
+
+    def coords(self, tid, r):
+        flat = ((r // self.vec) * self.threads + tid) * self.vec + r % self.vec
+        out = []
+        for s in reversed(self.shape):
+            out.append(flat % s)
+            flat = flat // s
+        return tuple(reversed(out))
+
+    @staticmethod
+    def make(shape, threads: int, dtype_bits: int):
+        total = 1
+        for s in shape:
+            total *= s
+        for vec in (128 // dtype_bits, 4, 2, 1):
+            if shape[-1] % vec == 0 and total % (threads * vec) == 0:
+                return BlockedLayout(shape, threads, vec)
+        return None
+
+
+# ----------------------------------------------------------------------------- shared tiles
+
+
+class SharedLayout:
+    """A row-major (rows, cols) shared tile whose 16-byte chunks are XOR-swizzled so that 8 rows
+    read at the same column (ldmatrix, cp.async rows) hit 8 different bank groups."""
+
+    def __init__(self, rows: int, cols: int, dtype_bits: int):
+        self.rows, self.cols = rows, cols
+        self.chunk = 128 // dtype_bits  # elements per 16-byte chunk
+        chunks = cols // self.chunk if cols % self.chunk == 0 else 0
+        self.swizzle = chunks >= 2
+        if self.swizzle:
+            self.xor_width = min(chunks, 8)  # chunks permuted within each group of this many
+            self.rows_per_group = 8 // self.xor_width  # rows that share one 128-byte line
+
+    def offset(self, i, j):
+        if not self.swizzle:
+            return i * self.cols + j
+        chunk = j // self.chunk
+        key = (i // self.rows_per_group) % self.xor_width
+        return i * self.cols + ((chunk ^ key) * self.chunk) + j % self.chunk
+
+    def describe(self) -> str:
+        return f"xor-swizzled x{self.xor_width}" if self.swizzle else "row-major"

@@ -1,0 +1,731 @@
+"""Lower a traced tile program to a TIRx PrimFunc for CUDA (the Ampere-class path: cp.async
+pipelines, swizzled shared tiles, ldmatrix and mma.sync).  TVM's CUDA code generator then
+turns the PrimFunc into CUDA source (codegen.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as TS
+from tvm.script.ir_builder import IRBuilder
+from tvm.sym.analyzer import Analyzer
+from tvm.tirx import op as top
+from tvm.tirx.script import builder as T
+
+from ..lang import ir
+from ..lang.ir import Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
+from .exprs import collect_loads, rewrite
+from .infer import LayoutInference, _is_vars, dtype_bits
+from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
+
+MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
+ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
+
+
+@dataclass
+class LoweredKernel:
+    func: tirx.PrimFunc
+    name: str
+    grid: tuple
+    block: tuple
+    smem_bytes: int
+    params: list  # [(name, shape, dtype)]
+    layouts: dict  # buffer name -> description
+
+
+@dataclass
+class SharedTile:
+    buf: ir.TileBuffer
+    view: object  # 1-D tirx buffer over the arena
+    layout: SharedLayout | None  # None for 1-D tiles
+    stages: int
+    stage_elems: int
+
+
+class Lowerer:
+    def __init__(self, prog: ir.Program, arch: int):
+        self.prog, self.kernel, self.arch = prog, prog.kernel, arch
+        self.threads = self.kernel.threads
+        self.infer = LayoutInference(self.kernel).run()
+        self.ana = Analyzer()
+        self.stages = self._stage_counts()
+
+    # ------------------------------------------------------------------ entry
+
+    def lower(self) -> LoweredKernel:
+        k = self.kernel
+        with IRBuilder() as ib:
+            with T.prim_func():
+                T.func_name(self.prog.name)
+                self.globals = {}
+                for p in self.prog.params:
+                    self.globals[p] = T.arg(p.name, T.Buffer(p.shape, p.dtype))
+                T.device_entry()
+                grid = list(k.grid) + [1] * (3 - len(k.grid))
+                ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
+                self.tid = T.thread_id([self.threads])
+                self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
+                self.smem_bytes = self._declare_memory()
+                self.body(k.body)
+            func = ib.get()
+        return LoweredKernel(
+            func, self.prog.name, tuple(grid), (self.threads, 1, 1), self.smem_bytes,
+            [(p.name, p.shape, p.dtype) for p in self.prog.params],
+            {b.name: self._describe(b) for b in k.allocs},
+        )
+
+    def _describe(self, b) -> str:
+        if b.scope == "fragment":
+            lay = self.infer.layouts[b]
+            return f"fragment {lay.kind}, {lay.local_size} regs/thread"
+        if b.scope == "shared":
+            t = self.shared[b]
+            return f"shared {t.layout.describe() if t.layout else '1-D'} x{t.stages} stages"
+        return b.scope
+
+    def _rasterize(self, ids):
+        """T.use_swizzle: walk the grid in panels of `panel` columns so consecutive blocks share tiles in L2."""
+        panel = self.kernel.swizzle_panel
+        if not panel:
+            return ids
+        gx, gy = self.kernel.grid[0], self.kernel.grid[1]
+        bx, by = ids[0], ids[1]
+        linear = by * gx + bx
+        per_panel = panel * gy
+        pidx = tirx.floordiv(linear, per_panel)
+        within = tirx.floormod(linear, per_panel)
+        width = tirx.min(panel, gx - pidx * panel)
+        return [pidx * panel + tirx.floormod(within, width), tirx.floordiv(within, width)] + ids[2:]
+
+    # ------------------------------------------------------------------ memory
+
+    def _stage_counts(self) -> dict:
+        """Shared tiles filled by global->shared copies inside T.Pipelined get one buffer per stage."""
+        stages = {}
+        for node in self.kernel.body:
+            for sub in _walk_pipelined(node):
+                for st in sub.body:
+                    if isinstance(st, Copy) and st.src.buffer.scope == "global" and st.dst.buffer.scope == "shared":
+                        stages[st.dst.buffer] = max(stages.get(st.dst.buffer, 1), sub.num_stages)
+        return stages
+
+    def _declare_memory(self) -> int:
+        offset, pending = 0, []
+        self.shared, self.frags, self.locals = {}, {}, {}
+        for b in self.kernel.allocs:
+            if b.scope == "shared":
+                elems = 1
+                for s in b.shape:
+                    elems *= s
+                stages = self.stages.get(b, 1)
+                lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
+                pending.append((b, offset, elems, stages, lay))
+                offset += _align(elems * stages * dtype_bits(b.dtype) // 8)
+            elif b.scope == "fragment":
+                lay = self.infer.layouts[b]
+                self.frags[b] = T.alloc_local([lay.local_size], b.dtype)
+                IRBuilder.name(b.name, self.frags[b])
+            else:
+                self.locals[b] = T.alloc_local(list(b.shape), b.dtype)
+                IRBuilder.name(b.name, self.locals[b])
+        self.scratch_offset = offset
+        offset += _align(self._scratch_bytes())
+        if offset:
+            arena = T.alloc_buffer((offset,), "uint8", scope="shared.dyn")
+            IRBuilder.name("smem", arena)
+            for b, off, elems, stages, lay in pending:
+                view = T.decl_buffer((elems * stages,), b.dtype, data=arena.data, scope="shared.dyn",
+                                     elem_offset=off * 8 // dtype_bits(b.dtype))
+                IRBuilder.name(b.name, view)
+                self.shared[b] = SharedTile(b, view, lay, stages, elems)
+            self.scratch = T.decl_buffer((max(1, self._scratch_bytes() // 4),), "float32", data=arena.data,
+                                         scope="shared.dyn", elem_offset=self.scratch_offset // 4)
+            IRBuilder.name("reduce_scratch", self.scratch)
+        if offset > 227 * 1024:
+            raise error(self.kernel.loc, f"the kernel needs {offset} bytes of shared memory; the limit is "
+                                         f"{227 * 1024} (reduce block sizes or num_stages)")
+        return offset
+
+    def _scratch_bytes(self) -> int:
+        need = 0
+        for node in _walk(self.kernel.body):
+            if isinstance(node, Reduce):
+                lay = self.infer.layouts.get(node.src)
+                if isinstance(lay, MmaAccumLayout) and lay.w.wn > 1:
+                    need = max(need, lay.w.M * lay.w.wn * 4)
+        return need
+
+    def shared_offset(self, t: SharedTile, idx, stage=0):
+        base = stage * t.stage_elems if t.stages > 1 else 0
+        if t.layout is None:
+            return base + idx[0]
+        return base + t.layout.offset(idx[0], idx[1])
+
+    # ------------------------------------------------------------------ expressions
+
+    def expr(self, e, var_map=None, frag_index=None, guard=False):
+        """Lower a user expression: substitute loop/block vars and map logical buffer loads to storage.
+        ``frag_index(buf, idx)`` resolves fragment loads inside T.Parallel."""
+        vm = dict(self.block_vars)
+        vm.update(var_map or {})
+
+        def on_load(buf_var, idx):
+            buf = ir._BUFFERS_BY_TIR.get(buf_var)
+            if buf is None:
+                return None
+            if guard:
+                return self._guarded_load(buf, idx, frag_index)
+            return self.load(buf, idx, frag_index, stage=self.stage(buf))
+
+        return rewrite(e, vm, on_load) if not isinstance(e, (int, float)) else e
+
+    def load(self, buf, idx, frag_index=None, stage=0):
+        if buf.scope == "global":
+            return tirx.BufferLoad(self.globals[buf], idx)
+        if buf.scope == "shared":
+            t = self.shared[buf]
+            return tirx.BufferLoad(t.view, [self.shared_offset(t, idx, stage)])
+        if buf.scope == "local":
+            return tirx.BufferLoad(self.locals[buf], idx)
+        if frag_index is None:
+            raise TileLangError(f"fragment {buf.name} can only be read elementwise inside T.Parallel (or by tile ops)")
+        return tirx.BufferLoad(self.frags[buf], [frag_index(buf, idx)])
+
+    def store(self, buf, idx, value, frag_index=None, stage=0):
+        value = _cast(value, buf.dtype)
+        if buf.scope == "global":
+            T.buffer_store(self.globals[buf], value, idx)
+        elif buf.scope == "shared":
+            t = self.shared[buf]
+            T.buffer_store(t.view, value, [self.shared_offset(t, idx, stage)])
+        elif buf.scope == "local":
+            T.buffer_store(self.locals[buf], value, idx)
+        else:
+            if frag_index is None:
+                raise TileLangError(f"fragment {buf.name} can only be written inside T.Parallel or by tile ops")
+            T.buffer_store(self.frags[buf], value, [frag_index(buf, idx)])
+
+    # ------------------------------------------------------------------ statements
+
+    def body(self, nodes, var_map=None):
+        prev_shared = False
+        for node in nodes:
+            touches = self._touches_shared(node)
+            if prev_shared and touches:
+                self.sync()
+            prev_shared = touches or prev_shared and not isinstance(node, (Store,))
+            try:
+                self.stmt(node, var_map or {})
+            except TileLangError as e:
+                if str(e).startswith(tuple(f"{n.filename}:" for n in [node.loc] if n)):
+                    raise
+                raise error(node.loc, str(e)) from None
+
+    def sync(self):
+        T.evaluate(TS.cuda.cta_sync())
+
+    def _touches_shared(self, node) -> bool:
+        if isinstance(node, Copy):
+            return "shared" in (node.src.buffer.scope, node.dst.buffer.scope)
+        if isinstance(node, Gemm):
+            return True
+        if isinstance(node, Reduce):
+            lay = self.infer.layouts.get(node.src)
+            return isinstance(lay, MmaAccumLayout) and lay.w.wn > 1
+        if isinstance(node, (For, Parallel)):
+            return any(self._touches_shared(n) for n in _walk(node.body)) or any(
+                b.scope == "shared" for b in _buffers_in(node))
+        if isinstance(node, Store):
+            return any(b.scope == "shared" for b in _buffers_in(node))
+        if isinstance(node, Fill):
+            return node.buffer.scope == "shared"
+        return False
+
+    def stmt(self, node, vm):
+        if isinstance(node, For):
+            self.loop(node, vm)
+        elif isinstance(node, Parallel):
+            self.parallel(node, vm)
+        elif isinstance(node, Copy):
+            self.copy(node, vm)
+        elif isinstance(node, Gemm):
+            self.gemm(node)
+        elif isinstance(node, Fill):
+            self.fill(node, vm)
+        elif isinstance(node, Reduce):
+            self.reduce(node)
+        elif isinstance(node, Store):
+            if node.buffer.scope == "fragment":
+                raise error(node.loc, f"fragment {node.buffer.name} can only be written inside T.Parallel or by tile ops")
+            self.store(node.buffer, [self.expr(i, vm) for i in node.indices], self.expr(node.value, vm))
+        else:
+            raise error(node.loc, f"cannot lower {type(node).__name__}")
+
+    def loop(self, node: For, vm):
+        extent = self.expr(node.extent, vm)
+        if node.kind == "pipelined" and node.num_stages > 1 and any(
+                self._is_async_copy(s) for s in node.body):
+            return self.pipelined(node, vm, extent)
+        frame = T.unroll(0, extent) if node.kind == "unroll" else T.serial(0, extent)
+        with frame as v:
+            IRBuilder.name(node.var.name, v)
+            inner = dict(vm)
+            inner[node.var] = v
+            self.body(node.body, inner)
+            if node.kind == "pipelined" and any(self._touches_shared(s) for s in node.body):
+                self.sync()
+
+    # ------------------------------------------------------------------ pipelining
+
+    def _is_async_copy(self, node) -> bool:
+        return (isinstance(node, Copy) and node.src.buffer.scope == "global" and node.dst.buffer.scope == "shared"
+                and self.shared[node.dst.buffer].stages > 1)
+
+    def pipelined(self, node: For, vm, n):
+        """cp.async software pipeline: copies for iteration k + S - 1 are in flight while k computes.
+
+            prologue: issue stages 0 .. S-2 (one commit group each)
+            for k:    wait until stage k landed; barrier; issue k + S - 1; compute k
+        """
+        S = node.num_stages
+        loads = [s for s in node.body if self._is_async_copy(s)]
+        compute = [s for s in node.body if not self._is_async_copy(s)]
+        for s in range(S - 1):
+            with T.If(s < n):
+                with T.Then():
+                    for c in loads:
+                        self.copy(c, {**vm, node.var: tirx.const(s, "int32")}, stage=s, asynchronous=True)
+            _ptx("cp.async.commit_group")
+        with T.serial(0, n) as k:
+            IRBuilder.name(node.var.name, k)
+            _ptx("cp.async.wait_group", S - 2)
+            self.sync()
+            nxt = k + (S - 1)
+            with T.If(nxt < n):
+                with T.Then():
+                    for c in loads:
+                        self.copy(c, {**vm, node.var: nxt}, stage=tirx.floormod(nxt, S), asynchronous=True)
+            _ptx("cp.async.commit_group")
+            self.stage_of_iter = tirx.floormod(k, S)
+            self.body(compute, {**vm, node.var: k})
+            self.stage_of_iter = None
+        _ptx("cp.async.wait_group", 0)
+        self.sync()
+
+    stage_of_iter = None
+
+    def stage(self, buf):
+        t = self.shared.get(buf)
+        if t is not None and t.stages > 1 and self.stage_of_iter is not None:
+            return self.stage_of_iter
+        return 0
+
+    # ------------------------------------------------------------------ copies
+
+    def copy(self, node: Copy, vm, stage=None, asynchronous=False):
+        src, dst = node.src, node.dst
+        s_scope, d_scope = src.buffer.scope, dst.buffer.scope
+        extents = self._copy_extents(node)
+        s_start = [self.expr(x, vm) for x in src.starts]
+        d_start = [self.expr(x, vm) for x in dst.starts]
+        if "fragment" in (s_scope, d_scope):
+            return self.copy_fragment(node, s_start, d_start, extents)
+        if s_scope == "global" and d_scope == "shared":
+            return self.copy_g2s(node, s_start, d_start, extents,
+                                 self.stage(dst.buffer) if stage is None else stage, asynchronous)
+        # generic elementwise copy (shared<->global, shared->shared, local)
+        self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx))
+
+    def _copy_extents(self, node: Copy):
+        se, de = node.src.extents, node.dst.extents
+        if None in se and None in de:
+            raise error(node.loc, "T.copy: at least one side must be a whole buffer or a sliced region")
+        ext = de if None in se else se
+        other = se if None in se else de
+        ext = _squeeze(ext) or [1]
+        if None not in other and _squeeze(other) != _squeeze(ext):
+            raise error(node.loc, f"T.copy: region shapes differ: {list(se)} vs {list(de)}")
+        return list(ext)
+
+    def _in_bounds(self, buf, start, idx):
+        idx = _pad(idx, start)
+        conds = []
+        if buf.scope != "global":
+            return None
+        for s, i, dim in zip(start, idx, buf.shape):
+            c = s + i < dim
+            if not self.ana.can_prove(c):
+                conds.append(c)
+        if not conds:
+            return None
+        out = conds[0]
+        for c in conds[1:]:
+            out = tirx.And(out, c)
+        return out
+
+    def _copy_elem(self, node, s_start, d_start, idx):
+        sb, db = node.src.buffer, node.dst.buffer
+        s_idx = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
+        d_idx = [a + b for a, b in zip(d_start, _pad(idx, d_start))]
+        value = self.load(sb, s_idx, stage=self.stage(sb))
+        pred_s = self._in_bounds(sb, s_start, idx)
+        if pred_s is not None:
+            value = tirx.if_then_else(pred_s, value, tirx.const(0, sb.dtype))
+        pred_d = self._in_bounds(db, d_start, idx)
+        if pred_d is not None:
+            with T.If(pred_d):
+                with T.Then():
+                    self.store(db, d_idx, value, stage=self.stage(db))
+        else:
+            self.store(db, d_idx, value, stage=self.stage(db))
+
+    def flat_loop(self, extents, body_fn, vec=1):
+        """Distribute a row-major iteration space over the block's threads."""
+        total = 1
+        for e in extents:
+            total *= e
+        chunks = total // vec
+        iters = -(-chunks // self.threads)
+        with T.unroll(0, iters) if iters <= 16 else T.serial(0, iters) as it:
+            q = it * self.threads + self.tid
+            idx, flat = [], q * vec
+            for e in reversed(extents):
+                idx.append(tirx.floormod(flat, e))
+                flat = tirx.floordiv(flat, e)
+            idx.reverse()
+            if chunks % self.threads:
+                with T.If(q < chunks):
+                    with T.Then():
+                        body_fn(idx)
+            else:
+                body_fn(idx)
+
+    def copy_g2s(self, node, s_start, d_start, extents, stage, asynchronous):
+        sb, db = node.src.buffer, node.dst.buffer
+        t = self.shared[db]
+        bits = dtype_bits(sb.dtype)
+        if sb.dtype != db.dtype or len(extents) != 2 or t.layout is None:
+            return self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx))
+        rows, cols = extents
+        vec = 1
+        for v in (128 // bits, 64 // bits, 32 // bits):
+            if v >= 1 and cols % v == 0 and sb.shape[-1] % v == 0 and self._divisible(s_start[-1], v) and \
+                    self._divisible(d_start[-1], v) and t.layout.chunk % v == 0:
+                vec = v
+                break
+        if vec * bits < 32:  # cp.async moves 4, 8 or 16 bytes; narrower rows take the synchronous path
+            return self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx))
+
+        def one(idx):
+            r, c = idx
+            g = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
+            pred = self._in_bounds(sb, s_start, idx)
+            if pred is not None:  # out of bounds: copy 0 bytes (zero-fill) from a safe address
+                g = [tirx.if_then_else(pred, x, 0) for x in g]
+            d = [a + b for a, b in zip(d_start, _pad(idx, d_start))]
+            dst_ptr = t.view.ptr_to([self.shared_offset(t, d, stage)])
+            src_ptr = self.globals[sb].ptr_to(g)
+            nbytes = vec * bits // 8
+            chain = f"cp.async.{'cg' if nbytes == 16 else 'ca'}.shared.global"
+            size = tirx.Cast("uint32", tirx.if_then_else(pred, nbytes, 0)) if pred is not None else None
+            if size is not None:
+                T.evaluate(TS.ptx[chain](dst_ptr, src_ptr, nbytes, size))
+            else:
+                T.evaluate(TS.ptx[chain](dst_ptr, src_ptr, nbytes))
+
+        self.flat_loop(extents, one, vec)
+        if not asynchronous:
+            _ptx("cp.async.commit_group")
+            _ptx("cp.async.wait_group", 0)
+
+    def _divisible(self, e, v) -> bool:
+        return v == 1 or self.ana.can_prove(tirx.floormod(e, v) == 0) if not isinstance(e, int) else e % v == 0
+
+    def copy_fragment(self, node: Copy, s_start, d_start, extents):
+        sb, db = node.src.buffer, node.dst.buffer
+        frag = sb if sb.scope == "fragment" else db
+        lay = self.infer.layouts[frag]
+        if _squeeze(lay.shape) != _squeeze(extents):
+            raise error(node.loc, f"T.copy: fragment {frag.name}{list(frag.shape)} must be copied whole, "
+                                  f"got a region of {extents}")
+        if sb.scope == "fragment" and db.scope == "fragment":
+            with T.unroll(0, lay.local_size) as r:
+                T.buffer_store(self.frags[db], _cast(tirx.BufferLoad(self.frags[sb], [r]), db.dtype), [r])
+            return
+        with T.unroll(0, lay.local_size) as r:
+            idx = list(lay.coords(self.tid, r))
+            if sb.scope == "fragment":
+                value = tirx.BufferLoad(self.frags[sb], [r])
+                d_idx = [a + b for a, b in zip(d_start, _pad(idx, d_start))]
+                pred = self._in_bounds(db, d_start, idx)
+                if pred is not None:
+                    with T.If(pred):
+                        with T.Then():
+                            self.store(db, d_idx, value, stage=self.stage(db))
+                else:
+                    self.store(db, d_idx, value, stage=self.stage(db))
+            else:
+                s_idx = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
+                value = self.load(sb, s_idx, stage=self.stage(sb))
+                pred = self._in_bounds(sb, s_start, idx)
+                if pred is not None:
+                    value = tirx.if_then_else(pred, value, tirx.const(0, sb.dtype))
+                T.buffer_store(self.frags[db], _cast(value, db.dtype), [r])
+
+    # ------------------------------------------------------------------ elementwise
+
+    def fill(self, node: Fill, vm):
+        b = node.buffer
+        value = self.expr(node.value, vm)
+        if b.scope == "fragment":
+            with T.unroll(0, self.infer.layouts[b].local_size) as r:
+                T.buffer_store(self.frags[b], _cast(value, b.dtype), [r])
+        elif b.scope == "local":
+            n = 1
+            for s in b.shape:
+                n *= s
+            with T.unroll(0, n) as r:
+                T.buffer_store(self.locals[b], _cast(value, b.dtype), [r] if len(b.shape) == 1 else _unflat(r, b.shape))
+        else:
+            self.flat_loop(list(b.shape), lambda idx: self.store(b, idx, value, stage=self.stage(b)))
+
+    def parallel(self, node: Parallel, vm):
+        anchor = self.infer.parallel.get(id(node))
+        if anchor is None:  # no fragment: spread the iteration space over the threads
+            def run(idx):
+                inner = {**vm, **dict(zip(node.vars, idx))}
+                for st in node.body:
+                    self._parallel_store(st, inner, None)
+            return self.flat_loop(node.extents, run)
+        with T.unroll(0, anchor.local_size) as r:
+            coords = anchor.coords(self.tid, r)
+            inner = {**vm, **dict(zip(node.vars, coords))}
+
+            def frag_index(buf, idx, _r=r):
+                lay = self.infer.layouts[buf]
+                if lay == anchor:
+                    return _r
+                if isinstance(lay, MmaRowLayout) and isinstance(anchor, MmaAccumLayout):
+                    return lay.row_of_accum_local(_r)
+                raise TileLangError(f"fragment {buf.name} does not share the loop's layout")
+
+            for st in node.body:
+                self._parallel_store(st, inner, frag_index, node)
+
+    def _guarded_load(self, buf, idx, frag_index):
+        value = self.load(buf, idx, frag_index)
+        if buf.scope == "global":
+            pred = self._in_bounds(buf, [0] * len(idx), idx)
+            if pred is not None:
+                value = tirx.if_then_else(pred, value, tirx.const(0, buf.dtype))
+        return value
+
+    def _parallel_store(self, st: Store, vm, frag_index, node=None):
+        if node is not None:  # fragment indices must be the loop vars themselves (checked in inference)
+            for buf_var, idx in collect_loads(st.value):
+                buf = ir._BUFFERS_BY_TIR.get(buf_var)
+                if buf is not None and buf.scope == "fragment" and not (
+                        _is_vars(idx, node.vars) or _is_vars(idx, node.vars[:1])):
+                    raise error(st.loc, f"fragment {buf.name} must be indexed by the T.Parallel loop variables")
+        value = self.expr(st.value, vm, frag_index, guard=True)
+        idx = [self.expr(i, vm) for i in st.indices]
+        pred = self._in_bounds(st.buffer, [0] * len(idx), idx) if st.buffer.scope == "global" else None
+        if pred is None:
+            return self.store(st.buffer, idx, value, frag_index, stage=self.stage(st.buffer))
+        with T.If(pred):
+            with T.Then():
+                self.store(st.buffer, idx, value, frag_index)
+
+    # ------------------------------------------------------------------ gemm (mma.sync)
+
+    def gemm(self, g: Gemm):
+        A, B, C = g.A, g.B, g.C
+        for x in (A, B):
+            if x.dtype not in MMA_DTYPES:
+                raise error(g.loc, f"T.gemm: operand {x.name} has dtype {x.dtype}; mma.sync takes float16 or bfloat16")
+        if A.dtype != B.dtype:
+            raise error(g.loc, f"T.gemm: A and B dtypes differ ({A.dtype} vs {B.dtype})")
+        if C.dtype != "float32":
+            raise error(g.loc, f"T.gemm: the accumulator {C.name} must be float32, got {C.dtype}")
+        if B.scope != "shared" or A.scope not in ("shared", "fragment"):
+            raise error(g.loc, "T.gemm: B must be a shared tile and A a shared tile or a fragment")
+        M, N = C.shape
+        Ka = A.shape[0] if g.transpose_A else A.shape[1]
+        Ma = A.shape[1] if g.transpose_A else A.shape[0]
+        Kb, Nb = (B.shape[1], B.shape[0]) if g.transpose_B else (B.shape[0], B.shape[1])
+        if (Ma, Nb) != (M, N) or Ka != Kb:
+            raise error(g.loc, f"T.gemm: shapes do not match: A{list(A.shape)} B{list(B.shape)} C{list(C.shape)} "
+                               f"(transpose_A={g.transpose_A}, transpose_B={g.transpose_B})")
+        if Ka % 16:
+            raise error(g.loc, f"T.gemm: K={Ka} must be a multiple of 16 (the mma.sync m16n8k16 instruction)")
+        lay: MmaAccumLayout = self.infer.layouts[C]
+        w = lay.w
+        if g.clear_accum:
+            with T.unroll(0, lay.local_size) as r:
+                T.buffer_store(self.frags[C], tirx.const(0.0, "float32"), [r])
+        mi_n, ni_n = w.WM // 16, w.WN // 8
+        b_x4 = w.WN % 16 == 0
+        a_regs = T.alloc_local([mi_n * 4], "uint32")
+        b_regs = T.alloc_local([ni_n * 2], "uint32")
+        IRBuilder.name("a_regs", a_regs)
+        IRBuilder.name("b_regs", b_regs)
+        lane = tirx.floormod(self.tid, 32)
+        wr, wc = lay.warp_rc(self.tid)
+        m_base, n_base = wr * w.WM, wc * w.WN
+        el = MMA_DTYPES[A.dtype]
+        with T.unroll(0, Ka // 16) as kk:
+            k0 = kk * 16
+            if A.scope == "shared":
+                ta = self.shared[A]
+                for mi in range(mi_n):
+                    m0 = m_base + mi * 16
+                    if not g.transpose_A:  # (M, K) tile, K contiguous
+                        row, col = m0 + tirx.floormod(lane, 16), k0 + tirx.floordiv(lane, 16) * 8
+                        trans = ""
+                    else:  # (K, M) tile
+                        row = k0 + tirx.floordiv(lane, 16) * 8 + tirx.floormod(lane, 8)
+                        col = m0 + tirx.floormod(tirx.floordiv(lane, 8), 2) * 8
+                        trans = ".trans"
+                    ptr = ta.view.ptr_to([self.shared_offset(ta, [row, col], self.stage(A))])
+                    T.evaluate(TS.ptx[f"ldmatrix.sync.aligned.m8n8.x4{trans}.shared.b16"](
+                        *[a_regs[mi * 4 + q] for q in range(4)], ptr))
+            tb = self.shared[B]
+            step = 2 if b_x4 else 1
+            for nj in range(0, ni_n, step):
+                n0 = n_base + nj * 8
+                if not g.transpose_B:  # (K, N) tile, N contiguous: transpose while loading
+                    row = k0 + tirx.floormod(tirx.floordiv(lane, 8), 2) * 8 + tirx.floormod(lane, 8)
+                    col = n0 + (tirx.floordiv(lane, 16) * 8 if b_x4 else 0)
+                    trans = ".trans"
+                else:  # (N, K) tile, K contiguous
+                    row = n0 + (tirx.floordiv(lane, 16) * 8 if b_x4 else 0) + tirx.floormod(lane, 8)
+                    col = k0 + tirx.floormod(tirx.floordiv(lane, 8), 2) * 8
+                    trans = ""
+                ptr = tb.view.ptr_to([self.shared_offset(tb, [row, col], self.stage(B))])
+                n_regs = 4 if b_x4 else 2
+                T.evaluate(TS.ptx[f"ldmatrix.sync.aligned.m8n8.x{n_regs}{trans}.shared.b16"](
+                    *[b_regs[nj * 2 + q] for q in range(n_regs)], ptr))
+            a_words = self.frags[A].view("uint32") if A.scope == "fragment" else None
+            a_lay = self.infer.layouts.get(A)
+            for mi in range(mi_n):
+                if a_words is not None:  # A from registers: the accumulator layout of (M, K) is the A layout
+                    base = [a_lay.local_index(mi, 2 * kk + h, e, a_lay.ni) for h in (0, 1) for e in (0, 2)]
+                    a_ops = [a_words[tirx.floordiv(x, 2)] for x in (base[0], base[1], base[2], base[3])]
+                else:
+                    a_ops = [a_regs[mi * 4 + q] for q in range(4)]
+                for nj in range(ni_n):
+                    c = [self.frags[C][(mi * ni_n + nj) * 4 + e] for e in range(4)]
+                    T.evaluate(TS.ptx[f"mma.sync.aligned.m16n8k16.row.col.f32.{el}.{el}.f32"](
+                        *c, *a_ops, b_regs[nj * 2], b_regs[nj * 2 + 1], *c))
+
+    # ------------------------------------------------------------------ reductions
+
+    def reduce(self, node: Reduce):
+        src_l: MmaAccumLayout = self.infer.layouts[node.src]
+        dst_l = self.infer.layouts[node.dst]
+        op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
+        init = -tirx.infinity("float32") if node.kind == "max" else tirx.const(0.0, "float32")
+        src, dst = self.frags[node.src], self.frags[node.dst]
+        ni = src_l.ni
+        part = T.alloc_local([dst_l.local_size], "float32")
+        IRBuilder.name("partial", part)
+        for rr in range(dst_l.local_size):
+            mi, h = rr // 2, rr % 2
+            v = init
+            for nj in range(ni):
+                for e in (2 * h, 2 * h + 1):
+                    v = op(v, _cast(src[(mi * ni + nj) * 4 + e], "float32"))
+            T.buffer_store(part, v, [rr])
+            for mask in (1, 2):  # the 4 lanes of a quad hold one row
+                T.buffer_store(part, op(part[rr], top.tvm_warp_shuffle_xor(0xFFFFFFFF, part[rr], mask, 32, 32)), [rr])
+        w = src_l.w
+        if w.wn > 1:  # rows spread over warps: combine through shared memory
+            lane = tirx.floormod(self.tid, 32)
+            wr, wc = src_l.warp_rc(self.tid)
+            self.sync()
+            with T.If(tirx.floormod(lane, 4) == 0):
+                with T.Then():
+                    for rr in range(dst_l.local_size):
+                        row = dst_l.coords(self.tid, rr)[0]
+                        T.buffer_store(self.scratch, part[rr], [row * w.wn + wc])
+            self.sync()
+            for rr in range(dst_l.local_size):
+                row = dst_l.coords(self.tid, rr)[0]
+                v = self.scratch[row * w.wn]
+                for c in range(1, w.wn):
+                    v = op(v, self.scratch[row * w.wn + c])
+                T.buffer_store(part, v, [rr])
+        for rr in range(dst_l.local_size):
+            v = part[rr] if node.clear else op(_cast(dst[rr], "float32"), part[rr])
+            T.buffer_store(dst, _cast(v, node.dst.dtype), [rr])
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _ptx(name, *args):
+    T.evaluate(TS.ptx[name](*args))
+
+
+def _cast(v, dtype):
+    if isinstance(v, (int, float)):
+        return tirx.const(v, dtype)
+    return v if str(v.ty) == dtype else tirx.Cast(dtype, v)
+
+
+def _squeeze(extents) -> list:
+    """Extents without leading 1s: a (1, M, K) window of a 3-D tensor matches an (M, K) tile."""
+    ext = list(extents)
+    while len(ext) > 1 and ext[0] == 1:
+        ext.pop(0)
+    return ext
+
+
+def _pad(idx, like) -> list:
+    """Tile coordinates for a side of higher rank: leading dims at offset 0."""
+    return [0] * (len(like) - len(idx)) + list(idx)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _unflat(r, shape):
+    idx = []
+    for s in reversed(shape):
+        idx.append(tirx.floormod(r, s))
+        r = tirx.floordiv(r, s)
+    return list(reversed(idx))
+
+
+def _walk(body):
+    for node in body:
+        yield node
+        if isinstance(node, (For, Parallel)):
+            yield from _walk(node.body)
+
+
+def _walk_pipelined(node):
+    if isinstance(node, For):
+        if node.kind == "pipelined":
+            yield node
+        for n in node.body:
+            yield from _walk_pipelined(n)
+
+
+def _buffers_in(node):
+    out = []
+    stores = [node] if isinstance(node, Store) else [n for n in _walk(node.body) if isinstance(n, Store)]
+    for st in stores:
+        out.append(st.buffer)
+        for buf_var, _ in collect_loads(st.value):
+            b = ir._BUFFERS_BY_TIR.get(buf_var)
+            if b is not None:
+                out.append(b)
+    return out
+
+
+def lower(prog: ir.Program, arch: int) -> LoweredKernel:
+    return Lowerer(prog, arch).lower()

@@ -1,0 +1,134 @@
+"""tile_ops.jit — specialize, compile, cache and launch tile programs.
+
+``@tile_ops.jit(out_idx=[2])`` wraps a factory whose Python arguments are compile-time
+constants and which returns a ``@T.prim_func``.  Calling the factory returns a launchable
+:class:`Kernel`; kernels are cached in memory and on disk per (program source, arguments,
+target arch, tile_ops compiler fingerprint, pinned TVM version).  A disk hit neither traces
+the program nor imports TVM.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import textwrap
+import time
+
+from .kernel import Kernel, KernelMeta
+
+TVM_VERSION = "0.27.0.post1"  # the apache-tvm release the compiler is written against (setup.py pins it)
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_fingerprint() -> str:
+    """Hash of the language and compiler sources: a change to either invalidates cached kernels."""
+    from .. import __version__
+
+    h = hashlib.sha256(f"{__version__}|tvm={TVM_VERSION}".encode())
+    for sub in ("lang", "compiler"):
+        root = os.path.join(_PKG, sub)
+        for fname in sorted(os.listdir(root)):
+            if fname.endswith(".py"):
+                with open(os.path.join(root, fname), "rb") as f:
+                    h.update(fname.encode() + f.read())
+    return h.hexdigest()[:16]
+
+
+def default_arch() -> str:
+    """The local GPU's arch (sm_90a on Hopper), or sm_90a when there is no GPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    except ImportError:
+        pass
+    return "sm_90a"
+
+
+def _canon(v):
+    if isinstance(v, (list, tuple)):
+        return [_canon(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _canon(x) for k, x in sorted(v.items())}
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    return str(v)  # dtypes and the like
+
+
+class JITFunction:
+    def __init__(self, fn, out_idx, target):
+        self.fn, self.target = fn, target
+        self.out_idx = [out_idx] if isinstance(out_idx, int) else list(out_idx or [])
+        self._mem: dict = {}
+        self._source = textwrap.dedent(inspect.getsource(fn))
+        functools.update_wrapper(self, fn)
+
+    def key(self, args, kwargs, arch) -> str:
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        blob = json.dumps({
+            "fn": f"{self.fn.__module__}.{self.fn.__qualname__}", "src": self._source,
+            "args": _canon(dict(bound.arguments)), "out_idx": self.out_idx, "arch": arch,
+            "compiler": compiler_fingerprint(),
+        }, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def __call__(self, *args, target: str | None = None, **kwargs) -> Kernel:
+        arch = target or self.target or default_arch()
+        key = self.key(args, kwargs, arch)
+        kernel = self._mem.get(key)
+        if kernel is None:
+            kernel = self._mem[key] = _load_or_build(key, lambda: self.fn(*args, **kwargs), arch, self.out_idx)
+        return kernel
+
+
+def jit(fn=None, *, out_idx=None, target: str | None = None):
+    """Decorator: ``@tile_ops.jit(out_idx=[2])`` on a factory returning a ``@T.prim_func``."""
+    if fn is None:
+        return lambda f: JITFunction(f, out_idx, target)
+    return JITFunction(fn, out_idx, target)
+
+
+def compile(prog, out_idx=None, target: str | None = None) -> Kernel:  # noqa: A001
+    """Compile a traced program (a ``@T.prim_func``) directly, bypassing the disk cache."""
+    arch = target or default_arch()
+    return _build(prog, arch, [out_idx] if isinstance(out_idx, int) else list(out_idx or []))[0]
+
+
+def _load_or_build(key, trace, arch, out_idx) -> Kernel:
+    from .cache import CacheEntry, DiskCache
+
+    cache = DiskCache()
+    entry = cache.load(key)
+    if entry is None:
+        with cache.lock(key):
+            entry = cache.load(key)  # another process may have built it while we waited
+            if entry is None:
+                kernel, stats = _build(trace(), arch, out_idx)
+                cache.store(key, CacheEntry(kernel.source, kernel.cubin, {**kernel.meta.to_json(), **stats}))
+                return kernel
+    meta = {k: v for k, v in entry.meta.items() if k in KernelMeta.__dataclass_fields__}
+    return Kernel(KernelMeta.from_json(meta), entry.source, entry.cubin)
+
+
+def _build(prog, arch, out_idx):
+    from ..compiler import compile_program
+    from .build import build_cubin, nvcc_version
+
+    t0 = time.perf_counter()
+    c = compile_program(prog, arch)
+    t1 = time.perf_counter()
+    cubin, resources = build_cubin(c.source, arch, c.entry)
+    t2 = time.perf_counter()
+    meta = KernelMeta(prog.name, c.entry, arch, c.grid, c.block, c.smem_bytes, c.params, c.kept, out_idx,
+                      resources, c.layouts)
+    stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3), "nvcc": nvcc_version()}
+    kernel = Kernel(meta, c.source, cubin)
+    kernel.tir = c.tir
+    return kernel, stats

@@ -1,0 +1,102 @@
+"""CUDA source -> cubin with nvcc, and cubin -> SASS with cuobjdump (no GPU needed for either)."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+
+def _find_tool(name: str, env: str) -> str | None:
+    if os.environ.get(env):
+        path = os.environ[env]
+        return os.path.join(path, name) if os.path.isdir(path) else path
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = [f"/usr/local/cuda/bin/{name}"]
+    for site in sys.path:  # wheels that bundle the tool: nvidia-cuda-cuobjdump, triton
+        candidates += glob.glob(os.path.join(site, "nvidia", "cu*", "bin", name))
+        candidates += glob.glob(os.path.join(site, "triton", "backends", "nvidia", "bin", name))
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def nvcc_path() -> str:
+    path = _find_tool("nvcc", "TILE_OPS_NVCC")
+    if path is None:
+        raise RuntimeError("tile_ops: nvcc was not found (set TILE_OPS_NVCC or put the CUDA toolkit's bin on PATH); "
+                           "it is needed to build cubins. Cached kernels load without it.")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version() -> str:
+    out = subprocess.run([nvcc_path(), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else "unknown"
+
+
+def gencode(arch: str) -> str:
+    """sm_80 -> compute_80/sm_80; sm_90a -> compute_90a/sm_90a (wgmma/setmaxnreg need the 'a' target)."""
+    num = arch.split("_", 1)[1]
+    return f"arch=compute_{num},code=sm_{num}"
+
+
+def build_cubin(source: str, arch: str, name: str = "kernel") -> tuple[bytes, dict]:
+    """Compile CUDA source to a cubin; returns (cubin, resource usage parsed from ptxas -v)."""
+    with tempfile.TemporaryDirectory(prefix="tile_ops_nvcc_") as tmp:
+        cu, cubin = os.path.join(tmp, f"{name}.cu"), os.path.join(tmp, f"{name}.cubin")
+        with open(cu, "w") as f:
+            f.write(source)
+        cmd = [nvcc_path(), "-cubin", "-O3", "-std=c++17", "-gencode", gencode(arch), "-Xptxas", "-v",
+               "-w", "-o", cubin, cu]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"tile_ops: nvcc failed for {name} ({arch}):\n{proc.stderr[-4000:]}")
+        with open(cubin, "rb") as f:
+            return f.read(), parse_ptxas(proc.stderr)
+
+
+def parse_ptxas(log: str) -> dict:
+    info = {}
+    m = re.search(r"Used (\d+) registers", log)
+    if m:
+        info["registers"] = int(m.group(1))
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if m:
+        info["spill_stores"], info["spill_loads"] = int(m.group(1)), int(m.group(2))
+    m = re.search(r"(\d+) bytes stack frame", log)
+    if m:
+        info["stack_frame"] = int(m.group(1))
+    return info
+
+
+def sass(cubin: bytes) -> str:
+    tool = _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP")
+    if tool is None:
+        raise RuntimeError("tile_ops: cuobjdump not found (pip install nvidia-cuda-cuobjdump, or set TILE_OPS_CUOBJDUMP)")
+    env = dict(os.environ)
+    nvdisasm = _find_tool("nvdisasm", "NVDISASM_PATH")  # cuobjdump shells out to it for SASS
+    if nvdisasm:
+        env["PATH"] = os.path.dirname(nvdisasm) + os.pathsep + env.get("PATH", "")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        proc = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tile_ops: cuobjdump failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def instruction_mix(sass_text: str) -> dict:
+    """Opcode counts of a SASS listing (HMMA, LDSM, LDGSTS, ...)."""
+    counts: dict = {}
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass_text):
+        op = m.group(1)
+        counts[op] = counts.get(op, 0) + 1
+    return counts

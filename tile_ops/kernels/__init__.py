@@ -1,0 +1,1 @@
+"""The library's kernels, written in tile_ops.lang."""

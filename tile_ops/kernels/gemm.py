@@ -1,0 +1,107 @@
+"""GEMM: C[b] = op(A[b]) @ op(B[b]) (+ bias), fp16/bf16 in, fp32 accumulate, any output dtype."""
+
+
+from dataclasses import dataclass
+
+import tile_ops
+import tile_ops.lang as T
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_M: int = 128
+    block_N: int = 256
+    block_K: int = 32
+    num_stages: int = 3
+    threads: int = 256
+    swizzle: int = 8
+
+
+def default_config(M: int, N: int, K: int) -> GemmConfig:
+    """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
+    if M <= 64:
+        return GemmConfig(64, 128, 64, 4, 128, 0)
+    if M * N <= 1024 * 1024:
+        return GemmConfig(128, 128, 32, 3, 128, 8)
+    return GemmConfig()
+
+
+@tile_ops.jit(out_idx=[-1])
+def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
+         dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig()):
+    bM, bN, bK = cfg.block_M, cfg.block_N, cfg.block_K
+    A_shape = (batch_a, K, M) if trans_A else (batch_a, M, K)
+    B_shape = (batch_b, N, K) if trans_B else (batch_b, K, N)
+    A_tile = (bK, bM) if trans_A else (bM, bK)
+    B_tile = (bN, bK) if trans_B else (bK, bN)
+
+    @T.prim_func
+    def gemm_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
+                    C: T.Tensor((batch, M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch, threads=cfg.threads) as (bx, by, bz):
+            if cfg.swizzle:
+                T.use_swizzle(cfg.swizzle)
+            A_s = T.alloc_shared(A_tile, dtype)
+            B_s = T.alloc_shared(B_tile, dtype)
+            C_f = T.alloc_fragment((bM, bN), "float32")
+            za = bz if batch_a > 1 else 0
+            zb = bz if batch_b > 1 else 0
+            T.clear(C_f)
+            for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
+                if trans_A:
+                    T.copy(A[za, k * bK, by * bM], A_s)
+                else:
+                    T.copy(A[za, by * bM, k * bK], A_s)
+                if trans_B:
+                    T.copy(B[zb, bx * bN, k * bK], B_s)
+                else:
+                    T.copy(B[zb, k * bK, bx * bN], B_s)
+                T.gemm(A_s, B_s, C_f, transpose_A=trans_A, transpose_B=trans_B)
+            if has_bias:
+                bias_s = T.alloc_shared((bN,), dtype)
+                T.copy(Bias[bx * bN], bias_s)
+                for i, j in T.Parallel(bM, bN):
+                    C_f[i, j] = C_f[i, j] + bias_s[j]
+            T.copy(C_f, C[bz, by * bM, bx * bN])
+
+    return gemm_kernel
+
+
+_DT = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+
+
+def _storage(x):
+    """(view, transposed?, batch count): the kernel reads dense (batch, rows, cols) storage, so a 3-D view
+    whose last two dims are row-major or a plain transpose is passed as is; anything else is copied."""
+    batched = x.shape[0] > 1 and x.stride(0) != 0
+    for trans in (False, True):
+        s = x.transpose(-1, -2) if trans else x
+        rows, cols = s.shape[-2:]
+        if (s.stride(-1) == 1 or cols == 1) and (s.stride(-2) == cols or rows == 1) and (
+                not batched or s.stride(0) == rows * cols):
+            return x, trans, (x.shape[0] if batched else 1)
+    return x.contiguous(), False, x.shape[0]
+
+
+def _prepare(a, b):
+    a, ta, ba = _storage(a)
+    b, tb, bb = _storage(b)
+    return a, b, ta, ba, tb, bb
+
+
+def get_gemm_kernel(a, b, out, bias=None, cfg=None):
+    Bt, M, K = a.shape
+    N = b.shape[-1]
+    a, b, ta, ba, tb, bb = _prepare(a, b)
+    cfg = cfg or default_config(M, N, K)
+    return gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[str(a.dtype)], _DT[str(out.dtype)], cfg)
+
+
+def launch_gemm(a, b, out, bias=None, cfg=None):
+    """a (Bt, M, K), b (Bt, K, N): row-major or plain-transposed views (batch stride 0 = broadcast);
+    out (Bt, M, N) contiguous; bias (N,) or None."""
+    kernel = get_gemm_kernel(a, b, out, bias, cfg)
+    a, b, *_ = _prepare(a, b)
+    bias_t = bias if bias is not None else out  # unused parameter slot: any valid pointer
+    kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), bias_t.data_ptr(), out.data_ptr()], a.device)
+    return out

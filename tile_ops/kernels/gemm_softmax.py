@@ -1,0 +1,102 @@
+"""Fused GEMM + softmax: out = softmax(scale * (A @ B), dim=-1), the scores never leave the chip.
+
+One block owns ``block_M`` rows.  It walks N in ``block_N`` tiles: a pipelined GEMM over K gives
+the score tile, the running row max and sum are updated online (base-2 exponentials), and
+exp2(s - running max) goes to the output.  A last pass over the block's own output rescales each
+tile by exp2(max at that tile - final max) / final sum, so the GEMM runs once."""
+
+
+import math
+from dataclasses import dataclass
+
+import tile_ops
+import tile_ops.lang as T
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class SoftmaxConfig:
+    block_M: int = 128
+    block_N: int = 128
+    block_K: int = 32
+    num_stages: int = 3
+    threads: int = 256
+
+
+def default_config(M: int, N: int, K: int) -> SoftmaxConfig:
+    return SoftmaxConfig(block_N=64 if N <= 64 else 128)
+
+
+@tile_ops.jit(out_idx=[-1])
+def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: SoftmaxConfig = SoftmaxConfig()):
+    bM, bN, bK = cfg.block_M, cfg.block_N, cfg.block_K
+    n_tiles = T.ceildiv(N, bN)
+    c = scale * LOG2E  # softmax(scale*s) == 2^(c*s - c*max) / sum
+
+    @T.prim_func
+    def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(M, bM), threads=cfg.threads) as bx:
+            A_s = T.alloc_shared((bM, bK), dtype)
+            B_s = T.alloc_shared((bK, bN), dtype)
+            S = T.alloc_fragment((bM, bN), "float32")
+            P = T.alloc_fragment((bM, bN), out_dtype)
+            m = T.alloc_fragment((bM,), "float32")
+            m_prev = T.alloc_fragment((bM,), "float32")
+            m_tile = T.alloc_fragment((bM,), "float32")
+            l = T.alloc_fragment((bM,), "float32")
+            l_tile = T.alloc_fragment((bM,), "float32")
+            m_hist = T.alloc_shared((n_tiles, bM), "float32")  # running max after each tile
+            m_fin = T.alloc_shared((bM,), "float32")
+            l_fin = T.alloc_shared((bM,), "float32")
+            T.fill(m, -T.infinity("float32"))
+            T.fill(l, 0)
+            for j in T.serial(n_tiles):
+                T.clear(S)
+                for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
+                    T.copy(A[bx * bM, k * bK], A_s)
+                    T.copy(B[k * bK, j * bN], B_s)
+                    T.gemm(A_s, B_s, S)
+                for r, col in T.Parallel(bM, bN):  # scale into log2 units; mask columns past N
+                    S[r, col] = T.if_then_else(j * bN + col < N, S[r, col] * c, -T.infinity("float32"))
+                T.reduce_max(S, m_tile, dim=1)
+                for r in T.Parallel(bM):
+                    m_prev[r] = m[r]
+                    m[r] = T.max(m[r], m_tile[r])
+                for r, col in T.Parallel(bM, bN):
+                    S[r, col] = T.exp2(S[r, col] - m[r])
+                T.reduce_sum(S, l_tile, dim=1)
+                for r in T.Parallel(bM):
+                    l[r] = l[r] * T.exp2(m_prev[r] - m[r]) + l_tile[r]
+                    m_hist[j, r] = m[r]
+                T.copy(S, P)
+                T.copy(P, Out[bx * bM, j * bN])
+            for r in T.Parallel(bM):
+                m_fin[r] = m[r]
+                l_fin[r] = l[r]
+            if n_tiles == 1:
+                for r, col in T.Parallel(bM, bN):
+                    Out[bx * bM + r, col] = Out[bx * bM + r, col] / l_fin[r]
+            else:
+                for j in T.serial(n_tiles):
+                    for r, col in T.Parallel(bM, bN):
+                        Out[bx * bM + r, j * bN + col] = Out[bx * bM + r, j * bN + col] * (
+                            T.exp2(m_hist[j, r] - m_fin[r]) / l_fin[r])
+
+    return gemm_softmax_kernel
+
+
+_DT = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+
+
+def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
+    """a (M, K), b (K, N) row-major; out (M, N) contiguous = softmax(scale * a @ b, -1)."""
+    M, K = a.shape
+    N = b.shape[1]
+    if not math.isfinite(scale):
+        raise ValueError(f"tile_ops.gemm_softmax: scale must be finite, got {scale}")
+    a, b = a.contiguous(), b.contiguous()
+    kernel = gemm_softmax(M, N, K, float(scale), _DT[str(a.dtype)], _DT[str(out.dtype)],
+                          cfg or default_config(M, N, K))
+    kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr()], a.device)
+    return out

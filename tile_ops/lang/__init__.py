@@ -1,0 +1,31 @@
+"""tile_ops.lang — the tile language (``import tile_ops.lang as T``).
+
+A TileLang-style surface: kernels are written over shared-memory tiles and register
+fragments with block-collective tile operations; the compiler picks thread mappings,
+layouts, swizzles, synchronization, pipelining and instructions.
+
+Importing this module does not import TVM: TVM is loaded when a program is first traced,
+so a process whose kernels all come from the disk cache never loads the compiler.
+"""
+
+from .errors import TileLangError  # noqa: F401
+
+float16, bfloat16, float32, float64, int32 = "float16", "bfloat16", "float32", "float64", "int32"
+
+_FRONTEND = {
+    "Kernel", "Parallel", "Pipelined", "Tensor", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
+    "ceildiv", "clear", "copy", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log", "log2",
+    "max", "min", "prim_func", "reduce_max", "reduce_sum", "serial", "unroll", "use_swizzle", "sqrt", "abs",
+}
+
+
+def __getattr__(name):
+    if name in _FRONTEND:
+        from . import frontend
+
+        return getattr(frontend, name)
+    raise AttributeError(f"module 'tile_ops.lang' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _FRONTEND)

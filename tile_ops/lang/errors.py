@@ -1,0 +1,5 @@
+"""Errors of the tile language (importable without TVM)."""
+
+
+class TileLangError(Exception):
+    """A program the compiler cannot accept; the message names the user's line and the reason."""

@@ -1,0 +1,217 @@
+"""User-facing functions of the tile language; each records a node of the tile IR."""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+from dataclasses import dataclass
+
+from tvm import tirx
+
+from . import ir
+from .ir import Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error, user_loc
+
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "uint8")
+
+
+def _check_dtype(dtype) -> str:
+    dtype = str(dtype)
+    if dtype not in _DTYPES:
+        raise error(user_loc(), f"unsupported dtype {dtype!r}; accepted: {', '.join(_DTYPES)}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """Annotation of a global-memory tensor parameter: ``A: T.Tensor((M, K), "float16")``."""
+
+    shape: tuple
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", _check_dtype(self.dtype))
+
+
+def prim_func(fn) -> ir.Program:
+    """Trace ``fn`` (whose parameters are annotated with ``T.Tensor``) into a tile program."""
+    loc = ir.Loc(fn.__code__.co_filename, fn.__code__.co_firstlineno)
+    params = []
+    for name, p in inspect.signature(fn).parameters.items():
+        ann = p.annotation
+        if isinstance(ann, str):
+            raise error(loc, f"parameter {name!r} has a string annotation; remove `from __future__ import "
+                             f"annotations` from the kernel's module (T.Tensor annotations must be evaluated)")
+        if not isinstance(ann, Tensor):
+            raise error(loc, f"parameter {name!r} must be annotated with T.Tensor(shape, dtype)")
+        buf = TileBuffer(name, ann.shape, ann.dtype, "global", loc)
+        ir._BUFFERS_BY_TIR[buf.tir] = buf
+        params.append(buf)
+    prog = ir.Program(fn.__name__, params, loc=loc)
+    tracer = ir._Tracer()
+    ir._TRACERS.append(tracer)
+    try:
+        fn(*params)
+    finally:
+        ir._TRACERS.pop()
+    if tracer.kernel is None:
+        raise error(loc, "a @T.prim_func body must contain one `with T.Kernel(...)` block")
+    prog.kernel = tracer.kernel
+    return prog
+
+
+class Kernel:
+    """``with T.Kernel(gx, gy=1, gz=1, threads=128) as (bx, by):`` — the launch grid and block."""
+
+    def __init__(self, *grid, threads: int = 128):
+        if not 1 <= len(grid) <= 3:
+            raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
+        if threads % 32 or not 32 <= threads <= 1024:
+            raise error(user_loc(), f"threads={threads}: must be a multiple of 32 in [32, 1024]")
+        self.grid = [int(ir.tirx_simplify(g)) for g in grid]
+        self.threads = threads
+
+    def __enter__(self):
+        t = ir.tracer()
+        if t.kernel is not None:
+            raise error(user_loc(), "only one T.Kernel block per program")
+        names = ["bx", "by", "bz"][: len(self.grid)]
+        k = ir.Kernel(self.grid, self.threads, [tirx.Var(n, "int32") for n in names])
+        k.loc = user_loc()
+        t.kernel = k
+        t.bodies.append(k.body)
+        return k.block_vars[0] if len(k.block_vars) == 1 else tuple(k.block_vars)
+
+    def __exit__(self, *exc):
+        ir.tracer().bodies.pop()
+        return False
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def alloc_shared(shape, dtype, name=None) -> TileBuffer:
+    return ir.new_buffer(shape, _check_dtype(dtype), "shared", name)
+
+
+def alloc_fragment(shape, dtype, name=None) -> TileBuffer:
+    return ir.new_buffer(shape, _check_dtype(dtype), "fragment", name)
+
+
+def alloc_local(shape, dtype, name=None) -> TileBuffer:
+    return ir.new_buffer(shape, _check_dtype(dtype), "local", name)
+
+
+# ----------------------------------------------------------------------------- loops
+
+
+def _loop(kind: str, extent, num_stages: int = 1, name: str = "k"):
+    var = tirx.Var(ir.fresh_name(name), "int32")
+    node = For(var, extent, kind, num_stages)
+    emit(node)
+    ir.tracer().bodies.append(node.body)
+    try:
+        yield var
+    finally:
+        ir.tracer().bodies.pop()
+
+
+def Pipelined(extent, num_stages: int = 2):
+    """A software-pipelined loop: global->shared copies in its body run ``num_stages - 1`` iterations ahead."""
+    if num_stages < 1:
+        raise error(user_loc(), f"num_stages={num_stages}: must be >= 1")
+    return _loop("pipelined", extent, num_stages)
+
+
+def serial(extent):
+    return _loop("serial", extent, name="i")
+
+
+def unroll(extent):
+    return _loop("unroll", extent, name="i")
+
+
+def Parallel(*extents):
+    """Elementwise loop nest over a tile; the compiler maps iterations to threads (and vectorizes)."""
+    extents = [int(ir.tirx_simplify(e)) for e in extents]
+    vars_ = [tirx.Var(ir.fresh_name(n), "int32") for n in "ijkl"[: len(extents)]]
+    node = ParallelNode(vars_, extents)
+    emit(node)
+    ir.tracer().bodies.append(node.body)
+    try:
+        yield vars_[0] if len(vars_) == 1 else tuple(vars_)
+    finally:
+        ir.tracer().bodies.pop()
+
+
+# ----------------------------------------------------------------------------- tile ops
+
+
+def copy(src, dst):
+    """Copy a tile between global / shared / fragment; casts when dtypes differ; predicated at edges."""
+    emit(Copy(Region.of(src), Region.of(dst)))
+
+
+def gemm(A, B, C, transpose_A=False, transpose_B=False, clear_accum=False, policy="square"):
+    """``C += op(A) @ op(B)`` for a block: A shared or fragment, B shared, C a float32 fragment."""
+    for x, role in ((A, "A"), (B, "B"), (C, "C")):
+        if not isinstance(x, TileBuffer):
+            raise error(user_loc(), f"T.gemm operand {role} must be a whole buffer, got {type(x).__name__}")
+    emit(Gemm(A, B, C, bool(transpose_A), bool(transpose_B), bool(clear_accum), policy))
+
+
+def fill(buffer, value):
+    emit(Fill(buffer, value))
+
+
+def clear(buffer):
+    emit(Fill(buffer, 0))
+
+
+def reduce_max(src, dst, dim=-1, clear=True):
+    emit(Reduce("max", src, dst, dim, clear))
+
+
+def reduce_sum(src, dst, dim=-1, clear=True):
+    emit(Reduce("sum", src, dst, dim, clear))
+
+
+def use_swizzle(panel_size: int = 8):
+    """Rasterize blocks in panels of ``panel_size`` rows of the grid, so neighbours share L2 tiles."""
+    k = ir.tracer().kernel
+    if k is None or len(k.grid) < 2:
+        raise error(user_loc(), "T.use_swizzle needs a 2-D T.Kernel grid")
+    k.swizzle_panel = int(panel_size)
+
+
+# ----------------------------------------------------------------------------- scalars
+
+
+def ceildiv(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return tirx.ceildiv(a, b)
+
+
+def cast(x, dtype):
+    return tirx.Cast(str(dtype), x) if not isinstance(x, (int, float)) else tirx.const(x, str(dtype))
+
+
+def infinity(dtype):
+    return tirx.infinity(str(dtype))
+
+
+def max(a, b):  # noqa: A001
+    return tirx.max(a, b) if not (isinstance(a, (int, float)) and isinstance(b, (int, float))) else builtins.max(a, b)
+
+
+def min(a, b):  # noqa: A001
+    return tirx.min(a, b) if not (isinstance(a, (int, float)) and isinstance(b, (int, float))) else builtins.min(a, b)
+
+
+def if_then_else(cond, a, b):
+    return tirx.if_then_else(cond, a, b)
+
+
+exp, exp2, log, log2, sqrt = tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.sqrt
+abs = tirx.abs  # noqa: A001

@@ -1,0 +1,278 @@
+"""The tile IR: what a traced ``@T.prim_func`` becomes.
+
+A program is traced once, in Python: loops yield symbolic ``tvm.tirx.Var``s, index and
+scalar arithmetic builds ``tvm.tirx`` expressions, and every tile operation appends a node
+(with the user's source location) to the innermost open body.  The compiler turns this
+tree into TIRx.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from tvm import tirx
+from tvm.ir.expr import TensorLoad
+
+from .errors import TileLangError
+
+_LANG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Loc:
+    filename: str
+    lineno: int
+
+    @property
+    def line(self) -> str:
+        return linecache.getline(self.filename, self.lineno).strip()
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno}: {self.line}"
+
+
+def user_loc() -> Loc | None:
+    """The innermost stack frame outside tile_ops.lang: the line of the user's kernel."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not os.path.abspath(frame.f_code.co_filename).startswith(_LANG_DIR):
+            return Loc(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+def error(loc: Loc | None, reason: str) -> TileLangError:
+    where = f"{loc.filename}:{loc.lineno}" if loc else "<unknown location>"
+    src = f"\n    {loc.line}" if loc and loc.line else ""
+    return TileLangError(f"{where}: {reason}{src}")
+
+
+# ----------------------------------------------------------------------------- buffers
+
+SCOPES = ("global", "shared", "fragment", "local")
+
+
+class TileBuffer:
+    """A tensor parameter, shared-memory tile, register fragment or per-thread array.
+
+    ``buf[i, j]`` is a scalar load (a tirx expression), ``buf[i, j] = v`` a store,
+    ``buf[i0:i1, j0:j1]`` or ``buf[i0, j0]`` inside ``T.copy`` a region.
+    """
+
+    def __init__(self, name: str, shape, dtype: str, scope: str, loc: Loc | None):
+        assert scope in SCOPES
+        self.name, self.dtype, self.scope, self.loc = name, str(dtype), scope, loc
+        self.shape = tuple(int(s) for s in shape)
+        # The logical buffer that loads refer to; the compiler maps it to physical storage.
+        self.tir = tirx.decl_buffer(self.shape, self.dtype, name=name)
+
+    def __repr__(self) -> str:
+        return f"TileBuffer({self.name}, {self.shape}, {self.dtype}, {self.scope})"
+
+    def _indices(self, idx) -> list:
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) != len(self.shape):
+            raise error(user_loc(), f"{self.name} has {len(self.shape)} dims, indexed with {len(idx)}")
+        return list(idx)
+
+    def __getitem__(self, idx):
+        idx = self._indices(idx)
+        if any(isinstance(i, slice) for i in idx):
+            return Region.from_slices(self, idx)
+        return tirx.BufferLoad(self.tir, [tirx.const(i, "int32") if isinstance(i, int) else i for i in idx])
+
+    def __setitem__(self, idx, value):
+        idx = self._indices(idx)
+        emit(Store(self, idx, value))
+
+
+@dataclass
+class Region:
+    """A rectangular window of a buffer: ``starts`` (exprs) and static ``extents``."""
+
+    buffer: TileBuffer
+    starts: list
+    extents: list  # ints, or None where the extent is taken from the other side of a copy
+
+    @staticmethod
+    def from_slices(buf: TileBuffer, idx) -> "Region":
+        starts, extents = [], []
+        for i, (s, dim) in enumerate(zip(idx, buf.shape)):
+            if isinstance(s, slice):
+                lo = 0 if s.start is None else s.start
+                hi = dim if s.stop is None else s.stop
+                ext = hi - lo
+                try:
+                    ext = int(tirx_simplify(ext))
+                except (TypeError, ValueError):
+                    raise error(user_loc(), f"slice {i} of {buf.name} must have a static extent")
+                starts.append(lo)
+                extents.append(ext)
+            else:
+                starts.append(s)
+                extents.append(1)
+        return Region(buf, starts, extents)
+
+    @staticmethod
+    def of(x) -> "Region":
+        """Whole buffer, a region, or ``buf[i, j]`` (a start point; extents come from the peer)."""
+        if isinstance(x, Region):
+            return x
+        if isinstance(x, TileBuffer):
+            return Region(x, [0] * len(x.shape), list(x.shape))
+        if isinstance(x, TensorLoad):
+            buf = _BUFFERS_BY_TIR.get(x.source)
+            if buf is not None:
+                return Region(buf, list(x.indices), [None] * len(x.indices))
+        raise error(user_loc(), f"expected a buffer or a buffer region, got {type(x).__name__}")
+
+
+def tirx_simplify(e):
+    if isinstance(e, int):
+        return e
+    from tvm.sym.analyzer import Analyzer
+
+    return Analyzer().simplify(e)
+
+
+_BUFFERS_BY_TIR: dict = {}
+
+
+# ----------------------------------------------------------------------------- nodes
+
+
+@dataclass
+class Node:
+    loc: Loc | None = field(default=None, init=False)
+
+
+@dataclass
+class Store(Node):
+    buffer: TileBuffer
+    indices: list
+    value: Any
+
+
+@dataclass
+class Copy(Node):
+    src: Region
+    dst: Region
+
+
+@dataclass
+class Gemm(Node):
+    A: TileBuffer
+    B: TileBuffer
+    C: TileBuffer
+    transpose_A: bool
+    transpose_B: bool
+    clear_accum: bool
+    policy: str
+
+
+@dataclass
+class Fill(Node):
+    buffer: TileBuffer
+    value: Any
+
+
+@dataclass
+class Reduce(Node):
+    kind: str  # "max" | "sum"
+    src: TileBuffer
+    dst: TileBuffer
+    dim: int
+    clear: bool
+
+
+@dataclass
+class For(Node):
+    var: tirx.Var
+    extent: Any
+    kind: str  # "serial" | "unroll" | "pipelined"
+    num_stages: int = 1
+    body: list = field(default_factory=list)
+
+
+@dataclass
+class Parallel(Node):
+    vars: list
+    extents: list
+    body: list = field(default_factory=list)
+
+
+@dataclass
+class Kernel(Node):
+    grid: list
+    threads: int
+    block_vars: list
+    body: list = field(default_factory=list)
+    allocs: list = field(default_factory=list)
+    swizzle_panel: int = 0
+
+
+@dataclass
+class Program:
+    name: str
+    params: list
+    kernel: Kernel | None = None
+    loc: Loc | None = None
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+class _Tracer:
+    def __init__(self):
+        self.bodies: list[list] = []
+        self.kernel: Kernel | None = None
+        self.names: dict[str, int] = {}
+
+
+_TRACERS: list[_Tracer] = []
+
+
+def tracer() -> _Tracer:
+    if not _TRACERS:
+        raise error(user_loc(), "tile operations are only valid inside a @T.prim_func body")
+    return _TRACERS[-1]
+
+
+def emit(node: Node) -> Node:
+    t = tracer()
+    if not t.bodies:
+        raise error(user_loc(), f"{type(node).__name__.lower()} outside `with T.Kernel(...)`")
+    node.loc = user_loc()
+    t.bodies[-1].append(node)
+    return node
+
+
+def fresh_name(base: str) -> str:
+    t = tracer()
+    n = t.names.get(base, 0)
+    t.names[base] = n + 1
+    return base if n == 0 else f"{base}_{n}"
+
+
+def new_buffer(shape, dtype, scope, name=None) -> TileBuffer:
+    t = tracer()
+    loc = user_loc()
+    if t.kernel is None:
+        raise error(loc, f"T.alloc_{scope} outside `with T.Kernel(...)`")
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        shape = tuple(int(tirx_simplify(s)) for s in shape)
+    except (TypeError, ValueError):
+        raise error(loc, f"the shape of a {scope} buffer must be static, got {shape}")
+    m = re.match(r"\s*([A-Za-z_]\w*)\s*=", loc.line) if loc else None  # `A_s = T.alloc_shared(...)`
+    base = name or (m.group(1) if m else {"shared": "smem", "fragment": "frag", "local": "loc"}[scope])
+    buf = TileBuffer(fresh_name(base), shape, dtype, scope, loc)
+    _BUFFERS_BY_TIR[buf.tir] = buf
+    t.kernel.allocs.append(buf)
+    return buf
