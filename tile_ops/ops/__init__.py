@@ -1,0 +1,15 @@
+"""The tile_ops operator library: ``torch.ops.tile_ops.*`` custom ops.
+
+Importing this package registers, under the ``tile_ops`` namespace, each op's
+schema, CUDA implementation (JIT kernels from ``tile_ops.kernels``, imported on
+first CUDA call), CPU reference implementation, fake (meta) implementation for
+``torch.compile``, and autograd formula.
+
+    tile_ops.gemm(a, b, bias=None, out_dtype=None)          torch.ops.tile_ops.gemm
+    tile_ops.gemm_softmax(a, b, scale=1.0, out_dtype=None)  torch.ops.tile_ops.gemm_softmax
+"""
+
+from .gemm import gemm
+from .gemm_softmax import gemm_softmax
+
+__all__ = ["gemm", "gemm_softmax"]

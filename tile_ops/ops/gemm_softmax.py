@@ -1,0 +1,225 @@
+"""``torch.ops.tile_ops.gemm_softmax``: ``softmax(scale * (a @ b), dim=-1)`` in one fused kernel.
+
+Schema::
+
+    tile_ops::gemm_softmax(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dtype=None) -> Tensor
+
+Implementations:
+
+* CUDA: validates, allocates the output and launches
+  ``tile_ops.kernels.gemm_softmax`` (fp16/bf16 inputs, fp32 accumulation and
+  softmax).  The kernel reads row-major operands, so views that are not
+  row-major (transposes included) are copied with ``.contiguous()``.  A batched
+  ``a`` with row-major rows and a 2-D ``b`` runs as one (B*M, K) problem (the
+  softmax is per row); other batched problems launch the kernel once per batch
+  entry.  Data pointers must be 16-byte aligned.
+* CPU: the reference in plain torch, in float32 (float64 for float64 inputs).
+* Fake/meta: shapes and dtypes only, for ``torch.compile``.
+* Autograd: with ``P`` the output and ``dP`` its gradient,
+  ``dS = scale * P * (dP - rowsum(dP * P))``, then ``da = dS @ b^T`` and
+  ``db = a^T @ dS`` with ``torch.ops.tile_ops.gemm``.  Saves ``P`` and only the
+  operands the requested gradients need.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import checks
+from .gemm import _compute_dtype, load_kernel_module, matmul_input_grads, needs_input_grad
+
+OP = "tile_ops.gemm_softmax"
+
+GEMM_SOFTMAX_SCHEMA = "(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dtype=None) -> Tensor"
+
+
+def _check(a, b, scale, out_dtype, kind=None):
+    out = checks.check_matmul_inputs(OP, a, b, None, out_dtype, kind=kind)
+    scale = checks.check_scale(OP, scale)
+    return out, scale
+
+
+# --------------------------------------------------------------------------- CPU reference
+
+
+def gemm_softmax_reference(a, b, scale=1.0, out_dtype=None):
+    """Plain-torch reference: ``softmax(scale * (a @ b), -1)`` in float32 (float64 for float64)."""
+    (_, _, _, _, _, odt), scale = _check(a, b, scale, out_dtype)
+    cdt = _compute_dtype(a.dtype)
+    s = torch.matmul(a.to(cdt), b.to(cdt)) * scale
+    return torch.softmax(s, dim=-1).to(odt).contiguous()
+
+
+@torch.library.custom_op(
+    "tile_ops::gemm_softmax", mutates_args=(), device_types="cpu", schema=GEMM_SOFTMAX_SCHEMA
+)
+def _gemm_softmax_cpu(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float = 1.0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    return gemm_softmax_reference(a, b, scale, out_dtype)
+
+
+gemm_softmax_op = _gemm_softmax_cpu
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _padded_empty(B, R, C, dtype, device):
+    """(B, R, C) row-major tensor whose batch entries all start 16-byte aligned."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    align = max(1, checks.POINTER_ALIGNMENT // esize)
+    pitch = -(-(R * C) // align) * align
+    buf = torch.empty(B * pitch, dtype=dtype, device=device)
+    return buf.as_strided((B, R, C), (pitch, C, 1))
+
+
+def _slices(t, B):
+    """Per-batch 2-D operands of a row-major ``t`` (2-D: broadcast), each 16-byte aligned."""
+    if t.dim() == 2:
+        return [t] * B
+    if B > 1 and (t.stride(0) * t.element_size()) % checks.POINTER_ALIGNMENT != 0:
+        padded = _padded_empty(B, t.shape[1], t.shape[2], t.dtype, t.device)
+        padded.copy_(t)
+        t = padded
+    return list(t.unbind(0))
+
+
+def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cuda"):
+    """Validate and lay out a gemm_softmax for ``launch_gemm_softmax``.
+
+    Returns ``(out, launches, finish)``: ``out`` is the contiguous result,
+    ``launches`` a list of ``(a2, b2, out2, scale)`` argument tuples (2-D,
+    row-major, 16-byte aligned), and ``finish`` a callable to run after the
+    launches (copies results written to an aligned scratch buffer into ``out``),
+    or None.
+    """
+    (_, batch, M, K, N, odt), scale = _check(a, b, scale, out_dtype, kind=kind)
+    out = torch.empty(checks.output_shape(batch, M, N), dtype=odt, device=a.device)
+    if out.numel() == 0:
+        return out, [], None
+    if K == 0:
+        out.fill_(1.0 / N)  # softmax of a zero row is uniform
+        return out, [], None
+
+    a = a if a.is_contiguous() else a.contiguous()
+    b = b if b.is_contiguous() else b.contiguous()
+    checks.check_alignment(OP, "a", a)
+    checks.check_alignment(OP, "b", b)
+
+    if batch is None:
+        return out, [(a, b, out, scale)], None
+    if a.dim() == 3 and b.dim() == 2:
+        # Row-wise softmax: (B, M, K) @ (K, N) is one (B*M, K) @ (K, N) problem.
+        return out, [(a.view(batch * M, K), b, out.view(batch * M, N), scale)], None
+
+    a_s, b_s = _slices(a, batch), _slices(b, batch)
+    finish = None
+    dst = out
+    if batch > 1 and (M * N * out.element_size()) % checks.POINTER_ALIGNMENT != 0:
+        dst = _padded_empty(batch, M, N, odt, out.device)
+
+        def finish():
+            out.copy_(dst)
+
+    launches = [(a_s[i], b_s[i], dst[i], scale) for i in range(batch)]
+    return out, launches, finish
+
+
+def _gemm_softmax_cuda(a, b, scale=1.0, out_dtype=None):
+    out, launches, finish = prepare_gemm_softmax_launch(a, b, scale, out_dtype, kind="cuda")
+    if launches:
+        kernels = load_kernel_module("gemm_softmax", OP)
+        with torch.cuda.device(a.device):
+            for args in launches:
+                kernels.launch_gemm_softmax(*args)
+            if finish is not None:
+                finish()
+    return out
+
+
+gemm_softmax_op.register_kernel("cuda", _gemm_softmax_cuda)
+
+
+# --------------------------------------------------------------------------- fake
+
+
+@gemm_softmax_op.register_fake
+def _gemm_softmax_fake(a, b, scale=1.0, out_dtype=None):
+    (_, batch, M, K, N, odt), _ = _check(a, b, scale, out_dtype)
+    return a.new_empty(checks.output_shape(batch, M, N), dtype=odt)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _gemm_softmax_setup_context(ctx, inputs, output):
+    a, b, scale, out_dtype = inputs
+    need_a, need_b = needs_input_grad(ctx, 2)
+    # P is needed for dS; da needs b, db needs a.
+    ctx.save_for_backward(output, b if need_a else None, a if need_b else None)
+    ctx.scale = scale
+    ctx.a_dim, ctx.b_dim = a.dim(), b.dim()
+    ctx.in_dtype = a.dtype
+
+
+def softmax_backward(P, dP, scale, dtype):
+    """``dS = scale * P * (dP - rowsum(dP * P))``, computed in float32 (float64 for float64)."""
+    cdt = _compute_dtype(P.dtype if P.dtype == torch.float64 else dP.dtype)
+    Pc, g = P.to(cdt), dP.to(cdt)
+    dS = Pc * (g - (g * Pc).sum(-1, keepdim=True))
+    return (dS * scale).to(dtype)
+
+
+def _gemm_softmax_backward(ctx, grad):
+    P, b, a = ctx.saved_tensors
+    need_a, need_b = needs_input_grad(ctx, 2)
+    if not (need_a or need_b):
+        return None, None, None, None
+    dS = softmax_backward(P, grad, ctx.scale, ctx.in_dtype)
+    da, db = matmul_input_grads(dS, a, b, need_a, need_b, ctx.a_dim, ctx.b_dim)
+    return da, db, None, None
+
+
+gemm_softmax_op.register_autograd(_gemm_softmax_backward, setup_context=_gemm_softmax_setup_context)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def gemm_softmax(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float = 1.0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Fused ``softmax(scale * (a @ b), dim=-1)``.
+
+    Args:
+        a: ``(M, K)`` or batched ``(B, M, K)``.
+        b: ``(K, N)`` or batched ``(B, K, N)``; a 2-D operand is broadcast over
+            the batch of the other one.
+        scale: finite multiplier applied to ``a @ b`` before the softmax.
+        out_dtype: dtype of the result; defaults to the input dtype.
+
+    Returns:
+        ``(M, N)`` or ``(B, M, N)``, contiguous, in ``out_dtype``; every row sums to 1.
+
+    Devices and dtypes:
+        CUDA: ``a`` and ``b`` both float16 or both bfloat16; the product and the
+        softmax are computed in float32 in one kernel (the ``M x N`` scores are
+        never written to memory); ``out_dtype`` float16, bfloat16 or float32;
+        16-byte aligned data pointers.  Non-row-major views are copied with
+        ``.contiguous()``.  CPU: the plain-torch reference, which also accepts
+        float32 and float64.
+
+    ``M == 0``, ``N == 0`` or ``B == 0`` give an empty result; ``K == 0`` gives
+    the uniform distribution ``1 / N``.
+
+    Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
+    Works under ``torch.compile(fullgraph=True)``.
+    """
+    return torch.ops.tile_ops.gemm_softmax(a, b, scale, out_dtype)
