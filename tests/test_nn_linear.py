@@ -1,0 +1,150 @@
+"""tile_ops.nn.Linear as a drop-in for torch.nn.Linear (CPU path)."""
+
+import pytest
+import torch
+
+import tile_ops
+import tile_ops.nn
+from tile_ops.integrations.linear import convert_linears
+
+
+def test_alias_module():
+    from tile_ops.integrations import Linear
+
+    assert tile_ops.nn.Linear is Linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_same_init_parameters_and_state_dict_keys(bias):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(12, 7, bias=bias)
+    torch.manual_seed(0)
+    ours = tile_ops.nn.Linear(12, 7, bias=bias)
+    assert list(ours.state_dict().keys()) == list(ref.state_dict().keys())
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v)
+    assert ours.weight.shape == (7, 12) and (ours.bias is None) == (not bias)
+    assert repr(ours) == repr(ref)
+    assert ours.in_features == 12 and ours.out_features == 7
+
+
+def test_constructor_dtype_device_and_reset():
+    m = tile_ops.nn.Linear(4, 3, bias=True, device="cpu", dtype=torch.float64)
+    assert m.weight.dtype == torch.float64 and m.bias.dtype == torch.float64
+    m2 = tile_ops.nn.Linear(4, 3, device="meta")
+    assert m2.weight.device.type == "meta"
+    torch.manual_seed(5)
+    m.reset_parameters()
+    bound = 1 / 2  # 1/sqrt(in_features)
+    assert m.weight.abs().max() <= bound and m.bias.abs().max() <= bound
+
+
+def test_state_dict_round_trip():
+    ref = torch.nn.Linear(6, 5)
+    ours = tile_ops.nn.Linear(6, 5)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(ours(x), ref(x))
+    back = torch.nn.Linear(6, 5)
+    back.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(back(x), ref(x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_linear_shares_or_copies(bias):
+    ref = torch.nn.Linear(6, 4, bias=bias)
+    shared = tile_ops.nn.Linear.from_linear(ref)
+    assert shared.weight is ref.weight and shared.bias is ref.bias
+    copied = tile_ops.nn.Linear.from_linear(ref, copy=True)
+    assert copied.weight is not ref.weight and torch.equal(copied.weight, ref.weight)
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(shared(x), ref(x))
+    torch.testing.assert_close(copied(x), ref(x))
+    with pytest.raises(TypeError, match="expected a torch.nn.Linear, got Conv1d"):
+        tile_ops.nn.Linear.from_linear(torch.nn.Conv1d(1, 1, 1))
+
+
+def test_convert_linears():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(8, 2)))
+    x = torch.randn(5, 4)
+    ref = model(x)
+    convert_linears(model)
+    assert isinstance(model[0], tile_ops.nn.Linear) and isinstance(model[2][0], tile_ops.nn.Linear)
+    torch.testing.assert_close(model(x), ref)
+
+
+@pytest.mark.parametrize("shape", [(6,), (3, 6), (2, 3, 6), (2, 1, 3, 6), (0, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_forward_backward_match_torch(shape, dtype):
+    torch.manual_seed(1)
+    ref = torch.nn.Linear(6, 5, dtype=dtype)
+    ours = tile_ops.nn.Linear.from_linear(ref, copy=True)
+    x = torch.randn(*shape, dtype=dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y = ref(x1), ours(x2)
+    assert y.shape == y_ref.shape and y.dtype == dtype
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(y, y_ref, **tol)
+    g = torch.randn_like(y)
+    y_ref.backward(g)
+    y.backward(g)
+    torch.testing.assert_close(x2.grad, x1.grad, **tol)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, **tol)
+    torch.testing.assert_close(ours.bias.grad, ref.bias.grad, **tol)
+
+
+def test_non_contiguous_input():
+    ref = torch.nn.Linear(6, 5)
+    ours = tile_ops.nn.Linear.from_linear(ref)
+    x = torch.randn(4, 6, 3).transpose(1, 2)  # (4, 3, 6), not viewable as 2-D
+    torch.testing.assert_close(ours(x), ref(x))
+    x = torch.randn(6, 9).t()  # (9, 6) transposed view
+    torch.testing.assert_close(ours(x), ref(x))
+
+
+def test_forward_uses_tile_ops_gemm_with_transposed_weight_view():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.tile_ops.gemm.default:
+                seen.append(args)
+            return func(*args, **(kwargs or {}))
+
+    m = tile_ops.nn.Linear(6, 5)
+    with Log():
+        m(torch.randn(2, 3, 6))
+    (x2, w_t, bias), = seen
+    assert x2.shape == (6, 6) and w_t.shape == (6, 5) and w_t.stride() == (1, 6)
+    assert w_t.data_ptr() == m.weight.data_ptr()
+
+
+def test_bad_input_shape():
+    m = tile_ops.nn.Linear(6, 5)
+    with pytest.raises(ValueError, match=r"tile_ops.nn.Linear: expected an input of shape \(\*, in_features\) with in_features=6, got shape \(3, 4\)"):
+        m(torch.randn(3, 4))
+
+
+def test_mlp_training_matches_torch():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ours = torch.nn.Sequential(
+        tile_ops.nn.Linear.from_linear(ref[0], copy=True), torch.nn.Tanh(), tile_ops.nn.Linear.from_linear(ref[2], copy=True)
+    )
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    losses_ref, losses = [], []
+    for _ in range(10):
+        for model, o, log in ((ref, opt_ref, losses_ref), (ours, opt, losses)):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            o.step()
+            log.append(loss.item())
+    assert losses[-1] < losses[0]
+    for l_ours, l_ref in zip(losses, losses_ref):
+        assert abs(l_ours - l_ref) <= 1e-5 * max(1.0, abs(l_ref))

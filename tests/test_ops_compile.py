@@ -1,0 +1,126 @@
+"""torch.library.opcheck and torch.compile(fullgraph=True) for the tile_ops ops (CPU path)."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import tile_ops
+import tile_ops.nn
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+
+def _r(*shape, dtype=F32, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def _rt(*shape, dtype=F32, grad=True):
+    """A transposed view (last two dims swapped) of a fresh leaf."""
+    t = torch.randn(*shape[:-2], shape[-1], shape[-2], dtype=dtype).requires_grad_(grad)
+    return t.transpose(-1, -2)
+
+
+GEMM_SAMPLES = {
+    "2d_bias": lambda: ((_r(5, 7), _r(7, 3), _r(3)), {}),
+    "batched_bT_f64": lambda: ((_r(2, 5, 7, dtype=F64), _rt(2, 7, 3, dtype=F64)), {}),
+    "batched_a_2d_b_out_f64": lambda: ((_r(3, 4, 6), _r(6, 5), _r(5)), {"out_dtype": F64}),
+    "aT_2d_batched_b": lambda: ((_rt(4, 6), _r(2, 6, 3)), {}),
+    "bf16_out_f32": lambda: ((_r(4, 8, dtype=BF16, grad=False), _r(8, 3, dtype=BF16, grad=False)), {"out_dtype": F32}),
+    "k_zero": lambda: ((_r(3, 0), _r(0, 4), _r(4)), {}),
+}
+
+GEMM_SOFTMAX_SAMPLES = {
+    "2d": lambda: ((_r(5, 7), _r(7, 3)), {}),
+    "2d_scale": lambda: ((_r(5, 7, dtype=F64), _r(7, 3, dtype=F64), 0.5), {}),
+    "batched_transposed": lambda: ((_rt(2, 5, 7), _rt(2, 7, 4), -0.25), {}),
+    "batched_a_2d_b": lambda: ((_r(3, 4, 6), _r(6, 5), 2.0), {}),
+    "f16_out_f32": lambda: ((_r(4, 8, dtype=F16, grad=False), _r(8, 3, dtype=F16, grad=False), 0.1), {"out_dtype": F32}),
+}
+
+
+@pytest.mark.parametrize("name", list(GEMM_SAMPLES))
+def test_opcheck_gemm_cpu(name):
+    args, kwargs = GEMM_SAMPLES[name]()
+    torch.library.opcheck(torch.ops.tile_ops.gemm.default, args, kwargs)
+
+
+@pytest.mark.parametrize("name", list(GEMM_SOFTMAX_SAMPLES))
+def test_opcheck_gemm_softmax_cpu(name):
+    args, kwargs = GEMM_SOFTMAX_SAMPLES[name]()
+    torch.library.opcheck(torch.ops.tile_ops.gemm_softmax.default, args, kwargs)
+
+
+class TinyModel(torch.nn.Module):
+    """x (M, 16) -> tile_ops Linear -> softmax(h @ keys / sqrt(d)) via gemm_softmax -> gemm with values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = tile_ops.nn.Linear(16, 32)
+        self.keys = torch.nn.Parameter(torch.randn(32, 24))
+        self.values = torch.nn.Parameter(torch.randn(24, 8))
+
+    def forward(self, x):
+        h = self.proj(x)
+        p = tile_ops.gemm_softmax(h, self.keys, 32 ** -0.5)
+        return tile_ops.gemm(p, self.values)
+
+
+def _graph_ops(counter_graphs):
+    return {str(n.target) for gm in counter_graphs for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_explain_no_graph_breaks():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyModel()
+    explanation = torch._dynamo.explain(model)(torch.randn(10, 16))
+    assert explanation.graph_count == 1
+    assert explanation.graph_break_count == 0
+    ops = _graph_ops(explanation.graphs)
+    assert {"tile_ops.gemm", "tile_ops.gemm_softmax"} <= {op.removesuffix(".default") for op in ops}
+
+
+@pytest.mark.parametrize("dynamic_m", [False, True])
+def test_compile_fullgraph_matches_eager(dynamic_m):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyModel()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+
+    for M in (10, 13, 7):
+        x = torch.randn(M, 16, requires_grad=True)
+        if dynamic_m:
+            torch._dynamo.mark_dynamic(x, 0)
+        x_ref = x.detach().clone().requires_grad_()
+        y = compiled(x)
+        y_ref = model(x_ref)
+        torch.testing.assert_close(y, y_ref)
+        g = torch.randn_like(y)
+        grads = torch.autograd.grad(y, [x, *model.parameters()], g)
+        grads_ref = torch.autograd.grad(y_ref, [x_ref, *model.parameters()], g)
+        for got, want in zip(grads, grads_ref):
+            torch.testing.assert_close(got, want)
+
+    if dynamic_m:
+        assert counter.frame_count == 1  # one graph, symbolic in M: no recompiles
+    else:
+        assert counter.frame_count >= 1
+
+
+def test_compile_inductor_dynamic_matches_eager():
+    """The default backend (inductor) around the custom ops, with a dynamic M and a backward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyModel()
+    compiled = torch.compile(model, fullgraph=True)
+    for M in (9, 12):
+        x = torch.randn(M, 16, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        x_ref = x.detach().clone().requires_grad_()
+        y, y_ref = compiled(x), model(x_ref)
+        torch.testing.assert_close(y, y_ref)
+        y.sum().backward()
+        y_ref.sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)

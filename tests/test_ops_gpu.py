@@ -1,0 +1,250 @@
+"""GPU tests of the tile_ops ops (run on the H200; auto-skipped without CUDA).
+
+Fresh random inputs every test, freed memory poisoned with NaN before each op
+call (the op's output comes from the caching allocator), results compared with
+a float64 reference by relative Frobenius error.
+"""
+
+import pytest
+import torch
+
+import tile_ops
+import tile_ops.nn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+TOL = {F16: 5e-3, BF16: 1e-2}
+DTYPES = [F16, BF16]
+SHAPES = [(127, 255, 129), (256, 256, 256), (1, 64, 8), (333, 96, 200), (64, 1000, 72)]  # (M, K, N)
+
+
+def rel_err(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def poison(nbytes=64 << 20):
+    """Fill freed allocator memory with NaN so an unwritten output element shows up."""
+    t = torch.full((nbytes // 4,), float("nan"), device="cuda", dtype=F32)
+    del t
+
+
+def rnd(*shape, dtype=F16, scale=1.0):
+    return (torch.randn(*shape, device="cuda", dtype=F32) * scale).to(dtype)
+
+
+def ref_gemm(a, b, bias=None):
+    out = torch.matmul(a.double(), b.double())
+    return out if bias is None else out + bias.double()
+
+
+def ref_gemm_softmax(a, b, scale):
+    return torch.softmax(torch.matmul(a.double(), b.double()) * scale, -1)
+
+
+def _operands(kind, M, K, N, dtype, B=3):
+    if kind == "2d":
+        return rnd(M, K, dtype=dtype), rnd(K, N, dtype=dtype)
+    if kind == "batched":
+        return rnd(B, M, K, dtype=dtype), rnd(B, K, N, dtype=dtype)
+    if kind == "batched_a_2d_b":
+        return rnd(B, M, K, dtype=dtype), rnd(K, N, dtype=dtype)
+    if kind == "a_t":
+        return rnd(K, M, dtype=dtype).t(), rnd(K, N, dtype=dtype)
+    if kind == "b_t":
+        return rnd(M, K, dtype=dtype), rnd(N, K, dtype=dtype).t()
+    if kind == "both_t_batched":
+        return rnd(B, K, M, dtype=dtype).mT, rnd(B, N, K, dtype=dtype).mT
+    if kind == "strided":
+        return rnd(M, 2 * K, dtype=dtype)[:, ::2], rnd(K, N, dtype=dtype)
+    raise ValueError(kind)
+
+
+KINDS = ["2d", "batched", "batched_a_2d_b", "a_t", "b_t", "both_t_batched", "strided"]
+
+
+# --------------------------------------------------------------------------- gemm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_gemm_vs_float64(dtype, shape, kind):
+    M, K, N = shape
+    a, b = _operands(kind, M, K, N, dtype)
+    poison()
+    out = tile_ops.gemm(a, b)
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.is_contiguous() and torch.isfinite(out).all()
+    assert rel_err(out, ref_gemm(a, b)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", [None, F32])
+@pytest.mark.parametrize("kind", ["2d", "batched_a_2d_b", "b_t"])
+def test_gemm_bias_and_out_dtype(dtype, out_dtype, kind):
+    M, K, N = 127, 255, 129
+    a, b = _operands(kind, M, K, N, dtype)
+    bias = rnd(N, dtype=dtype)
+    poison()
+    out = tile_ops.gemm(a, b, bias, out_dtype=out_dtype)
+    assert out.dtype == (out_dtype or dtype) and torch.isfinite(out).all()
+    assert rel_err(out, ref_gemm(a, b, bias)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_grads_vs_float64(dtype):
+    M, K, N = 127, 255, 129
+    a = rnd(2, M, K, dtype=dtype).requires_grad_()
+    b = rnd(N, K, dtype=dtype).t().detach().requires_grad_()  # a transposed leaf
+    bias = rnd(N, dtype=dtype).requires_grad_()
+    g = rnd(2, M, N, dtype=dtype)
+    tile_ops.gemm(a, b, bias).backward(g)
+    a64, b64, bias64 = (t.detach().double().requires_grad_() for t in (a, b, bias))
+    ref_gemm(a64, b64, bias64).backward(g.double())
+    for t, r in ((a, a64), (b, b64), (bias, bias64)):
+        assert t.grad.dtype == dtype
+        assert rel_err(t.grad, r.grad) < TOL[dtype]
+
+
+def test_gemm_empty_and_k_zero():
+    assert tile_ops.gemm(rnd(0, 64), rnd(64, 32)).shape == (0, 32)
+    assert tile_ops.gemm(rnd(16, 64), rnd(64, 0)).shape == (16, 0)
+    bias = rnd(32)
+    out = tile_ops.gemm(rnd(16, 0), rnd(0, 32), bias, out_dtype=F32)
+    torch.testing.assert_close(out, bias.float().expand(16, 32))
+
+
+def test_gemm_cuda_input_errors():
+    a, b = rnd(64, 64), rnd(64, 64)
+    with pytest.raises(TypeError, match=r"accepted on CUDA: float16 or bfloat16"):
+        tile_ops.gemm(a.float(), b.float())
+    with pytest.raises(TypeError, match=r"same dtype"):
+        tile_ops.gemm(a, b.bfloat16())
+    with pytest.raises(RuntimeError, match=r"same device"):
+        tile_ops.gemm(a, b.cpu())
+    with pytest.raises(ValueError, match=r"inner dimensions do not match"):
+        tile_ops.gemm(a, rnd(32, 64))
+
+
+def test_gemm_misaligned_pointer_error():
+    buf = rnd(1 + 64 * 64)
+    a = buf[1:].view(64, 64)  # storage offset of one element: 2 bytes off 16-byte alignment
+    with pytest.raises(ValueError, match=r"not 16-byte aligned.*a\.clone\(\)"):
+        tile_ops.gemm(a, rnd(64, 32))
+    out = tile_ops.gemm(a.clone(), rnd(64, 32))  # the suggested fix works
+    assert out.shape == (64, 32)
+
+
+# --------------------------------------------------------------------------- gemm_softmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["2d", "batched", "batched_a_2d_b", "b_t", "strided"])
+def test_gemm_softmax_vs_float64(dtype, shape, kind):
+    M, K, N = shape
+    a, b = _operands(kind, M, K, N, dtype)
+    scale = K ** -0.5
+    poison()
+    out = tile_ops.gemm_softmax(a, b, scale)
+    torch.cuda.synchronize()
+    assert out.dtype == dtype and out.is_contiguous() and torch.isfinite(out).all()
+    assert rel_err(out, ref_gemm_softmax(a, b, scale)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_softmax_out_dtype_f32(dtype):
+    a, b = rnd(127, 255, dtype=dtype), rnd(255, 129, dtype=dtype)
+    out = tile_ops.gemm_softmax(a, b, 0.1, out_dtype=F32)
+    assert out.dtype == F32
+    assert rel_err(out, ref_gemm_softmax(a, b, 0.1)) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_softmax_grads_vs_float64(dtype):
+    M, K, N = 127, 255, 129
+    a = rnd(2, M, K, dtype=dtype).requires_grad_()
+    b = rnd(2, K, N, dtype=dtype).requires_grad_()
+    g = rnd(2, M, N, dtype=dtype)
+    scale = K ** -0.5
+    tile_ops.gemm_softmax(a, b, scale).backward(g)
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    ref_gemm_softmax(a64, b64, scale).backward(g.double())
+    for t, r in ((a, a64), (b, b64)):
+        assert t.grad.dtype == dtype
+        assert rel_err(t.grad, r.grad) < TOL[dtype]
+
+
+def test_gemm_softmax_errors_and_edge_cases():
+    a, b = rnd(64, 64), rnd(64, 32)
+    with pytest.raises(ValueError, match=r"scale must be a finite float"):
+        tile_ops.gemm_softmax(a, b, float("inf"))
+    with pytest.raises(TypeError, match=r"accepted on CUDA"):
+        tile_ops.gemm_softmax(a.double(), b.double())
+    buf = rnd(1 + 64 * 64)
+    with pytest.raises(ValueError, match=r"16-byte aligned"):
+        tile_ops.gemm_softmax(buf[1:].view(64, 64), b)
+    torch.testing.assert_close(
+        tile_ops.gemm_softmax(rnd(8, 0), rnd(0, 4)), torch.full((8, 4), 0.25, device="cuda", dtype=F16)
+    )
+
+
+# --------------------------------------------------------------------------- opcheck / compile
+
+
+def test_opcheck_cuda():
+    for dtype in DTYPES:
+        a = rnd(2, 33, 40, dtype=dtype).requires_grad_()
+        b = rnd(24, 40, dtype=dtype).t().detach().requires_grad_()
+        bias = rnd(24, dtype=dtype).requires_grad_()
+        torch.library.opcheck(torch.ops.tile_ops.gemm.default, (a, b, bias))
+        torch.library.opcheck(torch.ops.tile_ops.gemm.default, (a, b), {"out_dtype": F32})
+        torch.library.opcheck(torch.ops.tile_ops.gemm_softmax.default, (a, b, 0.3))
+        torch.library.opcheck(torch.ops.tile_ops.gemm_softmax.default, (a[0], b, 1.0), {"out_dtype": F32})
+
+
+def test_compile_fullgraph_dynamic_cuda():
+    torch._dynamo.reset()
+    lin = tile_ops.nn.Linear(64, 128, device="cuda", dtype=BF16)
+    keys = rnd(128, 96, dtype=BF16)
+
+    def f(x):
+        return tile_ops.gemm_softmax(lin(x), keys, 128 ** -0.5)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for M in (100, 37):
+        x = rnd(M, 64, dtype=BF16)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), f(x))
+
+
+# --------------------------------------------------------------------------- nn.Linear
+
+
+def test_mlp_training_matches_torch_linear():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)
+    ).to(device="cuda", dtype=BF16)
+    ours = torch.nn.Sequential(
+        tile_ops.nn.Linear.from_linear(ref[0], copy=True), torch.nn.GELU(), tile_ops.nn.Linear.from_linear(ref[2], copy=True)
+    )
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.05)
+    x, y = rnd(384, 256, dtype=BF16), rnd(384, 64, dtype=BF16)
+    losses_ref, losses = [], []
+    for _ in range(20):
+        for model, o, log in ((ref, opt_ref, losses_ref), (ours, opt, losses)):
+            o.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+            loss.backward()
+            o.step()
+            log.append(loss.item())
+    assert losses[-1] < losses[0]
+    for l_ours, l_ref in zip(losses, losses_ref):
+        assert abs(l_ours - l_ref) <= 2e-2 * abs(l_ref), (losses, losses_ref)
