@@ -365,8 +365,9 @@ class Lowerer:
             out = tirx.And(out, c)
         return out
 
-    def _copy_elem(self, node, s_start, d_start, idx):
+    def _copy_elem(self, node, s_start, d_start, idx, d_stage=None):
         sb, db = node.src.buffer, node.dst.buffer
+        d_stage = self.stage(db) if d_stage is None else d_stage
         s_idx = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
         d_idx = [a + b for a, b in zip(d_start, _pad(idx, d_start))]
         value = self.load(sb, s_idx, stage=self.stage(sb))
@@ -377,9 +378,9 @@ class Lowerer:
         if pred_d is not None:
             with T.If(pred_d):
                 with T.Then():
-                    self.store(db, d_idx, value, stage=self.stage(db))
+                    self.store(db, d_idx, value, stage=d_stage)
         else:
-            self.store(db, d_idx, value, stage=self.stage(db))
+            self.store(db, d_idx, value, stage=d_stage)
 
     def flat_loop(self, extents, body_fn, vec=1):
         """Distribute a row-major iteration space over the block's threads."""
@@ -406,8 +407,11 @@ class Lowerer:
         sb, db = node.src.buffer, node.dst.buffer
         t = self.shared[db]
         bits = dtype_bits(sb.dtype)
+        def sync_copy():  # element by element, into the stage being filled
+            self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx, stage))
+
         if sb.dtype != db.dtype or len(extents) != 2 or t.layout is None:
-            return self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx))
+            return sync_copy()
         rows, cols = extents
         vec = 1
         for v in (128 // bits, 64 // bits, 32 // bits):
@@ -416,7 +420,7 @@ class Lowerer:
                 vec = v
                 break
         if vec * bits < 32:  # cp.async moves 4, 8 or 16 bytes; narrower rows take the synchronous path
-            return self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx))
+            return sync_copy()
 
         def one(idx):
             r, c = idx

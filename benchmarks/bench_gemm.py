@@ -1,0 +1,74 @@
+"""GEMM TFLOP/s: tile_ops beside torch.matmul (cuBLAS) and an autotuned Triton matmul, one run.
+
+    python benchmarks/bench_gemm.py [--no-triton] [--json out.json] [--png out.png]
+"""
+
+import argparse
+import concurrent.futures as cf
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import bench_ms, print_table, save  # noqa: E402
+
+from tile_ops.kernels.gemm import GemmConfig, default_config, gemm  # noqa: E402
+
+SHAPES = {  # ../shared/ANCHORS.md
+    "float16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (8192, 1024, 8192),
+                (4096, 14336, 4096), (1000, 1000, 1000), (16, 8192, 8192)],
+    "bfloat16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)],
+}
+EXTRA_CONFIGS = [GemmConfig(128, 128, 32, 3, 128, 8), GemmConfig(128, 256, 32, 4, 256, 8),
+                 GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)]
+
+
+def kernels_for(M, N, K, dtype, configs):
+    return {cfg: gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg) for cfg in configs}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--no-triton", action="store_true")
+    p.add_argument("--configs", action="store_true", help="also time a few block configs, report the best")
+    p.add_argument("--json")
+    p.add_argument("--png")
+    args = p.parse_args()
+    jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes]
+    configs = {job: [default_config(*job[:3])] + (EXTRA_CONFIGS if args.configs else []) for job in jobs}
+    with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
+        built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j]), jobs)))
+    rows = []
+    for (M, N, K, dt) in jobs:
+        torch_dt = getattr(torch, dt)
+        a = torch.randn(M, K, dtype=torch_dt, device="cuda")
+        b = torch.randn(K, N, dtype=torch_dt, device="cuda")
+        c = torch.empty(M, N, dtype=torch_dt, device="cuda")
+        tflops = lambda ms: 2 * M * N * K / ms / 1e9  # noqa: E731
+        ref = (a.double() @ b.double())
+        best, best_cfg, err = 0.0, None, None
+        for cfg, k in built[(M, N, K, dt)].items():
+            k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()], a.device)  # A, B, (bias), C
+            e = ((c.double() - ref).norm() / ref.norm()).item()
+            ms = bench_ms(lambda: k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()], a.device))
+            if tflops(ms) > best:
+                best, best_cfg, err = tflops(ms), cfg, e
+        cublas = tflops(bench_ms(lambda: torch.matmul(a, b)))
+        row = {"dtype": dt, "shape": f"{M}x{N}x{K}", "tile_ops": round(best, 1), "cuBLAS": round(cublas, 1),
+               "vs_cuBLAS": round(best / cublas, 3), "rel_err": f"{err:.1e}",
+               "config": f"{best_cfg.block_M}x{best_cfg.block_N}x{best_cfg.block_K}/s{best_cfg.num_stages}/t{best_cfg.threads}"}
+        if not args.no_triton:
+            from triton_matmul import matmul as triton_matmul
+
+            row["triton"] = round(tflops(bench_ms(lambda: triton_matmul(a, b))), 1)
+        rows.append(row)
+        del a, b, c, ref
+    cols = ["dtype", "shape", "tile_ops", "cuBLAS"] + ([] if args.no_triton else ["triton"]) + [
+        "vs_cuBLAS", "rel_err", "config"]
+    print_table(rows, cols, f"GEMM TFLOP/s on {torch.cuda.get_device_name()} (tile_ops sm80 path: cp.async + mma.sync)")
+    save(rows, args.json, args.png, ys=("tile_ops", "cuBLAS", "triton"), ylabel="TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The compiler down to CUDA source, cubin and SASS, on the CPU (no GPU needed)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import tile_ops
+import tile_ops.lang as T
+from programs import matmul
+from tile_ops.compiler import compile_program
+from tile_ops.jit.build import _find_tool
+from tile_ops.kernels.gemm import GemmConfig, gemm
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+
+needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
+needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_matmul_lowers_to_cp_async_ldmatrix_mma():
+    c = compile_program(matmul.fn(1024, 1024, 1024), "sm_80")
+    src = c.source
+    for needle in ("cp.async.cg.shared.global", "cp.async.wait_group", "ldmatrix.sync.aligned.m8n8.x4",
+                   "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "extern __shared__"):
+        assert needle in src, needle
+    assert c.kept == ["A", "B", "C"] and c.grid == (8, 8, 1) and c.block == (128, 1, 1)
+    assert c.smem_bytes == 3 * (128 * 32 + 32 * 128) * 2  # three stages of A and B tiles
+    assert c.layouts["C_f"].startswith("fragment mma") and "swizzled" in c.layouts["A_s"]
+
+
+def test_shared_tiles_are_swizzled_conflict_free():
+    from tile_ops.compiler.layout import SharedLayout
+
+    for cols in (32, 64, 128, 256):  # fp16 rows of 64 B .. 512 B
+        lay = SharedLayout(64, cols, 16)
+        for chunk in range(cols // 8):
+            for r0 in range(0, 64, 8):  # 8 rows read at one 16-byte column: 8 distinct bank groups
+                groups = {(lay.offset(r0 + r, chunk * 8) * 2 // 16) % 8 for r in range(8)}
+                assert len(groups) == 8, (cols, chunk, r0)
+        offsets = {lay.offset(i, j) for i in range(64) for j in range(cols)}
+        assert offsets == set(range(64 * cols))  # a permutation: nothing overlaps
+
+
+def test_bf16_and_transposes_and_ragged_shapes_lower():
+    c = compile_program(matmul.fn(127, 255, 129, dtype="bfloat16", transpose_A=True, transpose_B=True,
+                                  out_dtype="float32"), "sm_80")
+    assert "m16n8k16.row.col.f32.bf16.bf16.f32" in c.source
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans" in c.source  # A^T tile
+    assert "float* __restrict__ C_ptr" in c.source
+
+
+def test_gemm_softmax_uses_fragment_reductions():
+    c = compile_program(gemm_softmax.fn(512, 1024, 256, 0.5), "sm_80")
+    assert "__shfl_xor_sync" in c.source and "exp2" in c.source
+    assert c.layouts["m"].startswith("fragment mma_row")
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_cubins_contain_the_intended_instructions(arch):
+    k = matmul(512, 512, 512, target=arch)
+    mix = k.instruction_mix()
+    assert mix.get("HMMA", 0) >= 64 and mix.get("LDSM", 0) > 0 and mix.get("LDGSTS", 0) > 0
+    assert k.meta.resources["spill_stores"] == 0
+    ks = gemm_softmax(256, 512, 128, 0.5, target=arch)
+    mix = ks.instruction_mix()
+    assert mix.get("HMMA", 0) > 0 and mix.get("SHFL", 0) > 0 and mix.get("LDGSTS", 0) > 0
+
+
+@needs_nvcc
+def test_library_gemm_batched_bias_builds():
+    k = gemm(200, 136, 72, 3, 3, 1, False, True, True, "float16", "float32", GemmConfig(64, 128, 32, 2, 128, 0),
+             target="sm_90a")
+    assert k.meta.kept == ["A", "B", "Bias", "C"] and k.meta.grid == (2, 4, 3)
+
+
+# ----------------------------------------------------------------------------- errors name the user's line
+
+
+def _lower_error(fn):
+    with pytest.raises(tile_ops.lang.TileLangError) as e:
+        compile_program(fn(), "sm_80")
+    return str(e.value)
+
+
+def test_error_unsupported_dtype_names_line():
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((64, 64), "float32"), C: T.Tensor((64, 64), "float32")):
+            with T.Kernel(1, threads=128) as bx:
+                A_s = T.alloc_shared((64, 64), "float32")
+                C_f = T.alloc_fragment((64, 64), "float32")
+                T.copy(A[0, 0], A_s)
+                T.gemm(A_s, A_s, C_f)  # float32 operands: mma.sync takes fp16/bf16
+                T.copy(C_f, C[0, 0])
+        return bad
+
+    msg = _lower_error(prog)
+    assert "test_compiler.py" in msg and "T.gemm(A_s, A_s, C_f)" in msg and "float16 or bfloat16" in msg
+
+
+def test_error_untileable_shape():
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((24, 32), "float16"), B: T.Tensor((32, 24), "float16"), C: T.Tensor((24, 24), "float16")):
+            with T.Kernel(1, threads=128) as bx:
+                A_s = T.alloc_shared((24, 32), "float16")
+                B_s = T.alloc_shared((32, 24), "float16")
+                C_f = T.alloc_fragment((24, 24), "float32")
+                T.gemm(A_s, B_s, C_f)
+        return bad
+
+    msg = _lower_error(prog)
+    assert "T.gemm(A_s, B_s, C_f)" in msg and "cannot be tiled by 4 warps" in msg
+
+
+def test_error_fragment_used_inconsistently():
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((64, 64), "float16"), C: T.Tensor((64, 64), "float16")):
+            with T.Kernel(1, threads=128) as bx:
+                A_s = T.alloc_shared((64, 64), "float16")
+                C1 = T.alloc_fragment((64, 64), "float32")
+                C2 = T.alloc_fragment((64, 64), "float32")
+                T.gemm(A_s, A_s, C1)
+                T.gemm(A_s, A_s, C2, policy="full_row")
+                for i, j in T.Parallel(64, 64):
+                    C1[i, j] = C1[i, j] + C2[i, j]
+        return bad
+
+    msg = _lower_error(prog)
+    assert "different layouts" in msg and "T.Parallel" in msg
+
+
+def test_error_string_annotations_explained():
+    src = textwrap.dedent('''
+        from __future__ import annotations
+        import tile_ops.lang as T
+        @T.prim_func
+        def f(A: T.Tensor((16,), "float16")):
+            pass
+    ''')
+    with pytest.raises(tile_ops.lang.TileLangError, match="from __future__ import annotations"):
+        exec(compile(src, "user_kernel.py", "exec"), {})
+
+
+# ----------------------------------------------------------------------------- cache hit without TVM
+
+
+@needs_nvcc
+def test_second_process_hits_cache_without_importing_tvm(tmp_path):
+    env = dict(os.environ, TILE_OPS_CACHE_DIR=str(tmp_path / "c"), PYTHONPATH=os.path.dirname(__file__))
+    script = textwrap.dedent('''
+        import sys, time
+        t = time.perf_counter()
+        from programs import matmul
+        k = matmul(256, 256, 256, target="sm_90a")
+        print("tvm" in sys.modules, len(k.cubin) > 0, round(time.perf_counter() - t, 3))
+    ''')
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert first.stdout.split()[:2] == ["True", "True"]  # cold: traced and lowered with TVM
+    assert second.stdout.split()[:2] == ["False", "True"]  # warm: straight from the disk cache

@@ -1,0 +1,57 @@
+"""The kernels on a GPU against float64 references (fresh random inputs, poisoned outputs)."""
+
+import pytest
+import torch
+
+from programs import matmul
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+
+pytestmark = pytest.mark.gpu
+TOL = {"float16": 5e-3, "bfloat16": 1e-2}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def poisoned(kernel):
+    """Run the kernel with its output pre-filled with NaN, so unwritten elements fail the check."""
+    name, shape, dtype = kernel.meta.params[kernel.meta.out_idx[0]]
+    return torch.full(shape, float("nan"), dtype=getattr(torch, dtype), device="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("M,N,K", [(2048, 2048, 2048), (4096, 4096, 4096), (1000, 1000, 1000),
+                                   (127, 255, 129), (1, 4096, 4096)])
+def test_matmul_example(M, N, K, dtype):
+    kernel = matmul(M, N, K, dtype=dtype)
+    a = torch.randn(M, K, dtype=getattr(torch, dtype), device="cuda")
+    b = torch.randn(K, N, dtype=getattr(torch, dtype), device="cuda")
+    c = poisoned(kernel)
+    kernel.launch(a, b, c)
+    assert rel_err(c, a.double() @ b.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("ta,tb", [(True, False), (False, True), (True, True)])
+def test_matmul_transposed_fp32_out(ta, tb):
+    M, N, K = 257, 130, 200
+    kernel = matmul(M, N, K, transpose_A=ta, transpose_B=tb, out_dtype="float32")
+    a = torch.randn(K if ta else M, M if ta else K, dtype=torch.float16, device="cuda")
+    b = torch.randn(N if tb else K, K if tb else N, dtype=torch.float16, device="cuda")
+    c = kernel(a, b)
+    ref = (a.double().T if ta else a.double()) @ (b.double().T if tb else b.double())
+    assert c.dtype == torch.float32 and rel_err(c, ref) < 5e-3
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("M,N,K", [(256, 64, 64), (1000, 200, 96), (512, 1024, 256), (300, 4096, 128),
+                                   (128, 8192, 64), (8192, 2048, 1024)])
+def test_gemm_softmax(M, N, K, dtype):
+    scale = 0.125
+    kernel = gemm_softmax(M, N, K, scale, dtype, dtype)
+    a = torch.randn(M, K, dtype=getattr(torch, dtype), device="cuda")
+    b = torch.randn(K, N, dtype=getattr(torch, dtype), device="cuda")
+    out = poisoned(kernel)
+    kernel.launch(a, b, out)
+    ref = torch.softmax(scale * (a.double() @ b.double()), dim=-1)
+    assert rel_err(out, ref) < TOL[dtype]
