@@ -1,7 +1,6 @@
 """``tile_ops.nn.Linear``: a drop-in replacement for ``torch.nn.Linear`` running on ``tile_ops.gemm``."""
 
 import math
-from typing import Optional
 
 import torch
 from torch.nn import Parameter, init
