@@ -301,7 +301,7 @@ def test_gpu_launch_real_cubin(axpb_cubin, smem_bytes):
 @pytest.mark.gpu
 def test_gpu_bad_launch_raises_formatted_error(lib, axpb_cubin):
     x = torch.zeros(1024, device="cuda")
-    f = CudaFunction(axpb_cubin, "axpb_kernel", 0)
+    f = CudaFunction(axpb_cubin, "axpb_kernel", 256 * 4)  # the kernel stages blockDim floats
     with pytest.raises(RuntimeError, match=re.escape(
             "tile_ops: CUDA error CUDA_ERROR_INVALID_VALUE (invalid argument) in cuLaunchKernel for kernel 'axpb_kernel'")):
         f.launch((1, 1, 1), (4096, 1, 1), [x.data_ptr(), x.data_ptr()], 0, 0)  # block too large

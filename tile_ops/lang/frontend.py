@@ -49,11 +49,11 @@ def prim_func(fn) -> ir.Program:
         params.append(buf)
     prog = ir.Program(fn.__name__, params, loc=loc)
     tracer = ir._Tracer()
-    ir._TRACERS.append(tracer)
+    ir.tracers().append(tracer)
     try:
         fn(*params)
     finally:
-        ir._TRACERS.pop()
+        ir.tracers().pop()
     if tracer.kernel is None:
         raise error(loc, "a @T.prim_func body must contain one `with T.Kernel(...)` block")
     prog.kernel = tracer.kernel

@@ -12,6 +12,7 @@ import linecache
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,13 +235,19 @@ class _Tracer:
         self.names: dict[str, int] = {}
 
 
-_TRACERS: list[_Tracer] = []
+_STATE = threading.local()  # programs may be traced concurrently (parallel compiles)
+
+
+def tracers() -> list:
+    if not hasattr(_STATE, "tracers"):
+        _STATE.tracers = []
+    return _STATE.tracers
 
 
 def tracer() -> _Tracer:
-    if not _TRACERS:
+    if not tracers():
         raise error(user_loc(), "tile operations are only valid inside a @T.prim_func body")
-    return _TRACERS[-1]
+    return tracers()[-1]
 
 
 def emit(node: Node) -> Node:
