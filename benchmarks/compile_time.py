@@ -1,0 +1,168 @@
+"""Compile time, cold and warm, for the library's kernels.
+
+    python benchmarks/compile_time.py [--arch sm_90a] [--json out.json]
+
+For gemm 4096^3 fp16 and gemm_softmax 8192x2048x1024 fp16 (default configs), each with its own
+empty temporary TILE_OPS_CACHE_DIR:
+
+  cold  a fresh Python process imports the compiler (TVM; timed apart, a user's first compile pays it
+        too), then calls the factory on the empty cache: trace + lower + nvcc + cache store.
+        lower_s / nvcc_s come from the cache entry's meta; "other" is the rest (tracing, store).
+  warm  another fresh process with the same cache dir imports tile_ops, calls the factory (a disk
+        hit) and, with a GPU, launches the kernel once and synchronizes.  Reported: process start
+        to first launch done (without a GPU: to kernel ready), the factory call alone, and whether
+        TVM was imported (it must not be).
+
+Without a GPU the default arch is sm_90a (compile only).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+KERNELS = {  # name -> (op, (M, N, K), dtype)
+    "gemm": ("gemm", (4096, 4096, 4096), "float16"),
+    "gemm_softmax": ("gemm_softmax", (8192, 2048, 1024), "float16"),
+}
+SOFTMAX_SCALE = 0.125  # as in bench_gemm_softmax.py
+
+
+# ------------------------------------------------------------------------------------ child process
+def _factory(op, shape, dtype):
+    M, N, K = shape
+    if op == "gemm":
+        from tile_ops.kernels.gemm import default_config, gemm
+
+        return gemm, (M, N, K, 1, 1, 1, False, False, False, dtype, dtype, default_config(M, N, K))
+    from tile_ops.kernels.gemm_softmax import default_config, gemm_softmax
+
+    return gemm_softmax, (M, N, K, SOFTMAX_SCALE, dtype, dtype, default_config(M, N, K))
+
+
+def _launch_once(op, shape, dtype, kernel):
+    import torch
+
+    M, N, K = shape
+    dt = getattr(torch, dtype)
+    a = torch.randn(M, K, dtype=dt, device="cuda")
+    b = torch.randn(K, N, dtype=dt, device="cuda")
+    out = torch.empty(M, N, dtype=dt, device="cuda")
+    if op == "gemm":
+        kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)  # A, B, bias, C
+    else:
+        kernel.launch(a, b, out)
+    torch.cuda.synchronize()
+
+
+def child(mode, name, arch):
+    """Runs in a fresh interpreter; prints one JSON line.  Times are time.monotonic() (system-wide)."""
+    t_start = time.monotonic()
+    import tile_ops  # noqa: F401
+
+    t_import = time.monotonic()
+    op, shape, dtype = KERNELS[name]
+    fn, args = _factory(op, shape, dtype)
+    key = fn.key(args, {}, arch)
+    tvm_import = None
+    if mode == "cold":  # import the compiler (and TVM) first, so the factory call times the compile alone
+        t0 = time.monotonic()
+        import tile_ops.compiler  # noqa: F401
+
+        tvm_import = time.monotonic() - t0
+    t0 = time.monotonic()
+    kernel = fn(*args, target=arch)
+    t_factory = time.monotonic()
+    res = {"key": key, "import_s": t_import - t_start, "tvm_import_s": tvm_import, "factory_s": t_factory - t0,
+           "tvm_before_launch": "tvm" in sys.modules}
+    launched = False
+    if mode == "warm":
+        import torch
+
+        if torch.cuda.is_available():
+            _launch_once(op, shape, dtype, kernel)
+            launched = True
+    res.update(t_ready=time.monotonic(), launched=launched, tvm_imported="tvm" in sys.modules)
+    if mode == "cold":
+        from tile_ops.jit.cache import DiskCache
+
+        entry = DiskCache().load(key)
+        meta = entry.meta if entry is not None else {}
+        res.update(lower_s=meta.get("lower_s"), nvcc_s=meta.get("nvcc_s"), nvcc=meta.get("nvcc"),
+                   registers=kernel.meta.resources.get("registers"))
+    print("RESULT " + json.dumps(res))
+
+
+# ----------------------------------------------------------------------------------------- driver
+def run_child(mode, name, arch, cache):
+    env = dict(os.environ, TILE_OPS_CACHE_DIR=cache)
+    t_spawn = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--kernel", name,
+                           "--arch", arch], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run of {name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    res["start_to_ready_s"] = res.pop("t_ready") - t_spawn
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", help="target arch (default: the local GPU's, else sm_90a)")
+    p.add_argument("--kernel", choices=sorted(KERNELS), action="append", help="default: all")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child, args.kernel[0], args.arch)
+        return
+
+    import torch
+
+    from tile_ops.jit import default_arch
+
+    gpu = torch.cuda.is_available()
+    arch = args.arch or default_arch()
+    device = torch.cuda.get_device_name() if gpu else "no GPU"
+    rows = []
+    for name in args.kernel or list(KERNELS):
+        op, (M, N, K), dtype = KERNELS[name]
+        with tempfile.TemporaryDirectory(prefix="tile_ops_compile_time_") as cache:
+            cold = run_child("cold", name, arch, cache)
+            warm = run_child("warm", name, arch, cache)
+        assert cold["key"] == warm["key"]
+        lower, nvcc = cold.get("lower_s"), cold.get("nvcc_s")
+        other = cold["factory_s"] - (lower or 0) - (nvcc or 0) if lower is not None and nvcc is not None else None
+        fmt = lambda v, d=2: "n/a" if v is None else f"{v:.{d}f}"  # noqa: E731
+        rows.append({
+            "kernel": name, "shape": f"{M}x{N}x{K}", "dtype": dtype, "arch": arch,
+            "cold_tvm_import_s": fmt(cold["tvm_import_s"]),
+            "cold_compile_s": fmt(cold["factory_s"]), "lower_s": fmt(lower), "nvcc_s": fmt(nvcc),
+            "other_s": fmt(other),
+            "warm_" + ("start_to_first_launch_s" if warm["launched"] else "start_to_kernel_ready_s"):
+                fmt(warm["start_to_ready_s"]),
+            "warm_import_s": fmt(warm["import_s"]), "warm_factory_ms": fmt(warm["factory_s"] * 1e3, 1),
+            "warm_tvm_imported": warm["tvm_imported"],
+        })
+    columns = list(dict.fromkeys(c for r in rows for c in r))
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
+    print(f"\nCompile time, cold (empty cache) and warm (new process, disk hit) on {device}, nvcc "
+          f"{cold.get('nvcc') or '?'}")
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
+    if not gpu:
+        print("(no GPU: the warm column is process start to kernel ready; nothing was launched)")
+    if any(r["warm_tvm_imported"] for r in rows):
+        print("WARNING: the warm (cache hit) path imported TVM")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "arch": arch, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""The ``tile_ops`` command line (``python -m tile_ops ...`` or the ``tile_ops`` console script).
+
+    tile_ops demo [--arch ARCH] [--quick]     compile the library's kernels, show registers / smem / SASS mix;
+                                             with a GPU also check them against torch and time both
+    tile_ops cache info | clear               the on-disk kernel cache ($TILE_OPS_CACHE_DIR or ~/.tile_ops/cache)
+    tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--dtype ...]
+                                             fill the cache ahead of time (no GPU needed)
+
+Kernels compile in parallel threads (tracing and lowering hold the GIL; nvcc runs as a subprocess);
+see ``_tracing_is_thread_safe`` for when cache misses are built one at a time instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import threading
+import time
+
+INTERESTING_OPS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SHFL", "BAR")
+
+DEMO_JOBS = [  # (op, (M, N, K), dtype)
+    ("gemm", (4096, 4096, 4096), "float16"),
+    ("gemm", (4096, 4096, 4096), "bfloat16"),
+    ("gemm", (1000, 1000, 1000), "float16"),
+    ("gemm", (1000, 1000, 1000), "bfloat16"),
+    ("gemm_softmax", (8192, 2048, 1024), "float16"),
+    ("gemm_softmax", (1000, 200, 96), "float16"),
+]
+DEMO_JOBS_QUICK = [
+    ("gemm", (256, 256, 128), "float16"),
+    ("gemm", (256, 256, 128), "bfloat16"),
+    ("gemm_softmax", (200, 96, 64), "float16"),
+]
+DEMO_SOFTMAX_SCALE = 0.125  # the scale benchmarks/bench_gemm_softmax.py uses (scale is a compile-time constant)
+
+# precompile defaults: the main shapes of benchmarks/bench_gemm.py and benchmarks/bench_gemm_softmax.py
+PRECOMPILE_GEMM = [(4096, 4096, 4096), (8192, 8192, 8192), (1000, 1000, 1000)]
+PRECOMPILE_GEMM_SOFTMAX = [(8192, 2048, 1024)]
+PRECOMPILE_SCALES = [1.0, 0.125]  # the op's default scale and the benchmark's
+TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+@dataclasses.dataclass
+class Job:
+    """One library kernel specialization: which factory, its Python arguments, and the target arch."""
+
+    op: str  # "gemm" | "gemm_softmax"
+    shape: tuple
+    dtype: str
+    arch: str
+    scale: float = 1.0  # gemm_softmax only
+
+    @property
+    def label(self) -> str:
+        M, N, K = self.shape
+        s = f"{self.op} {M}x{N}x{K} {self.dtype}"
+        return s + (f" scale={self.scale:g}" if self.op == "gemm_softmax" else "")
+
+    def factory_args(self):
+        """(jit function, positional args): the same specialization the torch op path builds."""
+        M, N, K = self.shape
+        if self.op == "gemm":
+            from .kernels.gemm import default_config, gemm
+
+            return gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, default_config(M, N, K))
+        if self.op == "gemm_softmax":
+            from .kernels.gemm_softmax import default_config, gemm_softmax
+
+            return gemm_softmax, (M, N, K, float(self.scale), self.dtype, self.dtype, default_config(M, N, K))
+        raise ValueError(f"unknown op {self.op!r}")
+
+
+@dataclasses.dataclass
+class Built:
+    job: Job
+    key: str = ""
+    kernel: object = None
+    seconds: float = 0.0
+    cached: bool = False
+    error: str | None = None  # first line, for the table
+    detail: str | None = None  # the whole message
+
+
+_TRACE_LOCK = threading.Lock()
+
+
+def _tracing_is_thread_safe() -> bool:
+    """tile_ops.lang keeps its stack of active tracers in ``ir._TRACERS``; while that is a plain
+    module-level list, two threads tracing at once mix their programs' buffers (the lowering then
+    fails with a KeyError on a TileBuffer).  Until it is thread-local, cache misses are built one at
+    a time here (cache hits still load in parallel)."""
+    from .lang import ir
+
+    return type(getattr(ir, "_TRACERS", None)) is not list
+
+
+def build(job: Job) -> Built:
+    """Compile (or load from the disk cache) one job; never raises: errors are recorded."""
+    from .jit.cache import DiskCache
+
+    out = Built(job)
+    try:
+        fn, args = job.factory_args()
+        out.key = fn.key(args, {}, job.arch)
+        out.cached = DiskCache().path(out.key).is_dir()
+        serialize = not out.cached and not _tracing_is_thread_safe()
+        with _TRACE_LOCK if serialize else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            out.kernel = fn(*args, target=job.arch)
+            out.seconds = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        msg = str(e).strip()
+        out.error = f"{type(e).__name__}: {msg.splitlines()[0] if msg else ''}"
+        out.detail = f"{type(e).__name__}: {msg}"
+    return out
+
+
+def _print_errors(built) -> None:
+    for b in built:
+        if b.detail:
+            print(f"\n{b.job.label} ({b.job.arch}) failed:\n{b.detail}", file=sys.stderr)
+
+
+def _parallel_note(built) -> str:
+    if len(built) < 2:
+        return ""
+    if any(not b.cached for b in built) and not _tracing_is_thread_safe():
+        return " (cache misses built one at a time: tile_ops.lang tracing is not thread-safe yet)"
+    return " (parallel threads)"
+
+
+def build_all(jobs, workers=None):
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    with cf.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(build, jobs))
+
+
+# --------------------------------------------------------------------------------------- formatting
+def print_table(rows, columns, title=None, file=None):
+    file = file or sys.stdout
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in columns]
+    if title:
+        print(title, file=file)
+    print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))), file=file)
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(w) if i == 0 else str(r.get(c, "")).rjust(w)
+                        for i, (c, w) in enumerate(zip(columns, widths))), file=file)
+    file.flush()
+
+
+def parse_shape(text: str) -> tuple:
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a shape MxNxK of three positive integers, got {text!r}")
+    return dims
+
+
+def instruction_mix(kernel) -> dict | None:
+    """Counts of INTERESTING_OPS in the kernel's SASS, or None when cuobjdump is unavailable/fails."""
+    try:
+        mix = kernel.instruction_mix()
+    except Exception:  # noqa: BLE001 - no cuobjdump (or it failed): the demo prints n/a
+        return None
+    return {op: mix.get(op, 0) for op in INTERESTING_OPS}
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- demo
+def _bench_ms(fn) -> float:
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    import torch
+
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def _run_on_gpu(b: Built, device="cuda") -> dict:
+    """Fresh random inputs, float64 reference, relative Frobenius error, then ours vs torch timing."""
+    import torch
+
+    job, k = b.job, b.kernel
+    M, N, K = job.shape
+    dt = getattr(torch, job.dtype)
+    a = torch.randn(M, K, dtype=dt, device=device)
+    w = torch.randn(K, N, dtype=dt, device=device)
+    out = torch.full((M, N), float("nan"), dtype=dt, device=device)  # poisoned
+    if job.op == "gemm":
+        ptrs = [a.data_ptr(), w.data_ptr(), out.data_ptr(), out.data_ptr()]  # A, B, (unused bias), C
+        ours = lambda: k.launch_ptrs(ptrs, a.device)  # noqa: E731
+        theirs = lambda: torch.matmul(a, w)  # noqa: E731
+        ref = a.double() @ w.double()
+    else:
+        ours = lambda: k.launch(a, w, out)  # noqa: E731
+        theirs = lambda: torch.softmax(job.scale * (a @ w), -1)  # noqa: E731
+        ref = torch.softmax(job.scale * (a.double() @ w.double()), -1)
+    ours()
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    ok = math.isfinite(err) and err < TOLERANCE.get(job.dtype, 1e-2)
+    t_ours, t_torch = _bench_ms(ours), _bench_ms(theirs)
+    if job.op == "gemm":
+        tf = lambda ms: 2 * M * N * K / ms / 1e9  # noqa: E731
+        perf = {"ours": f"{tf(t_ours):.1f} TFLOP/s", "torch": f"{tf(t_torch):.1f} TFLOP/s"}
+    else:
+        perf = {"ours": f"{t_ours * 1e3:.1f} us", "torch": f"{t_torch * 1e3:.1f} us"}
+    return {"rel_err": f"{err:.1e}", "check": "PASS" if ok else "FAIL", **perf,
+            "speedup": f"{t_torch / t_ours:.2f}x"}
+
+
+def cmd_demo(args) -> int:
+    from .jit import default_arch
+    from .jit.cache import cache_dir
+
+    gpu = _gpu_available()
+    arch = args.arch or default_arch()
+    if not gpu:
+        print(f"No CUDA GPU found: compiling for {arch} only (no launches, no correctness check or timing).")
+    else:
+        import torch
+
+        print(f"GPU: {torch.cuda.get_device_name()} (local arch {default_arch()}); compiling for {arch}.")
+    print(f"Kernel cache: {cache_dir()}  (entries at <cache>/<key[:2]>/<key>/)")
+    specs = DEMO_JOBS_QUICK if args.quick else DEMO_JOBS
+    jobs = [Job(op, shape, dt, arch, DEMO_SOFTMAX_SCALE) for op, shape, dt in specs]
+    t0 = time.perf_counter()
+    built = build_all(jobs)
+    print(f"Built or loaded {len(jobs)} kernels in {time.perf_counter() - t0:.1f} s{_parallel_note(built)}.\n")
+
+    with cf.ThreadPoolExecutor(max(1, len(built))) as pool:  # cuobjdump runs are independent
+        mixes = list(pool.map(lambda b: instruction_mix(b.kernel) if b.kernel is not None else None, built))
+    rows, failed = [], False
+    for b, mix in zip(built, mixes):
+        j = b.job
+        row = {"kernel": j.op, "shape": "x".join(map(str, j.shape)), "dtype": j.dtype, "arch": j.arch,
+               "key": b.key[:12]}
+        if b.error:
+            failed = True
+            row["compile"] = "ERROR"
+            row["note"] = b.error[:100]
+            rows.append(row)
+            continue
+        res, m = b.kernel.meta.resources, b.kernel.meta
+        row["compile"] = f"cached ({b.seconds:.2f}s)" if b.cached else f"{b.seconds:.1f}s"
+        row["regs"] = res.get("registers", "?")
+        row["spills"] = res.get("spill_stores", 0) + res.get("spill_loads", 0) if res else "?"
+        row["smem_bytes"] = m.smem_bytes
+        for op in INTERESTING_OPS:
+            row[op] = mix[op] if mix is not None else "n/a"
+        if gpu:
+            try:
+                row.update(_run_on_gpu(b))
+            except Exception as e:  # noqa: BLE001 - e.g. a cubin for another arch than the GPU's
+                row["check"] = "ERROR"
+                row["note"] = f"{type(e).__name__}: {e}"[:100]
+            failed = failed or row.get("check") != "PASS"
+        rows.append(row)
+    columns = ["kernel", "shape", "dtype", "arch", "compile", "regs", "spills", "smem_bytes", *INTERESTING_OPS]
+    if gpu:
+        columns += ["rel_err", "check", "ours", "torch", "speedup"]
+    columns += ["key"]
+    if any("note" in r for r in rows):
+        columns.append("note")
+    print_table(rows, columns)
+    _print_errors(built)
+    if all(m is None for m in mixes) and any(b.kernel is not None for b in built):
+        print("\n(SASS instruction mix n/a: cuobjdump not found; pip install nvidia-cuda-cuobjdump "
+              "or set TILE_OPS_CUOBJDUMP)")
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------------------------- cache
+def cmd_cache(args) -> int:
+    from .jit.cache import DiskCache
+
+    cache = DiskCache()
+    if args.action == "info":
+        info = cache.info()
+        print(f"path:    {info['path']}")
+        print(f"entries: {info['entries']}")
+        print(f"size:    {info['bytes'] / 1e6:.2f} MB")
+    else:
+        n = cache.clear()
+        print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {cache.root}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- precompile
+def cmd_precompile(args) -> int:
+    from .jit.cache import cache_dir
+
+    if args.gemm is None and args.gemm_softmax is None:
+        gemm_shapes, sm_shapes = PRECOMPILE_GEMM, PRECOMPILE_GEMM_SOFTMAX
+    else:  # only the shapes asked for
+        gemm_shapes, sm_shapes = args.gemm or [], args.gemm_softmax or []
+    jobs = [Job("gemm", s, dt, args.arch) for s in gemm_shapes for dt in args.dtype]
+    jobs += [Job("gemm_softmax", s, dt, args.arch, sc) for s in sm_shapes for dt in args.dtype for sc in args.scale]
+    print(f"Precompiling {len(jobs)} kernel{'s' if len(jobs) != 1 else ''} for {args.arch} into {cache_dir()} ({args.jobs or 'auto'} threads)")
+    t0 = time.perf_counter()
+    built = build_all(jobs, args.jobs)
+    rows = []
+    for b in built:
+        status = "ERROR" if b.error else ("cached" if b.cached else "built")
+        rows.append({"kernel": b.job.label, "key": b.key, "status": status, "seconds": f"{b.seconds:.2f}",
+                     "note": b.error or ""})
+    print_table(rows, ["kernel", "key", "status", "seconds", "note"])
+    _print_errors(built)
+    n_err = sum(1 for b in built if b.error)
+    n_new = sum(1 for b in built if not b.error and not b.cached)
+    print(f"{n_new} built, {len(built) - n_new - n_err} already cached, {n_err} failed "
+          f"in {time.perf_counter() - t0:.1f} s{_parallel_note(built)}")
+    return 1 if n_err else 0
+
+
+# ---------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tile_ops", description="tile_ops: tile-level GPU kernels on TVM TIRx")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("demo", help="compile the library's kernels; with a GPU check and time them vs torch")
+    d.add_argument("--arch", help="target arch, e.g. sm_90a or sm_80 (default: the local GPU's, else sm_90a)")
+    d.add_argument("--quick", action="store_true", help="small shapes only (fast; for tests)")
+    d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("cache", help="inspect or clear the on-disk kernel cache")
+    c.add_argument("action", choices=["info", "clear"])
+    c.set_defaults(func=cmd_cache)
+
+    pc = sub.add_parser("precompile", help="fill the kernel cache for given shapes (no GPU needed)")
+    pc.add_argument("--arch", required=True, help="target arch, e.g. sm_90a or sm_80")
+    pc.add_argument("--gemm", nargs="+", type=parse_shape, metavar="MxNxK",
+                    help="gemm shapes (default, when neither --gemm nor --gemm-softmax is given: "
+                    + " ".join("x".join(map(str, s)) for s in PRECOMPILE_GEMM) + ")")
+    pc.add_argument("--gemm-softmax", nargs="+", type=parse_shape, metavar="MxNxK",
+                    help="gemm_softmax shapes (default, when neither is given: "
+                    + " ".join("x".join(map(str, s)) for s in PRECOMPILE_GEMM_SOFTMAX) + ")")
+    pc.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    pc.add_argument("--scale", nargs="+", type=float, default=PRECOMPILE_SCALES,
+                    help="gemm_softmax scales (compile-time constants; default: 1.0 = the op's default, "
+                    "0.125 = the benchmark's)")
+    pc.add_argument("--jobs", "-j", type=int, default=None, help="compile threads (default: one per kernel, "
+                    "up to the CPU count)")
+    pc.set_defaults(func=cmd_precompile)
+
+    _add_optional_commands(sub)
+    return p
+
+
+def _add_optional_commands(sub) -> None:
+    """Subcommands owned by other modules: a module with ``add_parser(subparsers)`` registers itself
+    (its parser sets ``func``).  ``tile_ops.autotune.cli`` provides ``tune`` when it exists."""
+    import importlib
+
+    for name in ("tile_ops.autotune.cli",):
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                continue  # not there (yet)
+            print(f"tile_ops: warning: cannot load {name}: {e}", file=sys.stderr)
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken plug-in must not break demo/cache/precompile
+            print(f"tile_ops: warning: cannot load {name}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        if hasattr(mod, "add_parser"):
+            mod.add_parser(sub)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
