@@ -22,8 +22,8 @@ def default_config(M: int, N: int, K: int) -> GemmConfig:
     if M <= 64:
         return GemmConfig(64, 128, 64, 4, 128, 0)
     if M * N <= 1024 * 1024:
-        return GemmConfig(128, 128, 32, 3, 128, 8)
-    return GemmConfig()
+        return GemmConfig(128, 128, 64, 3, 256, 8)
+    return GemmConfig(128, 128, 32, 3, 128, 8)  # best of bench_gemm.py --configs on the H200 (NOTES.md)
 
 
 @tile_ops.jit(out_idx=[-1])

@@ -25,7 +25,8 @@ class SoftmaxConfig:
 
 
 def default_config(M: int, N: int, K: int) -> SoftmaxConfig:
-    return SoftmaxConfig(block_N=64 if N <= 64 else 128)
+    # one block per 64 rows: the grid is M / block_M blocks, so smaller row blocks fill more SMs
+    return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
 
 
 @tile_ops.jit(out_idx=[-1])
@@ -74,14 +75,11 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
             for r in T.Parallel(bM):
                 m_fin[r] = m[r]
                 l_fin[r] = l[r]
-            if n_tiles == 1:
+            for j, r in T.Parallel(n_tiles, bM):  # per (tile, row) factor: 2^(m_j - m_final) / l_final
+                m_hist[j, r] = T.exp2(m_hist[j, r] - m_fin[r]) / l_fin[r]
+            for j in T.serial(n_tiles):
                 for r, col in T.Parallel(bM, bN):
-                    Out[bx * bM + r, col] = Out[bx * bM + r, col] / l_fin[r]
-            else:
-                for j in T.serial(n_tiles):
-                    for r, col in T.Parallel(bM, bN):
-                        Out[bx * bM + r, j * bN + col] = Out[bx * bM + r, j * bN + col] * (
-                            T.exp2(m_hist[j, r] - m_fin[r]) / l_fin[r])
+                    Out[bx * bM + r, j * bN + col] = Out[bx * bM + r, j * bN + col] * m_hist[j, r]
 
     return gemm_softmax_kernel
 
