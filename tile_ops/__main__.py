@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import dataclasses
 import math
 import os
 import sys
-import threading
 import time
 
 INTERESTING_OPS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SHFL", "BAR")
@@ -88,19 +86,6 @@ class Built:
     detail: str | None = None  # the whole message
 
 
-_TRACE_LOCK = threading.Lock()
-
-
-def _tracing_is_thread_safe() -> bool:
-    """tile_ops.lang keeps its stack of active tracers in ``ir._TRACERS``; while that is a plain
-    module-level list, two threads tracing at once mix their programs' buffers (the lowering then
-    fails with a KeyError on a TileBuffer).  Until it is thread-local, cache misses are built one at
-    a time here (cache hits still load in parallel)."""
-    from .lang import ir
-
-    return type(getattr(ir, "_TRACERS", None)) is not list
-
-
 def build(job: Job) -> Built:
     """Compile (or load from the disk cache) one job; never raises: errors are recorded."""
     from .jit.cache import DiskCache
@@ -110,11 +95,9 @@ def build(job: Job) -> Built:
         fn, args = job.factory_args()
         out.key = fn.key(args, {}, job.arch)
         out.cached = DiskCache().path(out.key).is_dir()
-        serialize = not out.cached and not _tracing_is_thread_safe()
-        with _TRACE_LOCK if serialize else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            out.kernel = fn(*args, target=job.arch)
-            out.seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out.kernel = fn(*args, target=job.arch)
+        out.seconds = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported in the table
         msg = str(e).strip()
         out.error = f"{type(e).__name__}: {msg.splitlines()[0] if msg else ''}"
@@ -131,8 +114,6 @@ def _print_errors(built) -> None:
 def _parallel_note(built) -> str:
     if len(built) < 2:
         return ""
-    if any(not b.cached for b in built) and not _tracing_is_thread_safe():
-        return " (cache misses built one at a time: tile_ops.lang tracing is not thread-safe yet)"
     return " (parallel threads)"
 
 

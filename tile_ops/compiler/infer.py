@@ -8,7 +8,7 @@ import tvm
 from ..lang import ir
 from ..lang.ir import Copy, For, Gemm, Parallel, Reduce, Store, error
 from .exprs import collect_loads
-from .layout import BlockedLayout, MmaAccumLayout, MmaRowLayout, MmaWarps
+from .layout import BlockedLayout, MmaAccumLayout, MmaWarps
 
 
 def walk(body):

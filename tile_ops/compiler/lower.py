@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import tvm
 from tvm import tirx
 from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
