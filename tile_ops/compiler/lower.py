@@ -457,25 +457,54 @@ class Lowerer:
             with T.unroll(0, lay.local_size) as r:
                 T.buffer_store(self.frags[db], _cast(tirx.BufferLoad(self.frags[sb], [r]), db.dtype), [r])
             return
-        with T.unroll(0, lay.local_size) as r:
+        other, start = (db, d_start) if sb.scope == "fragment" else (sb, s_start)
+        vec = self._fragment_vector_width(lay, other, start)
+        with T.unroll(0, lay.local_size // vec) as rv:
+            r = rv * vec
             idx = list(lay.coords(self.tid, r))
+            o_idx = [a + b for a, b in zip(start, _pad(idx, start))]
+            pred = self._in_bounds(other, start, idx)  # whole vectors are in or out (see the width)
             if sb.scope == "fragment":
-                value = tirx.BufferLoad(self.frags[sb], [r])
-                d_idx = [a + b for a, b in zip(d_start, _pad(idx, d_start))]
-                pred = self._in_bounds(db, d_start, idx)
+                value = _cast(_vload(self.frags[sb], [r], vec), _vtype(db.dtype, vec))
                 if pred is not None:
                     with T.If(pred):
                         with T.Then():
-                            self.store(db, d_idx, value, stage=self.stage(db))
+                            self._vstore(db, o_idx, value, vec)
                 else:
-                    self.store(db, d_idx, value, stage=self.stage(db))
+                    self._vstore(db, o_idx, value, vec)
             else:
-                s_idx = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
-                value = self.load(sb, s_idx, stage=self.stage(sb))
-                pred = self._in_bounds(sb, s_start, idx)
+                value = self._vload_buf(sb, o_idx, vec)
                 if pred is not None:
-                    value = tirx.if_then_else(pred, value, tirx.const(0, sb.dtype))
-                T.buffer_store(self.frags[db], _cast(value, db.dtype), [r])
+                    value = tirx.if_then_else(pred, value, tirx.Broadcast(tirx.const(0, sb.dtype), vec)
+                                              if vec > 1 else tirx.const(0, sb.dtype))
+                T.buffer_store(self.frags[db], _cast(value, _vtype(db.dtype, vec)), [_ramp(r, vec)])
+
+    def _fragment_vector_width(self, lay, other, start) -> int:
+        """Elements a thread moves per access: the layout's run of consecutive columns, if the other
+        side keeps them contiguous and aligned (and, in global memory, all in or all out of bounds)."""
+        vec = lay.vec
+        if vec <= 1 or lay.local_size % vec:
+            return 1
+        if not self._divisible(start[-1], vec) or other.shape[-1] % vec:
+            return 1
+        if other.scope == "shared":
+            t = self.shared[other]
+            if t.layout is not None and t.layout.chunk % vec:
+                return 1
+        return vec
+
+    def _vstore(self, buf, idx, value, vec):
+        if buf.scope == "global":
+            T.buffer_store(self.globals[buf], value, idx[:-1] + [_ramp(idx[-1], vec)])
+        else:
+            t = self.shared[buf]
+            T.buffer_store(t.view, value, [_ramp(self.shared_offset(t, idx, self.stage(buf)), vec)])
+
+    def _vload_buf(self, buf, idx, vec):
+        if buf.scope == "global":
+            return tirx.BufferLoad(self.globals[buf], idx[:-1] + [_ramp(idx[-1], vec)])
+        t = self.shared[buf]
+        return tirx.BufferLoad(t.view, [_ramp(self.shared_offset(t, idx, self.stage(buf)), vec)])
 
     # ------------------------------------------------------------------ elementwise
 
@@ -676,6 +705,18 @@ def _cast(v, dtype):
     if isinstance(v, (int, float)):
         return tirx.const(v, dtype)
     return v if str(v.ty) == dtype else tirx.Cast(dtype, v)
+
+
+def _ramp(base, vec):
+    return tirx.Ramp(base, 1, vec) if vec > 1 else base
+
+
+def _vtype(dtype: str, vec: int) -> str:
+    return f"{dtype}x{vec}" if vec > 1 else dtype
+
+
+def _vload(buf, idx, vec):
+    return tirx.BufferLoad(buf, idx[:-1] + [_ramp(idx[-1], vec)])
 
 
 def _squeeze(extents) -> list:

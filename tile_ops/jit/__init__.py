@@ -65,7 +65,8 @@ class JITFunction:
     def __init__(self, fn, out_idx, target):
         self.fn, self.target = fn, target
         self.out_idx = [out_idx] if isinstance(out_idx, int) else list(out_idx or [])
-        self._mem: dict = {}
+        self._mem: dict = {}  # full key -> Kernel
+        self._fast: dict = {}  # (args, kwargs, arch) -> Kernel: the per-call path skips hashing the source
         self._source = textwrap.dedent(inspect.getsource(fn))
         functools.update_wrapper(self, fn)
 
@@ -81,10 +82,18 @@ class JITFunction:
 
     def __call__(self, *args, target: str | None = None, **kwargs) -> Kernel:
         arch = target or self.target or default_arch()
-        key = self.key(args, kwargs, arch)
-        kernel = self._mem.get(key)
+        fast = (args, tuple(sorted(kwargs.items())), arch)
+        try:
+            kernel = self._fast.get(fast)
+        except TypeError:  # unhashable arguments: always take the full key
+            kernel, fast = None, None
         if kernel is None:
-            kernel = self._mem[key] = _load_or_build(key, lambda: self.fn(*args, **kwargs), arch, self.out_idx)
+            key = self.key(args, kwargs, arch)
+            kernel = self._mem.get(key)
+            if kernel is None:
+                kernel = self._mem[key] = _load_or_build(key, lambda: self.fn(*args, **kwargs), arch, self.out_idx)
+            if fast is not None:
+                self._fast[fast] = kernel
         return kernel
 
 

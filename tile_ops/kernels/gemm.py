@@ -3,6 +3,8 @@
 
 from dataclasses import dataclass
 
+import torch
+
 import tile_ops
 import tile_ops.lang as T
 
@@ -67,7 +69,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     return gemm_kernel
 
 
-_DT = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+_DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def _storage(x):
@@ -90,18 +92,18 @@ def _prepare(a, b):
 
 
 def get_gemm_kernel(a, b, out, bias=None, cfg=None):
+    """(kernel, a, b): the kernel for these operands and the operand views it reads."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
     cfg = cfg or default_config(M, N, K)
-    return gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[str(a.dtype)], _DT[str(out.dtype)], cfg)
+    return gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg), a, b
 
 
 def launch_gemm(a, b, out, bias=None, cfg=None):
     """a (Bt, M, K), b (Bt, K, N): row-major or plain-transposed views (batch stride 0 = broadcast);
     out (Bt, M, N) contiguous; bias (N,) or None."""
-    kernel = get_gemm_kernel(a, b, out, bias, cfg)
-    a, b, *_ = _prepare(a, b)
+    kernel, a, b = get_gemm_kernel(a, b, out, bias, cfg)
     bias_t = bias if bias is not None else out  # unused parameter slot: any valid pointer
     kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), bias_t.data_ptr(), out.data_ptr()], a.device)
     return out

@@ -9,6 +9,8 @@ tile by exp2(max at that tile - final max) / final sum, so the GEMM runs once.""
 import math
 from dataclasses import dataclass
 
+import torch
+
 import tile_ops
 import tile_ops.lang as T
 
@@ -77,14 +79,16 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
                 l_fin[r] = l[r]
             for j, r in T.Parallel(n_tiles, bM):  # per (tile, row) factor: 2^(m_j - m_final) / l_final
                 m_hist[j, r] = T.exp2(m_hist[j, r] - m_fin[r]) / l_fin[r]
-            for j in T.serial(n_tiles):
+            for j in T.serial(n_tiles):  # each thread re-reads exactly the elements it wrote
+                T.copy(Out[bx * bM, j * bN], P)
                 for r, col in T.Parallel(bM, bN):
-                    Out[bx * bM + r, j * bN + col] = Out[bx * bM + r, j * bN + col] * m_hist[j, r]
+                    P[r, col] = P[r, col] * m_hist[j, r]
+                T.copy(P, Out[bx * bM, j * bN])
 
     return gemm_softmax_kernel
 
 
-_DT = {"torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
+_DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
@@ -94,7 +98,7 @@ def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
     if not math.isfinite(scale):
         raise ValueError(f"tile_ops.gemm_softmax: scale must be finite, got {scale}")
     a, b = a.contiguous(), b.contiguous()
-    kernel = gemm_softmax(M, N, K, float(scale), _DT[str(a.dtype)], _DT[str(out.dtype)],
+    kernel = gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype],
                           cfg or default_config(M, N, K))
     kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr()], a.device)
     return out
