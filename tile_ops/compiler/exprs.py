@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import tvm
 import tvm.ir.expr as irx
 import tvm.ir.prim.expr as px
 from tvm import tirx
@@ -58,8 +57,3 @@ def collect_loads(expr) -> list:
 
     rewrite(expr, on_load=on_load)
     return found
-
-
-def uses_var(expr, var) -> bool:
-    marker = tirx.Var("__probe__", "int32")
-    return not tvm.ir.structural_equal(rewrite(expr, {var: marker}), expr)

@@ -23,8 +23,8 @@ def dtype_bits(dtype: str) -> int:
 
 
 class LayoutInference:
-    def __init__(self, kernel: ir.Kernel):
-        self.kernel = kernel
+    def __init__(self, kernel: ir.Kernel, buffers: dict):
+        self.kernel, self.buffers = kernel, buffers
         self.warps = kernel.threads // 32
         self.layouts: dict = {}  # TileBuffer -> FragmentLayout
         self.origin: dict = {}  # TileBuffer -> node that fixed its layout
@@ -137,7 +137,7 @@ class LayoutInference:
                 raise error(st.loc, "only element assignments are allowed inside T.Parallel")
             classify(st.buffer, st.indices, st.loc)
             for buf_var, idx in collect_loads(st.value):
-                buf = ir._BUFFERS_BY_TIR.get(buf_var)
+                buf = self.buffers.get(buf_var)
                 if buf is not None:
                     classify(buf, idx, st.loc)
         return out

@@ -47,7 +47,8 @@ class Lowerer:
     def __init__(self, prog: ir.Program, arch: int):
         self.prog, self.kernel, self.arch = prog, prog.kernel, arch
         self.threads = self.kernel.threads
-        self.infer = LayoutInference(self.kernel).run()
+        self.buffers = prog.buffers
+        self.infer = LayoutInference(self.kernel, self.buffers).run()
         self.ana = Analyzer()
         self.stages = self._stage_counts()
 
@@ -171,7 +172,7 @@ class Lowerer:
         vm.update(var_map or {})
 
         def on_load(buf_var, idx):
-            buf = ir._BUFFERS_BY_TIR.get(buf_var)
+            buf = self.buffers.get(buf_var)
             if buf is None:
                 return None
             if guard:
@@ -235,9 +236,9 @@ class Lowerer:
             return isinstance(lay, MmaAccumLayout) and lay.w.wn > 1
         if isinstance(node, (For, Parallel)):
             return any(self._touches_shared(n) for n in _walk(node.body)) or any(
-                b.scope == "shared" for b in _buffers_in(node))
+                b.scope == "shared" for b in _buffers_in(node, self.buffers))
         if isinstance(node, Store):
-            return any(b.scope == "shared" for b in _buffers_in(node))
+            return any(b.scope == "shared" for b in _buffers_in(node, self.buffers))
         if isinstance(node, Fill):
             return node.buffer.scope == "shared"
         return False
@@ -557,7 +558,7 @@ class Lowerer:
     def _parallel_store(self, st: Store, vm, frag_index, node=None):
         if node is not None:  # fragment indices must be the loop vars themselves (checked in inference)
             for buf_var, idx in collect_loads(st.value):
-                buf = ir._BUFFERS_BY_TIR.get(buf_var)
+                buf = self.buffers.get(buf_var)
                 if buf is not None and buf.scope == "fragment" and not (
                         _is_vars(idx, node.vars) or _is_vars(idx, node.vars[:1])):
                     raise error(st.loc, f"fragment {buf.name} must be indexed by the T.Parallel loop variables")
@@ -759,13 +760,13 @@ def _walk_pipelined(node):
             yield from _walk_pipelined(n)
 
 
-def _buffers_in(node):
+def _buffers_in(node, buffers):
     out = []
     stores = [node] if isinstance(node, Store) else [n for n in _walk(node.body) if isinstance(n, Store)]
     for st in stores:
         out.append(st.buffer)
         for buf_var, _ in collect_loads(st.value):
-            b = ir._BUFFERS_BY_TIR.get(buf_var)
+            b = buffers.get(buf_var)
             if b is not None:
                 out.append(b)
     return out

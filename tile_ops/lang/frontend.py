@@ -37,6 +37,7 @@ def prim_func(fn) -> ir.Program:
     """Trace ``fn`` (whose parameters are annotated with ``T.Tensor``) into a tile program."""
     loc = ir.Loc(fn.__code__.co_filename, fn.__code__.co_firstlineno)
     params = []
+    tracer = ir._Tracer()
     for name, p in inspect.signature(fn).parameters.items():
         ann = p.annotation
         if isinstance(ann, str):
@@ -45,10 +46,9 @@ def prim_func(fn) -> ir.Program:
         if not isinstance(ann, Tensor):
             raise error(loc, f"parameter {name!r} must be annotated with T.Tensor(shape, dtype)")
         buf = TileBuffer(name, ann.shape, ann.dtype, "global", loc)
-        ir._BUFFERS_BY_TIR[buf.tir] = buf
+        tracer.buffers[buf.tir] = buf
         params.append(buf)
-    prog = ir.Program(fn.__name__, params, loc=loc)
-    tracer = ir._Tracer()
+    prog = ir.Program(fn.__name__, params, loc=loc, buffers=tracer.buffers)
     ir.tracers().append(tracer)
     try:
         fn(*params)

@@ -127,7 +127,7 @@ class Region:
         if isinstance(x, TileBuffer):
             return Region(x, [0] * len(x.shape), list(x.shape))
         if isinstance(x, TensorLoad):
-            buf = _BUFFERS_BY_TIR.get(x.source)
+            buf = tracer().buffers.get(x.source)
             if buf is not None:
                 return Region(buf, list(x.indices), [None] * len(x.indices))
         raise error(user_loc(), f"expected a buffer or a buffer region, got {type(x).__name__}")
@@ -139,9 +139,6 @@ def tirx_simplify(e):
     from tvm.sym.analyzer import Analyzer
 
     return Analyzer().simplify(e)
-
-
-_BUFFERS_BY_TIR: dict = {}
 
 
 # ----------------------------------------------------------------------------- nodes
@@ -223,6 +220,7 @@ class Program:
     params: list
     kernel: Kernel | None = None
     loc: Loc | None = None
+    buffers: dict = field(default_factory=dict)  # logical tirx buffer var -> TileBuffer (what loads name)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -233,6 +231,7 @@ class _Tracer:
         self.bodies: list[list] = []
         self.kernel: Kernel | None = None
         self.names: dict[str, int] = {}
+        self.buffers: dict = {}
 
 
 _STATE = threading.local()  # programs may be traced concurrently (parallel compiles)
@@ -280,6 +279,6 @@ def new_buffer(shape, dtype, scope, name=None) -> TileBuffer:
     m = re.match(r"\s*([A-Za-z_]\w*)\s*=", loc.line) if loc else None  # `A_s = T.alloc_shared(...)`
     base = name or (m.group(1) if m else {"shared": "smem", "fragment": "frag", "local": "loc"}[scope])
     buf = TileBuffer(fresh_name(base), shape, dtype, scope, loc)
-    _BUFFERS_BY_TIR[buf.tir] = buf
+    t.buffers[buf.tir] = buf
     t.kernel.allocs.append(buf)
     return buf
