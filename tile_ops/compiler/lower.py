@@ -210,16 +210,18 @@ class Lowerer:
     # ------------------------------------------------------------------ statements
 
     def body(self, nodes, var_map=None):
-        prev_shared = False
+        """Lower a statement list; a block barrier separates any two tile ops that touch shared
+        memory (their thread mappings differ, so one's writes are another's reads)."""
+        shared_before = False
         for node in nodes:
             touches = self._touches_shared(node)
-            if prev_shared and touches:
+            if shared_before and touches:
                 self.sync()
-            prev_shared = touches or prev_shared and not isinstance(node, (Store,))
+            shared_before = shared_before or touches
             try:
                 self.stmt(node, var_map or {})
             except TileLangError as e:
-                if str(e).startswith(tuple(f"{n.filename}:" for n in [node.loc] if n)):
+                if getattr(e, "located", False):
                     raise
                 raise error(node.loc, str(e)) from None
 

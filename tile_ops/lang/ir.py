@@ -50,7 +50,9 @@ def user_loc() -> Loc | None:
 def error(loc: Loc | None, reason: str) -> TileLangError:
     where = f"{loc.filename}:{loc.lineno}" if loc else "<unknown location>"
     src = f"\n    {loc.line}" if loc and loc.line else ""
-    return TileLangError(f"{where}: {reason}{src}")
+    err = TileLangError(f"{where}: {reason}{src}")
+    err.located = loc is not None
+    return err
 
 
 # ----------------------------------------------------------------------------- buffers
