@@ -169,3 +169,22 @@ def test_second_process_hits_cache_without_importing_tvm(tmp_path):
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert first.stdout.split()[:2] == ["True", "True"]  # cold: traced and lowered with TVM
     assert second.stdout.split()[:2] == ["False", "True"]  # warm: straight from the disk cache
+
+
+@needs_nvcc
+def test_concurrent_processes_compile_a_key_once(tmp_path):
+    env = dict(os.environ, TILE_OPS_CACHE_DIR=str(tmp_path / "c"), PYTHONPATH=os.path.dirname(__file__))
+    script = textwrap.dedent('''
+        import sys
+        from programs import matmul
+        k = matmul(384, 256, 128, target="sm_80")
+        print("built" if "tvm" in sys.modules else "loaded", len(k.cubin) > 0)
+    ''')
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = sorted(p.communicate()[0].strip() for p in procs)
+    assert all(p.returncode == 0 for p in procs)
+    assert outs == ["built True", "loaded True", "loaded True"]  # one compile; the others waited and loaded
+    from tile_ops.jit.cache import DiskCache
+
+    assert DiskCache(tmp_path / "c").info()["entries"] == 1
