@@ -82,8 +82,15 @@ def child(mode, name, arch):
     if mode == "warm":
         import torch
 
+        from tile_ops.jit.launcher import get_launcher
+
+        t0 = time.monotonic()
+        res["launcher"] = get_launcher().__name__  # tile_ops._C, or tile_ops_C when JIT-built here
+        res["launcher_s"] = time.monotonic() - t0
         if torch.cuda.is_available():
+            t0 = time.monotonic()
             _launch_once(op, shape, dtype, kernel)
+            res["launch_s"] = time.monotonic() - t0  # CUDA context, inputs, module load, launch, sync
             launched = True
     res.update(t_ready=time.monotonic(), launched=launched, tvm_imported="tvm" in sys.modules)
     if mode == "cold":
@@ -146,6 +153,7 @@ def main():
             "warm_" + ("start_to_first_launch_s" if warm["launched"] else "start_to_kernel_ready_s"):
                 fmt(warm["start_to_ready_s"]),
             "warm_import_s": fmt(warm["import_s"]), "warm_factory_ms": fmt(warm["factory_s"] * 1e3, 1),
+            "warm_launcher": f"{warm['launcher']} {warm['launcher_s']:.2f}s", "warm_launch_s": fmt(warm.get("launch_s")),
             "warm_tvm_imported": warm["tvm_imported"],
         })
     columns = list(dict.fromkeys(c for r in rows for c in r))
