@@ -9,10 +9,10 @@ tile by exp2(max at that tile - final max) / final sum, so the GEMM runs once.""
 import math
 from dataclasses import dataclass
 
-import torch
-
 import tile_ops
 import tile_ops.lang as T
+
+from .gemm import _DT
 
 LOG2E = 1.4426950408889634
 
@@ -88,7 +88,6 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     return gemm_softmax_kernel
 
 
-_DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
