@@ -8,16 +8,23 @@
 // Python API (see tile_ops/jit/INTERFACES.md):
 //   load_module(cubin: bytes, device: int) -> int
 //   get_function(module: int, name: str, dynamic_smem_bytes: int) -> int
-//   launch(function, grid, block, smem, stream, args: list[int], kernel_name)
+//   launch(function, grid, block, smem, stream, args: list[int | bytes], kernel_name)
 //   unload_module(module: int) -> None
 //   driver_available() -> bool
+//   encode_tensor_map(dtype, global_address, dims, strides_bytes, box, element_strides, swizzle,
+//                     interleave=0, l2_promotion=2, oob_fill=0, device=None) -> bytes  (a CUtensorMap)
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -41,7 +48,27 @@ using CUstream = struct CUstream_st*;
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 constexpr int kStaticSmemLimit = 48 * 1024;
-constexpr int kApiVersion = 1;  // bump when the Python-visible API changes
+constexpr int kApiVersion = 2;  // bump when the Python-visible API changes
+
+// TMA descriptor.  The driver docs ask for 64-byte alignment; cuda.h 13 declares it alignas(128),
+// so we take the stricter one (it satisfies both).
+constexpr size_t kTensorMapAlign = 128;
+struct alignas(kTensorMapAlign) CUtensorMap { uint64_t opaque[16]; };
+static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
+enum CUtensorMapDataType : int {
+  CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0,
+  CU_TENSOR_MAP_DATA_TYPE_INT32 = 3,
+  CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6,
+  CU_TENSOR_MAP_DATA_TYPE_FLOAT32 = 7,
+  CU_TENSOR_MAP_DATA_TYPE_FLOAT64 = 8,
+  CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9,
+};
+// CUtensorMapInterleave / Swizzle / L2promotion / FloatOOBfill are plain ints 0..N here.
+constexpr int CU_TENSOR_MAP_INTERLEAVE_NONE = 0;
+constexpr int CU_TENSOR_MAP_INTERLEAVE_32B = 2;
+constexpr int CU_TENSOR_MAP_SWIZZLE_NONE = 0;
+constexpr int CU_TENSOR_MAP_SWIZZLE_32B = 1;
+constexpr int CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA = 1;
 
 struct Driver {
   CUresult (*cuInit)(unsigned int);
@@ -57,6 +84,10 @@ struct Driver {
                              unsigned, unsigned, CUstream, void**, void**);
   CUresult (*cuGetErrorName)(CUresult, const char**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
+  // Optional: drivers older than CUDA 12.0 lack it, and only encode_tensor_map needs it.
+  CUresult (*cuTensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, uint32_t, void*,
+                                     const uint64_t*, const uint64_t*, const uint32_t*,
+                                     const uint32_t*, int, int, int, int);
 };
 
 std::mutex g_mutex;            // guards everything below
@@ -140,6 +171,8 @@ void try_load_driver_locked() {
   TILE_OPS_SYM(cuGetErrorName);
   TILE_OPS_SYM(cuGetErrorString);
 #undef TILE_OPS_SYM
+  d.cuTensorMapEncodeTiled =
+      reinterpret_cast<decltype(d.cuTensorMapEncodeTiled)>(dlsym(lib, "cuTensorMapEncodeTiled"));
   if (missing) {
     g_load_error = prefix + "symbol " + missing_name + " not found (driver too old?)" + suffix;
     return;  // keep the handle open: harmless, and dlclose of libcuda is not worth the risk
@@ -262,36 +295,81 @@ void read_dim3(PyObject* seq, const char* what, unsigned out[3]) {
   }
 }
 
+// cuLaunchKernel's kernelParams for a list of Python args: an int is a 64-bit value (a device
+// pointer), a bytes object is passed by value (a CUtensorMap) from an aligned copy.  Up to
+// kStackArgs all-int args need no heap allocation (the common case, kept fast).
+class KernelParams {
+ public:
+  KernelParams(PyObject* args, const char* kernel) {
+    PyObject* fast = PySequence_Fast(args, "tile_ops: launch: args must be a list of ints and bytes");
+    if (fast == nullptr) throw py::error_already_set();
+    seq_ = py::reinterpret_steal<py::object>(fast);
+    n_ = PySequence_Fast_GET_SIZE(fast);
+    PyObject** items = PySequence_Fast_ITEMS(fast);
+    if (n_ > kStackArgs) {
+      heap_vals_.resize(n_);
+      heap_params_.resize(n_);
+      vals_ = heap_vals_.data();
+      params_ = heap_params_.data();
+    }
+    size_t by_value_chunks = 0;
+    for (Py_ssize_t i = 0; i < n_; ++i) {
+      PyObject* item = items[i];
+      if (PyLong_Check(item)) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(item);
+        if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
+        vals_[i] = v;
+        params_[i] = &vals_[i];
+      } else if (PyBytes_Check(item) && PyBytes_GET_SIZE(item) > 0) {
+        by_value_.push_back(i);  // copied below, once the total size is known
+        by_value_chunks += chunks_for(PyBytes_GET_SIZE(item));
+      } else {
+        throw py::type_error("tile_ops: launch: argument " + std::to_string(i) + " of kernel '" + kernel +
+                             "' must be an int (a pointer or 64-bit value) or non-empty bytes (passed by "
+                             "value, e.g. a CUtensorMap), got " + Py_TYPE(item)->tp_name);
+      }
+    }
+    if (!by_value_.empty()) copy_by_value(items, by_value_chunks);
+  }
+  KernelParams(const KernelParams&) = delete;
+  KernelParams& operator=(const KernelParams&) = delete;
+
+  void** get() { return n_ ? params_ : nullptr; }
+
+ private:
+  static constexpr Py_ssize_t kStackArgs = 16;
+  struct alignas(kTensorMapAlign) Chunk { unsigned char bytes[kTensorMapAlign]; };
+
+  static size_t chunks_for(Py_ssize_t size) { return (size + sizeof(Chunk) - 1) / sizeof(Chunk); }
+
+  void copy_by_value(PyObject** items, size_t total_chunks) {
+    by_value_copies_.reset(new Chunk[total_chunks]);
+    Chunk* next = by_value_copies_.get();
+    for (Py_ssize_t i : by_value_) {
+      const Py_ssize_t size = PyBytes_GET_SIZE(items[i]);
+      std::memcpy(next, PyBytes_AS_STRING(items[i]), size);
+      params_[i] = next;
+      next += chunks_for(size);
+    }
+  }
+
+  py::object seq_;  // keeps the args alive until the launch
+  Py_ssize_t n_ = 0;
+  uint64_t stack_vals_[kStackArgs];
+  void* stack_params_[kStackArgs];
+  std::vector<uint64_t> heap_vals_;
+  std::vector<void*> heap_params_;
+  uint64_t* vals_ = stack_vals_;
+  void** params_ = stack_params_;
+  std::vector<Py_ssize_t> by_value_;  // positions of the bytes args; allocates only when there are some
+  std::unique_ptr<Chunk[]> by_value_copies_;
+};
+
 void launch(uint64_t function_handle, py::handle grid, py::handle block, unsigned smem,
             uint64_t stream, py::handle args, py::handle kernel_name) {
-  constexpr Py_ssize_t kStackArgs = 16;
   unsigned g[3], b[3];
   read_dim3(grid.ptr(), "grid", g);
   read_dim3(block.ptr(), "block", b);
-
-  PyObject* fast = PySequence_Fast(args.ptr(), "args must be a list of ints");
-  if (fast == nullptr) throw py::error_already_set();
-  py::object guard = py::reinterpret_steal<py::object>(fast);
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  PyObject** items = PySequence_Fast_ITEMS(fast);
-  uint64_t stack_vals[kStackArgs];
-  void* stack_params[kStackArgs];
-  std::vector<uint64_t> heap_vals;
-  std::vector<void*> heap_params;
-  uint64_t* vals = stack_vals;
-  void** params = stack_params;
-  if (n > kStackArgs) {
-    heap_vals.resize(n);
-    heap_params.resize(n);
-    vals = heap_vals.data();
-    params = heap_params.data();
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(items[i]);
-    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
-    vals[i] = v;
-    params[i] = &vals[i];
-  }
 
   // A str's UTF-8 form is cached inside the object: no allocation, no Python code.
   const char* kname = PyUnicode_Check(kernel_name.ptr()) ? PyUnicode_AsUTF8(kernel_name.ptr()) : nullptr;
@@ -299,6 +377,7 @@ void launch(uint64_t function_handle, py::handle grid, py::handle block, unsigne
     if (PyErr_Occurred()) throw py::error_already_set();
     throw py::type_error("tile_ops: launch: kernel_name must be a str");
   }
+  KernelParams params(args.ptr(), kname);
 
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_ok) require_driver_locked();
@@ -312,10 +391,163 @@ void launch(uint64_t function_handle, py::handle grid, py::handle block, unsigne
   TILE_OPS_CHECK(g_drv.cuCtxGetCurrent(&cur), "cuCtxGetCurrent", kname);
   if (cur != ctx) TILE_OPS_CHECK(g_drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", kname);
   CUresult rc = g_drv.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], smem,
-                                     reinterpret_cast<CUstream>(stream), n ? params : nullptr,
-                                     nullptr);
+                                     reinterpret_cast<CUstream>(stream), params.get(), nullptr);
   if (cur != nullptr && cur != ctx) g_drv.cuCtxSetCurrent(cur);  // leave the caller's context alone
   if (rc != CUDA_SUCCESS) throw_cuda(rc, "cuLaunchKernel", kname);
+}
+
+// ---- TMA descriptors (cuTensorMapEncodeTiled) ---------------------------------
+
+struct TensorMapDtype {
+  const char* name;
+  CUtensorMapDataType cu;
+  int64_t bytes;
+  bool is_float;
+};
+
+constexpr TensorMapDtype kTensorMapDtypes[] = {
+    {"float16", CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, true},
+    {"bfloat16", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, true},
+    {"float32", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, true},
+    {"float64", CU_TENSOR_MAP_DATA_TYPE_FLOAT64, 8, true},
+    {"int8", CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, false},  // TMA only moves bytes; there is no INT8 type
+    {"uint8", CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, false},
+    {"int32", CU_TENSOR_MAP_DATA_TYPE_INT32, 4, false},
+};
+
+struct TensorMapArgs {
+  const TensorMapDtype* dtype;
+  uint64_t address;
+  std::vector<int64_t> dims, strides, box, element_strides;  // dims innermost first
+  int swizzle, interleave, l2_promotion, oob_fill;
+};
+
+std::string join(const std::vector<int64_t>& v) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? ", " : "") << v[i];
+  out << "]";
+  return out.str();
+}
+
+std::string describe(const TensorMapArgs& a) {
+  std::ostringstream out;
+  out << "dtype=" << a.dtype->name << " global_address=0x" << std::hex << a.address << std::dec
+      << " dims=" << join(a.dims) << " strides_bytes=" << join(a.strides) << " box=" << join(a.box)
+      << " element_strides=" << join(a.element_strides) << " interleave=" << a.interleave
+      << " swizzle=" << a.swizzle << " l2_promotion=" << a.l2_promotion << " oob_fill=" << a.oob_fill;
+  return out.str();
+}
+
+[[noreturn]] void invalid_tensor_map(const std::string& what) {
+  throw py::value_error("tile_ops: encode_tensor_map: " + what);
+}
+
+const TensorMapDtype* tensor_map_dtype(const std::string& name) {
+  std::string accepted;
+  for (const TensorMapDtype& d : kTensorMapDtypes) {
+    if (name == d.name) return &d;
+    accepted += accepted.empty() ? d.name : std::string(", ") + d.name;
+  }
+  invalid_tensor_map("dtype '" + name + "' is not supported (accepted: " + accepted + ")");
+}
+
+void check_count(const char* what, const std::vector<int64_t>& v, size_t want, const char* meaning) {
+  if (v.size() != want)
+    invalid_tensor_map(std::string(what) + " has length " + std::to_string(v.size()) + ", want " +
+                       std::to_string(want) + " (" + meaning + ")");
+}
+
+void check_each_in(const char* what, const std::vector<int64_t>& v, int64_t lo, int64_t hi) {
+  for (size_t i = 0; i < v.size(); ++i)
+    if (v[i] < lo || v[i] > hi)
+      invalid_tensor_map(std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(v[i]) +
+                         " is out of range: each must be in " + std::to_string(lo) + ".." + std::to_string(hi));
+}
+
+void check_enum(const char* what, int v, int max, const char* accepted) {
+  if (v < 0 || v > max)
+    invalid_tensor_map(std::string(what) + " = " + std::to_string(v) + " is not accepted: use " + accepted);
+}
+
+// The requirements documented for cuTensorMapEncodeTiled, checked here so that a bad spec is a
+// ValueError naming the rule instead of a bare CUDA_ERROR_INVALID_VALUE (and needs no driver).
+void validate(const TensorMapArgs& a) {
+  const size_t rank = a.dims.size();
+  if (rank < 1 || rank > 5)
+    invalid_tensor_map("dims has length " + std::to_string(rank) + "; the rank must be 1..5 (dims innermost first)");
+  check_count("strides_bytes", a.strides, rank - 1, "the byte strides of dims 1..rank-1; dim 0 is contiguous");
+  check_count("box", a.box, rank, "one per dim");
+  check_count("element_strides", a.element_strides, rank, "one per dim");
+  check_enum("swizzle", a.swizzle, 3, "0 (none), 1 (32B), 2 (64B) or 3 (128B)");
+  check_enum("interleave", a.interleave, 2, "0 (none), 1 (16B) or 2 (32B)");
+  check_enum("l2_promotion", a.l2_promotion, 3, "0 (none), 1 (64B), 2 (128B) or 3 (256B)");
+  check_enum("oob_fill", a.oob_fill, 1, "0 (zeros) or 1 (NaN, floating-point dtypes only)");
+  if (a.oob_fill == CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA && !a.dtype->is_float)
+    invalid_tensor_map(std::string("oob_fill = 1 (NaN) needs a floating-point dtype, got ") + a.dtype->name);
+  const bool interleaved = a.interleave != CU_TENSOR_MAP_INTERLEAVE_NONE;
+  if (interleaved && rank < 3) invalid_tensor_map("interleave != 0 needs rank >= 3");
+  const bool interleave32 = a.interleave == CU_TENSOR_MAP_INTERLEAVE_32B;
+  if (interleave32 && a.swizzle != CU_TENSOR_MAP_SWIZZLE_32B)
+    invalid_tensor_map("interleave = 2 (32B) needs swizzle = 1 (32B)");
+  const uint64_t align = interleave32 ? 32 : 16;
+  if (a.address % align != 0) {
+    std::ostringstream msg;
+    msg << "global_address 0x" << std::hex << a.address << std::dec << " must be " << align
+        << "-byte aligned" << (interleave32 ? " with interleave = 2 (32B)" : "");
+    invalid_tensor_map(msg.str());
+  }
+  check_each_in("dims", a.dims, 1, int64_t{1} << 32);
+  for (size_t i = 0; i < a.strides.size(); ++i)
+    if (a.strides[i] <= 0 || a.strides[i] % align != 0 || a.strides[i] >= (int64_t{1} << 40))
+      invalid_tensor_map("strides_bytes[" + std::to_string(i) + "] = " + std::to_string(a.strides[i]) +
+                         " must be a positive multiple of " + std::to_string(align) +
+                         " bytes below 2^40 (strides are in bytes, for dims 1..rank-1)");
+  check_each_in("box", a.box, 1, 256);
+  check_each_in("element_strides", a.element_strides, 1, 8);
+  const int64_t inner_bytes = a.box[0] * a.dtype->bytes;
+  const std::string inner = "the inner box row, box[0] * " + std::to_string(a.dtype->bytes) + " = " +
+                            std::to_string(inner_bytes) + " bytes,";
+  if (!interleaved && inner_bytes % 16 != 0)
+    invalid_tensor_map(inner + " must be a multiple of 16 bytes");
+  const int64_t swizzle_span = int64_t{16} << a.swizzle;  // 32, 64, 128 bytes
+  if (!interleaved && a.swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && inner_bytes > swizzle_span)
+    invalid_tensor_map(inner + " must be <= the swizzle span of " + std::to_string(swizzle_span) +
+                       " bytes (swizzle = " + std::to_string(a.swizzle) + ")");
+}
+
+template <typename Out>
+std::vector<Out> narrow(const std::vector<int64_t>& v) {  // validated ranges fit in Out
+  return std::vector<Out>(v.begin(), v.end());
+}
+
+py::bytes encode_tensor_map(const std::string& dtype, uint64_t global_address, std::vector<int64_t> dims,
+                            std::vector<int64_t> strides_bytes, std::vector<int64_t> box,
+                            std::vector<int64_t> element_strides, int swizzle, int interleave,
+                            int l2_promotion, int oob_fill, std::optional<int> device) {
+  const TensorMapArgs a{tensor_map_dtype(dtype), global_address, std::move(dims), std::move(strides_bytes),
+                        std::move(box), std::move(element_strides), swizzle, interleave, l2_promotion,
+                        oob_fill};
+  validate(a);
+  if (device && *device < 0) invalid_tensor_map("device must be >= 0 (or None for the current context)");
+  const auto dims64 = narrow<uint64_t>(a.dims), strides64 = narrow<uint64_t>(a.strides);
+  const auto box32 = narrow<uint32_t>(a.box), element_strides32 = narrow<uint32_t>(a.element_strides);
+
+  std::lock_guard<std::mutex> lock(g_mutex);
+  require_driver_locked();
+  if (g_drv.cuTensorMapEncodeTiled == nullptr)
+    throw std::runtime_error("tile_ops: encode_tensor_map: the CUDA driver has no cuTensorMapEncodeTiled; "
+                             "TMA descriptors need a CUDA 12.0 or newer driver");
+  std::optional<ContextScope> scope;  // the driver may want a context; a device picks its primary one
+  if (device) scope.emplace(primary_context_locked(*device), nullptr);
+  CUtensorMap map{};
+  CUresult rc = g_drv.cuTensorMapEncodeTiled(
+      &map, a.dtype->cu, static_cast<uint32_t>(a.dims.size()), reinterpret_cast<void*>(a.address),
+      dims64.data(), strides64.data(), box32.data(), element_strides32.data(), a.interleave, a.swizzle,
+      a.l2_promotion, a.oob_fill);
+  if (rc != CUDA_SUCCESS)
+    throw std::runtime_error(error_text(rc, "cuTensorMapEncodeTiled", nullptr) + " for " + describe(a));
+  return py::bytes(reinterpret_cast<const char*>(&map), sizeof(map));
 }
 
 bool driver_available() {
@@ -336,8 +568,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Look up a kernel; opts in to >48 KiB dynamic shared memory when asked.");
   m.def("launch", &launch, py::arg("function"), py::arg("grid"), py::arg("block"),
         py::arg("smem"), py::arg("stream"), py::arg("args"), py::arg("kernel_name"),
-        "Launch a kernel whose parameters are all 64-bit values (device pointers).");
+        "Launch a kernel; each arg is an int (a 64-bit value, e.g. a device pointer) or bytes\n"
+        "passed by value from an aligned copy (e.g. a CUtensorMap from encode_tensor_map).");
   m.def("unload_module", &unload_module, py::arg("module"));
   m.def("driver_available", &driver_available,
         "True if libcuda.so.1 loads and cuInit succeeds.");
+  m.def("encode_tensor_map", &encode_tensor_map, py::arg("dtype"), py::arg("global_address"),
+        py::arg("dims"), py::arg("strides_bytes"), py::arg("box"), py::arg("element_strides"),
+        py::arg("swizzle"), py::arg("interleave") = 0, py::arg("l2_promotion") = 2,
+        py::arg("oob_fill") = 0, py::arg("device") = py::none(),
+        "Encode a tiled TMA descriptor (cuTensorMapEncodeTiled); returns its 128 bytes, to pass\n"
+        "to launch() by value.  dims are innermost first; strides_bytes are the byte strides of\n"
+        "dims 1..rank-1.  device (optional) makes that device's primary context current for the call.");
 }

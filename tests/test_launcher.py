@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def lib():
 def test_extension_builds_and_imports(lib):
     assert get_launcher() is lib  # cached per process
     assert lib.API_VERSION == launcher_mod.API_VERSION
-    for name in ("load_module", "get_function", "launch", "unload_module", "driver_available"):
+    for name in ("load_module", "get_function", "launch", "unload_module", "driver_available", "encode_tensor_map"):
         assert callable(getattr(lib, name))
     assert launcher_mod.launcher_source().is_file()
 
@@ -50,6 +51,65 @@ def test_missing_driver_raises_clean_error(lib):
         lib.launch(1, (1, 1, 1), (1, 1, 1), 0, 0, [0], "k")
     with pytest.raises(RuntimeError, match="libcuda"):
         CudaFunction(b"junk", "k", 0).launch((1, 1, 1), (32, 1, 1), [0], 0, 0)
+    with pytest.raises(RuntimeError, match="libcuda"):
+        lib.launch(1, (1, 1, 1), (1, 1, 1), 0, 0, [0, bytes(128)], "k")
+    with pytest.raises(RuntimeError, match="libcuda"):  # a valid spec gets as far as the driver
+        lib.encode_tensor_map(**VALID_TMAP)
+
+
+# -- TMA descriptors and by-value arguments: checked before the driver is needed -------------
+
+# fp16 (128 rows, 64 cols) row-major, 64x64 boxes with the 128B swizzle
+VALID_TMAP = dict(dtype="float16", global_address=0x10000, dims=[64, 128], strides_bytes=[128], box=[64, 64],
+                  element_strides=[1, 1], swizzle=3)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype="half"),
+     "dtype 'half' is not supported (accepted: float16, bfloat16, float32, float64, int8, uint8, int32)"),
+    (dict(dims=[]), "dims has length 0; the rank must be 1..5"),
+    (dict(dims=[2] * 6), "dims has length 6; the rank must be 1..5"),
+    (dict(strides_bytes=[]), "strides_bytes has length 0, want 1 (the byte strides of dims 1..rank-1"),
+    (dict(box=[64]), "box has length 1, want 2 (one per dim)"),
+    (dict(element_strides=[1, 1, 1]), "element_strides has length 3, want 2"),
+    (dict(global_address=0x10008), "global_address 0x10008 must be 16-byte aligned"),
+    (dict(dims=[0, 128]), "dims[0] = 0 is out of range: each must be in 1..4294967296"),
+    (dict(strides_bytes=[64 * 2 + 8]), "strides_bytes[0] = 136 must be a positive multiple of 16 bytes below 2^40"),
+    (dict(strides_bytes=[0]), "strides_bytes[0] = 0 must be a positive multiple of 16"),
+    (dict(strides_bytes=[1 << 40]), "below 2^40"),
+    (dict(box=[64, 257]), "box[1] = 257 is out of range: each must be in 1..256"),
+    (dict(box=[0, 64]), "box[0] = 0 is out of range"),
+    (dict(element_strides=[1, 9]), "element_strides[1] = 9 is out of range: each must be in 1..8"),
+    (dict(box=[4, 64], swizzle=0), "the inner box row, box[0] * 2 = 8 bytes, must be a multiple of 16 bytes"),
+    (dict(dims=[128, 128], strides_bytes=[256], box=[128, 64]),
+     "the inner box row, box[0] * 2 = 256 bytes, must be <= the swizzle span of 128 bytes (swizzle = 3)"),
+    (dict(box=[32, 64], swizzle=1), "box[0] * 2 = 64 bytes, must be <= the swizzle span of 32 bytes (swizzle = 1)"),
+    (dict(swizzle=4), "swizzle = 4 is not accepted: use 0 (none), 1 (32B), 2 (64B) or 3 (128B)"),
+    (dict(interleave=3), "interleave = 3 is not accepted: use 0 (none), 1 (16B) or 2 (32B)"),
+    (dict(interleave=1), "interleave != 0 needs rank >= 3"),
+    (dict(dims=[8, 4, 4], strides_bytes=[32, 128], box=[8, 4, 4], element_strides=[1, 1, 1], interleave=2),
+     "interleave = 2 (32B) needs swizzle = 1 (32B)"),
+    (dict(l2_promotion=4), "l2_promotion = 4 is not accepted: use 0 (none), 1 (64B), 2 (128B) or 3 (256B)"),
+    (dict(oob_fill=2), "oob_fill = 2 is not accepted: use 0 (zeros) or 1 (NaN, floating-point dtypes only)"),
+    (dict(dtype="int32", dims=[32, 128], box=[32, 64], oob_fill=1),
+     "oob_fill = 1 (NaN) needs a floating-point dtype, got int32"),
+    (dict(device=-1), "device must be >= 0 (or None for the current context)"),
+])
+def test_encode_tensor_map_rejects_bad_specs_before_the_driver(lib, change, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        lib.encode_tensor_map(**{**VALID_TMAP, **change})
+    assert str(error.value).startswith("tile_ops: encode_tensor_map: ")
+
+
+@pytest.mark.parametrize("args, message", [
+    ([1, "x"], "argument 1 of kernel 'k' must be an int (a pointer or 64-bit value) or non-empty bytes "
+               "(passed by value, e.g. a CUtensorMap), got str"),
+    ([b"", 1], "argument 0 of kernel 'k' must be an int"),
+    ([bytearray(8)], "got bytearray"),
+])
+def test_launch_rejects_args_that_are_not_ints_or_bytes(lib, args, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        lib.launch(1, (1, 1, 1), (1, 1, 1), 0, 0, args, "k")
 
 
 # -- CudaFunction bookkeeping, with a pure-Python stand-in for the extension -----------------
@@ -101,7 +161,7 @@ FAKE_LIBCUDA = r"""
 #include <string.h>
 typedef int CUresult;
 struct mod { void* ctx; };
-struct fn { void* ctx; int max_smem; };
+struct fn { void* ctx; int max_smem; int takes_tmap; };
 static __thread void* cur_ctx = 0;
 int tile_ops_fake_driver(void) { return 1; }
 CUresult cuInit(unsigned flags) { return 0; }
@@ -117,14 +177,17 @@ CUresult cuModuleLoadData(void** m, const void* image) {
 CUresult cuModuleUnload(void* m) { if (((struct mod*)m)->ctx != cur_ctx) return 201; free(m); return 0; }
 CUresult cuModuleGetFunction(void** f, void* m, const char* name) {
   if (((struct mod*)m)->ctx != cur_ctx) return 201;
-  if (strcmp(name, "fill_kernel") != 0) return 500;
-  struct fn* p = malloc(sizeof *p); p->ctx = cur_ctx; p->max_smem = 48 * 1024; *f = p; return 0;
+  int takes_tmap = strcmp(name, "tmap_kernel") == 0;
+  if (strcmp(name, "fill_kernel") != 0 && !takes_tmap) return 500;
+  struct fn* p = malloc(sizeof *p); p->ctx = cur_ctx; p->max_smem = 48 * 1024; p->takes_tmap = takes_tmap; *f = p;
+  return 0;
 }
 CUresult cuFuncSetAttribute(void* f, int attr, int value) {
   if (attr != 8 || value > 227 * 1024) return 1;
   ((struct fn*)f)->max_smem = value; return 0;
 }
-/* "kernel": out = arg0 (host memory here), n = arg1; out[0..3] = grid/block/smem/stream, out[4+i] = arg(2+i) */
+/* "fill_kernel": out = arg0 (host memory here), n = arg1; out[0..3] = grid/block/smem/stream, out[4+i] = arg(2+i).
+   "tmap_kernel(out, CUtensorMap map, uint64 v)": out[0..15] = map, out[16] = address of map % 128, out[17] = v. */
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned smem, void* stream, void** params, void** extra) {
   struct fn* k = f;
@@ -132,11 +195,31 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
   if (!gx || !gy || !gz || !bx || !by || !bz || bx * by * bz > 1024 || smem > (unsigned)k->max_smem || extra)
     return 1;
   uint64_t* out = (uint64_t*)(uintptr_t)*(uint64_t*)params[0];
+  if (k->takes_tmap) {
+    memcpy(out, params[1], 128); out[16] = (uintptr_t)params[1] % 128; out[17] = *(uint64_t*)params[2];
+    return 0;
+  }
   uint64_t n = *(uint64_t*)params[1];
   out[0] = (uint64_t)gx * gy * gz; out[1] = bx * by * bz; out[2] = smem; out[3] = (uint64_t)(uintptr_t)stream;
   for (uint64_t i = 0; i < n; ++i) out[4 + i] = *(uint64_t*)params[2 + i];
   return 0;
 }
+#ifndef FAKE_DRIVER_WITHOUT_TMA
+/* Packs its arguments into the descriptor for the test to read back; dims[0] == 12345 is "invalid". */
+CUresult cuTensorMapEncodeTiled(uint64_t* map, int dtype, unsigned rank, void* address, const uint64_t* dims,
+                                const uint64_t* strides, const unsigned* box, const unsigned* element_strides,
+                                int interleave, int swizzle, int l2_promotion, int oob_fill) {
+  if ((uintptr_t)map % 64 || rank < 1 || rank > 5 || dims[0] == 12345) return 1;
+  if (!cur_ctx) return 201;
+  memset(map, 0, 128);
+  map[0] = dtype; map[1] = rank; map[2] = (uint64_t)(uintptr_t)address;
+  for (unsigned i = 0; i < rank; ++i)
+    map[3 + i] = dims[i] | (uint64_t)box[i] << 40 | (uint64_t)element_strides[i] << 52;
+  for (unsigned i = 0; i + 1 < rank; ++i) map[8 + i] = strides[i];
+  map[12] = interleave | swizzle << 8 | l2_promotion << 16 | oob_fill << 24;
+  return 0;
+}
+#endif
 CUresult cuGetErrorName(CUresult e, const char** s) {
   switch (e) {
     case 1: *s = "CUDA_ERROR_INVALID_VALUE"; return 0;
@@ -160,7 +243,7 @@ CUresult cuGetErrorString(CUresult e, const char** s) {
 """
 
 FAKE_DRIVER_CHECKS = r"""
-import ctypes, importlib.util, sys
+import ctypes, importlib.util, struct, sys
 name, path = sys.argv[1], sys.argv[2]
 if name != "tile_ops._C":
     import torch  # a JIT-built copy links against libtorch
@@ -187,6 +270,33 @@ def raises(exc, text, fn, *args):
 
 assert C.driver_available() is True
 assert current() is None
+
+# TMA descriptors: the arguments reach the driver as documented; its errors name the parameters
+def unpack(desc):
+    assert isinstance(desc, bytes) and len(desc) == 128, desc
+    return struct.unpack("<16Q", desc)
+
+TMAP = dict(dtype="bfloat16", global_address=0x7f0000001000, dims=[64, 100, 3], strides_bytes=[256, 25600],
+            box=[64, 32, 1], element_strides=[1, 2, 1], swizzle=3)
+raises(RuntimeError, "tile_ops: CUDA error CUDA_ERROR_INVALID_CONTEXT (invalid device context) in "
+       "cuTensorMapEncodeTiled for dtype=bfloat16 global_address=0x7f0000001000 dims=[64, 100, 3] "
+       "strides_bytes=[256, 25600] box=[64, 32, 1] "
+       "element_strides=[1, 2, 1] interleave=0 swizzle=3 l2_promotion=2 oob_fill=0",
+       lambda: C.encode_tensor_map(**TMAP))
+q = unpack(C.encode_tensor_map(**TMAP, device=1))  # the device's primary context is made current for the call
+assert current() == 0x1001
+assert q[:3] == (9, 3, 0x7f0000001000), q  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, address
+assert [(d & (2**40 - 1), d >> 40 & 4095, d >> 52) for d in q[3:6]] == [(64, 64, 1), (100, 32, 2), (3, 1, 1)], q
+assert q[8:10] == (256, 25600) and q[12] == 0 | 3 << 8 | 2 << 16 | 0 << 24, q
+q = unpack(C.encode_tensor_map("int8", 0x2000, [4096], [], [256], [1], 0, interleave=0, l2_promotion=3, oob_fill=0))
+assert q[:4] == (0, 1, 0x2000, 4096 | 256 << 40 | 1 << 52) and q[12] == 3 << 16, q  # int8 travels as UINT8
+for dtype, cu in [("float16", 6), ("float32", 7), ("float64", 8), ("uint8", 0), ("int32", 3)]:
+    assert unpack(C.encode_tensor_map(dtype, 0x2000, [64], [], [16], [1], 0))[0] == cu, dtype
+assert unpack(C.encode_tensor_map("float32", 0x2000, [64], [], [16], [1], 0, oob_fill=1))[12] == 2 << 16 | 1 << 24
+raises(RuntimeError, "CUDA_ERROR_INVALID_VALUE (invalid argument) in cuTensorMapEncodeTiled for dtype=float16 "
+       "global_address=0x2000 dims=[12345]", C.encode_tensor_map, "float16", 0x2000, [12345], [], [8], [1], 0)
+desc = C.encode_tensor_map(**TMAP)
+assert drv.cuCtxSetCurrent(None) == 0
 raises(RuntimeError, "tile_ops: CUDA error CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid) in cuModuleLoadData", C.load_module, b"junk", 0)
 raises(RuntimeError, "tile_ops: CUDA error CUDA_ERROR_INVALID_DEVICE (invalid device ordinal) in cuDeviceGet", C.load_module, b"FAKECUBIN", 7)
 m0 = C.load_module(b"FAKECUBIN", 0)
@@ -205,6 +315,17 @@ vals = list(range(100, 130))  # more than 16 args: heap path
 C.launch(f0, [1, 1, 1], [32, 2, 1], 0, 0, tuple([addr, len(vals)] + vals), "fill_kernel")
 assert list(out[:4 + len(vals)]) == [1, 64, 0, 0] + vals
 C.launch(f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, 0], "fill_kernel")
+
+# bytes args are passed by value from 128-byte aligned copies, mixed with ints, on both paths
+f_tmap = C.get_function(m0, "tmap_kernel", 0)
+C.launch(f_tmap, (1, 1, 1), (1, 1, 1), 0, 0, [addr, desc, 99], "tmap_kernel")
+assert tuple(out[:16]) == unpack(desc) and out[16] == 0 and out[17] == 99, list(out[:18])
+as_bytes = lambda v, size=8: v.to_bytes(8, "little") + bytes(size - 8)
+C.launch(f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, 4, as_bytes(5, 200), 6, as_bytes(7), as_bytes(8, 129)], "fill_kernel")
+assert list(out[4:8]) == [5, 6, 7, 8], list(out[4:8])
+vals = list(range(200, 230))
+C.launch(f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, len(vals)] + [as_bytes(v) if v % 3 else v for v in vals], "fill_kernel")
+assert list(out[4:4 + len(vals)]) == vals
 
 # the exact error format, with the kernel name
 raises(RuntimeError, "tile_ops: CUDA error CUDA_ERROR_INVALID_VALUE (invalid argument) in cuLaunchKernel for kernel 'gemm_kernel'",
@@ -240,19 +361,90 @@ print("FAKE DRIVER OK")
 """
 
 
-def test_launch_marshalling_and_errors_with_fake_driver(lib, tmp_path):
+def _run_with_fake_driver(tmp_path, lib, checks, *cflags):
+    """Runs ``checks`` in a fresh Python on ``lib`` whose dlopen("libcuda.so.1") finds the fake driver."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the fake libcuda")
     src = tmp_path / "fake_cuda.c"
     src.write_text(FAKE_LIBCUDA)
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"), str(src)], check=True)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", *cflags, "-o", str(tmp_path / "libcuda.so.1"), str(src)],
+                   check=True)
     env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
         filter(None, [str(tmp_path), os.environ.get("LD_LIBRARY_PATH")])))
-    proc = subprocess.run([sys.executable, "-c", FAKE_DRIVER_CHECKS, lib.__name__, lib.__file__],
+    proc = subprocess.run([sys.executable, "-c", checks, lib.__name__, lib.__file__],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "FAKE DRIVER OK" in proc.stdout
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def jit_built_lib(tmp_path_factory, monkeypatch_module):
+    """The JIT fallback: the same launcher.cpp built with torch.utils.cpp_extension, in a private cache dir."""
+    monkeypatch_module.setenv("TILE_OPS_CACHE_DIR", str(tmp_path_factory.mktemp("jit_cache")))
+    return launcher_mod._jit_build()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.mark.parametrize("which", ["built", "jit_built"])
+def test_launch_marshalling_and_errors_with_fake_driver(which, request, tmp_path):
+    lib = request.getfixturevalue("lib" if which == "built" else "jit_built_lib")
+    assert lib.API_VERSION == launcher_mod.API_VERSION
+    assert "FAKE DRIVER OK" in _run_with_fake_driver(tmp_path, lib, FAKE_DRIVER_CHECKS)
+
+
+def test_driver_without_tensor_maps_still_launches(lib, tmp_path):
+    checks = FAKE_DRIVER_CHECKS.split("assert C.driver_available() is True")[0] + textwrap.dedent("""
+        assert C.driver_available() is True
+        raises(RuntimeError, "tile_ops: encode_tensor_map: the CUDA driver has no cuTensorMapEncodeTiled; "
+               "TMA descriptors need a CUDA 12.0 or newer driver",
+               C.encode_tensor_map, "float16", 0x2000, [64], [], [8], [1], 0)
+        m = C.load_module(b"FAKECUBIN", 0)
+        out = (ctypes.c_uint64 * 8)()
+        C.launch(C.get_function(m, "fill_kernel", 0), (1, 1, 1), (1, 1, 1), 0, 0, [ctypes.addressof(out), 1, 42], "k")
+        assert out[4] == 42
+        print("NO-TMA DRIVER OK")
+    """)
+    assert "NO-TMA DRIVER OK" in _run_with_fake_driver(tmp_path, lib, checks, "-DFAKE_DRIVER_WITHOUT_TMA")
+
+
+# -- get_launcher's version check -------------------------------------------------------------
+
+def _fake_extension(name, api_version):
+    mod = types.ModuleType(name)
+    mod.API_VERSION = api_version
+    mod.__file__ = f"/nowhere/{name}.so"
+    return mod
+
+
+@pytest.fixture
+def fresh_launcher(monkeypatch):
+    """get_launcher() as in a new process whose tile_ops._C has API_VERSION 1 (built before version 2)."""
+    import tile_ops
+
+    stale = _fake_extension("tile_ops._C", 1)
+    monkeypatch.setattr(launcher_mod, "_launcher", None)
+    monkeypatch.setattr(tile_ops, "_C", stale, raising=False)
+    monkeypatch.setitem(sys.modules, "tile_ops._C", stale)
+    return monkeypatch
+
+
+def test_stale_extension_is_replaced_by_a_jit_build(fresh_launcher):
+    rebuilt = _fake_extension("tile_ops_C", launcher_mod.API_VERSION)
+    fresh_launcher.setattr(launcher_mod, "_jit_build", lambda: rebuilt)
+    assert launcher_mod.get_launcher() is rebuilt
+
+
+def test_jit_build_of_another_version_is_an_error(fresh_launcher):
+    fresh_launcher.setattr(launcher_mod, "_jit_build", lambda: _fake_extension("tile_ops_C", 1))
+    with pytest.raises(RuntimeError, match=r"tile_ops: the launcher JIT-built from .*launcher\.cpp has API_VERSION 1, "
+                                           r"want \d+; reinstall tile_ops"):
+        launcher_mod.get_launcher()
 
 
 # -- on a real GPU -------------------------------------------------------------------------
@@ -268,8 +460,51 @@ KERNEL_SRC = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def axpb_cubin(tmp_path_factory):
+# A CUtensorMap-sized struct passed by value: checks bytes arguments on any GPU.
+BLOB_KERNEL_SRC = textwrap.dedent("""
+    struct __align__(64) Blob { unsigned long long q[16]; };
+
+    extern "C" __global__ void blob_kernel(unsigned long long* out, const Blob blob, unsigned long long tail) {
+      if (threadIdx.x < 16) out[threadIdx.x] = blob.q[threadIdx.x] + tail;
+    }
+""")
+
+# Out = X (64x64 float32), one 8x32 tile per block, loaded by TMA through the X_tmap descriptor (sm_90+).
+TMA_COPY_KERNEL_SRC = textwrap.dedent(r"""
+    #include <cuda.h>  // CUtensorMap
+
+    constexpr int kCols = 64, kBoxCols = 32, kBoxRows = 8;
+
+    extern "C" __global__ void __launch_bounds__(128) tma_copy_kernel(const __grid_constant__ CUtensorMap X_tmap,
+                                                                      float* Out) {
+      __shared__ alignas(128) float tile[kBoxRows * kBoxCols];
+      __shared__ alignas(8) unsigned long long bar;
+      const int x = blockIdx.x * kBoxCols, y = blockIdx.y * kBoxRows;
+      const unsigned bar_addr = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+      const unsigned tile_addr = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+      if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar_addr));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(bar_addr), "r"(static_cast<unsigned>(sizeof(tile))) : "memory");
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                     " [%0], [%1, {%2, %3}], [%4];"
+                     :: "r"(tile_addr), "l"(reinterpret_cast<unsigned long long>(&X_tmap)), "r"(x), "r"(y),
+                        "r"(bar_addr) : "memory");
+      }
+      asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                   "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+                   "@!done bra WAIT;\n}" :: "r"(bar_addr) : "memory");
+      for (int i = threadIdx.x; i < kBoxRows * kBoxCols; i += blockDim.x)
+        Out[(y + i / kBoxCols) * kCols + x + i % kBoxCols] = tile[i];
+    }
+""")
+
+
+def _cubin_for_this_gpu(tmp_path_factory, source):
     nvcc = shutil.which("nvcc") or next(
         (p for p in ["/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc"] if os.path.exists(p)), None)
     if nvcc is None:
@@ -277,9 +512,20 @@ def axpb_cubin(tmp_path_factory):
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
     d = tmp_path_factory.mktemp("cubin")
-    (d / "k.cu").write_text(KERNEL_SRC)
+    (d / "k.cu").write_text(source)
     subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-o", str(d / "k.cubin"), str(d / "k.cu")], check=True)
     return (d / "k.cubin").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def axpb_cubin(tmp_path_factory):
+    return _cubin_for_this_gpu(tmp_path_factory, KERNEL_SRC)
+
+
+@pytest.fixture(scope="module")
+def needs_tma():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need compute capability 9.0 or newer")
 
 
 @pytest.mark.gpu
@@ -313,3 +559,49 @@ def test_gpu_bad_launch_raises_formatted_error(lib, axpb_cubin):
     f.launch((4, 1, 1), (256, 1, 1), [x.data_ptr(), x.data_ptr()], torch.cuda.current_stream().cuda_stream, 0)
     torch.cuda.synchronize()
     assert torch.all(x == 1)
+
+
+@pytest.mark.gpu
+def test_gpu_encode_tensor_map_for_a_real_tensor(lib, needs_tma):
+    x = torch.randn(256, 64, device="cuda", dtype=torch.float16)
+    spec = dict(dtype="float16", dims=[64, 256], strides_bytes=[64 * 2], box=[64, 128], element_strides=[1, 1],
+                swizzle=3)
+    desc = lib.encode_tensor_map(global_address=x.data_ptr(), **spec, device=x.device.index)
+    assert isinstance(desc, bytes) and len(desc) == 128 and any(desc)
+    assert lib.encode_tensor_map(global_address=x.data_ptr(), **spec) == desc  # torch's context is current
+    y = torch.empty_like(x)
+    assert lib.encode_tensor_map(global_address=y.data_ptr(), **spec, device=y.device.index) != desc
+
+
+@pytest.mark.gpu
+def test_gpu_launch_passes_bytes_by_value(tmp_path_factory):
+    cubin = _cubin_for_this_gpu(tmp_path_factory, BLOB_KERNEL_SRC)
+    q = [(i + 1) * 0x0101010101 for i in range(16)]
+    blob = b"".join(v.to_bytes(8, "little") for v in q)
+    out = torch.zeros(16, dtype=torch.int64, device="cuda")
+    f = CudaFunction(cubin, "blob_kernel", 0)
+    f.launch((1, 1, 1), (32, 1, 1), [out.data_ptr(), blob, 1000], torch.cuda.current_stream().cuda_stream,
+             out.device.index)
+    torch.cuda.synchronize()
+    assert out.tolist() == [v + 1000 for v in q]
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_with_a_tensormap_parameter(tmp_path_factory, needs_tma):
+    from tile_ops.jit.kernel import Kernel, KernelMeta
+
+    major, minor = torch.cuda.get_device_capability()
+    x_tmap = {"tensor": "X", "dtype": "float32", "dims": [64, 64], "strides": [64 * 4], "box": [32, 8],
+              "element_strides": [1, 1], "swizzle": 0, "l2_promotion": 2, "oob_fill": 0}
+    meta = KernelMeta(name="tma_copy", entry="tma_copy_kernel", arch=f"sm_{major}{minor}a", grid=(2, 8, 1),
+                      block=(128, 1, 1), smem_bytes=0,
+                      params=[("X", (64, 64), "float32"), ("Out", (64, 64), "float32")],
+                      kept=["X_tmap", "Out"], out_idx=[1], tensormaps={"X_tmap": x_tmap})
+    kernel = Kernel(meta, TMA_COPY_KERNEL_SRC, _cubin_for_this_gpu(tmp_path_factory, TMA_COPY_KERNEL_SRC))
+    for _ in range(2):  # a new buffer gets its own descriptor
+        x = torch.randn(64, 64, device="cuda")
+        torch.testing.assert_close(kernel(x), x, rtol=0, atol=0)
+    out = torch.full_like(x, float("nan"))
+    kernel.launch_ptrs([x.data_ptr(), out.data_ptr()], x.device)  # the cached descriptor of x
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x, rtol=0, atol=0)

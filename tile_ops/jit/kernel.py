@@ -24,6 +24,8 @@ class KernelMeta:
     out_idx: list
     resources: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
+    # kept name -> TMA descriptor spec {"tensor", "dtype", "dims", ...} (INTERFACES.md); absent in old cache entries
+    tensormaps: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -36,13 +38,67 @@ class KernelMeta:
         return KernelMeta(**d)
 
 
+TENSORMAP_KEYS = ("tensor", "dtype", "dims", "strides", "box", "element_strides", "swizzle", "l2_promotion",
+                  "oob_fill")
+
+
+class EntryArgs:
+    """The CUDA entry's arguments, in ``meta.kept`` order, from one data pointer per program parameter.
+
+    A kept name with a ``meta.tensormaps`` spec takes the TMA descriptor (128 bytes, passed by value)
+    of the pointer of the spec's ``"tensor"``; any other kept name is a program parameter and takes
+    its pointer.  ``encode`` is the launcher's ``encode_tensor_map`` unless a test passes another.
+    """
+
+    _MAX_DESCRIPTORS = 64  # the caching allocator hands out many pointers in a long run: stay tiny
+
+    def __init__(self, meta: KernelMeta, encode=None):
+        self._tensormaps = meta.tensormaps
+        self._encode = encode
+        self._descriptors: dict = {}  # (kept name, pointer) -> bytes: launches mostly reuse buffers
+        position = {name: i for i, (name, _, _) in enumerate(meta.params)}
+        self._plan = []  # per kept name: (position of the tensor whose pointer it takes, tensormap name or None)
+        for name in meta.kept:
+            spec = meta.tensormaps.get(name)
+            if spec is not None:
+                missing = [k for k in TENSORMAP_KEYS if k not in spec]
+                if missing:
+                    raise ValueError(f"{meta.name}: tensormap {name} lacks {', '.join(missing)}")
+            tensor = name if spec is None else spec["tensor"]
+            if tensor not in position:
+                raise ValueError(f"{meta.name}: the CUDA entry parameter {name} needs the pointer of {tensor}, "
+                                 f"which is not a parameter ({', '.join(position)})")
+            self._plan.append((position[tensor], None if spec is None else name))
+        self._pointer_positions = [pos for pos, _ in self._plan]
+
+    def build(self, ptrs, device: int) -> list:
+        if not self._tensormaps:
+            return [ptrs[pos] for pos in self._pointer_positions]
+        return [ptrs[pos] if tmap is None else self._descriptor(tmap, ptrs[pos], device) for pos, tmap in self._plan]
+
+    def _descriptor(self, tmap: str, ptr: int, device: int) -> bytes:
+        desc = self._descriptors.get((tmap, ptr))
+        if desc is None:
+            if len(self._descriptors) >= self._MAX_DESCRIPTORS:
+                self._descriptors.clear()
+            if self._encode is None:
+                from .launcher import get_launcher
+
+                self._encode = get_launcher().encode_tensor_map
+            s = self._tensormaps[tmap]
+            desc = self._encode(s["dtype"], ptr, s["dims"], s["strides"], s["box"], s["element_strides"],
+                                s["swizzle"], l2_promotion=s["l2_promotion"], oob_fill=s["oob_fill"], device=device)
+            self._descriptors[(tmap, ptr)] = desc
+        return desc
+
+
 class Kernel:
     """``kernel(*inputs)`` allocates the outputs named by ``out_idx``, launches, and returns them."""
 
     def __init__(self, meta: KernelMeta, source: str, cubin: bytes):
         self.meta, self.source, self.cubin = meta, source, cubin
         self._function = None
-        self._kept_pos = [i for i, (n, _, _) in enumerate(meta.params) if n in meta.kept]
+        self._entry_args = EntryArgs(meta)
         self._in_pos = [i for i in range(len(meta.params)) if i not in meta.out_idx]
 
     def __repr__(self) -> str:
@@ -88,9 +144,9 @@ class Kernel:
         """Fast path for callers that validated their tensors: one pointer per parameter, in order."""
         import torch
 
+        index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(device).cuda_stream
-        self._fn().launch(self.meta.grid, self.meta.block, [ptrs[i] for i in self._kept_pos], stream,
-                          device.index if device.index is not None else torch.cuda.current_device())
+        self._fn().launch(self.meta.grid, self.meta.block, self._entry_args.build(ptrs, index), stream, index)
 
     def launch(self, *tensors, stream=None):
         """Launch on explicit tensors for every parameter (inputs and outputs), checked first."""
@@ -113,7 +169,7 @@ class Kernel:
                 raise ValueError(f"{m.name}: parameter {name} must be contiguous (row-major)")
             if t.data_ptr() % 16:
                 raise ValueError(f"{m.name}: parameter {name} must be 16-byte aligned (data_ptr % 16 == 0)")
-        ptrs = [tensors[i].data_ptr() for i in self._kept_pos]
+        args = self._entry_args.build([t.data_ptr() for t in tensors], device.index)
         if stream is None:
             stream = torch.cuda.current_stream(device).cuda_stream
-        self._fn().launch(m.grid, m.block, ptrs, stream, device.index)
+        self._fn().launch(m.grid, m.block, args, stream, device.index)

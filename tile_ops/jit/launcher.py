@@ -19,7 +19,7 @@ from .cache import cache_dir
 __all__ = ["get_launcher", "launcher_source", "CudaFunction"]
 
 # Must match kApiVersion in csrc/launcher.cpp; an extension reporting another version is stale.
-API_VERSION = 1
+API_VERSION = 2
 
 _launcher: ModuleType | None = None
 _lock = threading.Lock()
@@ -85,6 +85,9 @@ def get_launcher() -> ModuleType:
                     f"and JIT-building it from csrc/launcher.cpp failed: {e}. It needs a C++17 compiler, "
                     "ninja and pybind11; reinstall with `pip install --no-build-isolation --no-deps -e .` "
                     "to see the build log") from e
+            if getattr(mod, "API_VERSION", None) != API_VERSION:  # a launcher.cpp from another release
+                raise RuntimeError(f"tile_ops: the launcher JIT-built from {launcher_source()} has API_VERSION "
+                                   f"{getattr(mod, 'API_VERSION', None)}, want {API_VERSION}; reinstall tile_ops")
         _launcher = mod
         return mod
 
@@ -92,8 +95,9 @@ def get_launcher() -> ModuleType:
 class CudaFunction:
     """One kernel of a cubin, loaded lazily on each device it is launched on.
 
-    Every kernel parameter is a 64-bit value (device pointer); ``smem_bytes`` is the dynamic
-    shared memory per block (the >48 KiB opt-in is set when the function is loaded).
+    Each kernel argument is an int (a 64-bit value: a device pointer) or ``bytes`` passed by value
+    (a TMA descriptor from ``encode_tensor_map``); ``smem_bytes`` is the dynamic shared memory
+    per block (the >48 KiB opt-in is set when the function is loaded).
     """
 
     __slots__ = ("cubin", "name", "smem_bytes", "_per_device", "_launch")
@@ -117,11 +121,11 @@ class CudaFunction:
         self._launch = lib.launch
         return function
 
-    def launch(self, grid: Sequence[int], block: Sequence[int], ptrs: Sequence[int],
+    def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[int | bytes],
                stream: int, device: int) -> None:
         entry = self._per_device.get(device)
         function = entry[1] if entry is not None else self._load(device)
-        self._launch(function, grid, block, self.smem_bytes, stream, ptrs, self.name)
+        self._launch(function, grid, block, self.smem_bytes, stream, args, self.name)
 
     def unload(self) -> None:
         """Unload the cubin from every device it was loaded on (it reloads on the next launch)."""
