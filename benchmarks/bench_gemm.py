@@ -1,6 +1,9 @@
 """GEMM TFLOP/s: tile_ops beside torch.matmul (cuBLAS) and an autotuned Triton matmul, one run.
 
-    python benchmarks/bench_gemm.py [--no-triton] [--json out.json] [--png out.png]
+    python benchmarks/bench_gemm.py [--arch sm_90a|sm_90] [--configs] [--no-triton] [--json out.json] [--png out.png]
+
+``--arch sm_90a`` (the default on Hopper) is the TMA + wgmma warp-specialized path; ``--arch sm_90``
+compiles the same programs through the Ampere-class path (cp.async + mma.sync) for the same GPU.
 """
 
 import argparse
@@ -13,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import bench_ms, print_table, save  # noqa: E402
 
+import tile_ops  # noqa: E402
 from tile_ops.kernels.gemm import GemmConfig, default_config, gemm  # noqa: E402
 
 SHAPES = {  # ../shared/ANCHORS.md
@@ -20,25 +24,33 @@ SHAPES = {  # ../shared/ANCHORS.md
                 (4096, 14336, 4096), (1000, 1000, 1000), (16, 8192, 8192)],
     "bfloat16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)],
 }
-EXTRA_CONFIGS = [GemmConfig(128, 128, 32, 3, 128, 8), GemmConfig(128, 256, 32, 4, 256, 8),
-                 GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)]
+EXTRA_CONFIGS = {
+    "sm_90": [GemmConfig(128, 128, 32, 3, 128, 8), GemmConfig(128, 256, 32, 4, 256, 8),
+              GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)],
+    "sm_90a": [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(128, 128, 64, 5, 128, 8),
+               GemmConfig(128, 128, 64, 5, 256, 8), GemmConfig(256, 128, 64, 4, 256, 8),
+               GemmConfig(128, 192, 64, 4, 256, 8), GemmConfig(64, 128, 64, 8, 128, 0)],
+}
+PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.async + mma.sync"}
 
 
-def kernels_for(M, N, K, dtype, configs):
-    return {cfg: gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg) for cfg in configs}
+def kernels_for(M, N, K, dtype, configs, arch):
+    return {cfg: gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch) for cfg in configs}
 
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--arch", default=tile_ops.jit.default_arch(), choices=sorted(PATHS))
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time a few block configs, report the best")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
     jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes]
-    configs = {job: [default_config(*job[:3])] + (EXTRA_CONFIGS if args.configs else []) for job in jobs}
+    extra = EXTRA_CONFIGS[args.arch] if args.configs else []
+    configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + extra)) for job in jobs}
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
-        built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j]), jobs)))
+        built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j], args.arch), jobs)))
     rows = []
     for (M, N, K, dt) in jobs:
         torch_dt = getattr(torch, dt)
@@ -66,7 +78,7 @@ def main():
         del a, b, c, ref
     cols = ["dtype", "shape", "tile_ops", "cuBLAS"] + ([] if args.no_triton else ["triton"]) + [
         "vs_cuBLAS", "rel_err", "config"]
-    print_table(rows, cols, f"GEMM TFLOP/s on {torch.cuda.get_device_name()} (tile_ops sm80 path: cp.async + mma.sync)")
+    print_table(rows, cols, f"GEMM TFLOP/s on {torch.cuda.get_device_name()} (tile_ops {args.arch}: {PATHS[args.arch]})")
     save(rows, args.json, args.png, ys=("tile_ops", "cuBLAS", "triton"), ylabel="TFLOP/s")
 
 

@@ -64,12 +64,12 @@ def test_gemm_softmax_uses_fragment_reductions():
 
 @needs_nvcc
 @needs_cuobjdump
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])  # sm_90 without the "a": the Ampere-class path on Hopper
 def test_cubins_contain_the_intended_instructions(arch):
     k = matmul(512, 512, 512, target=arch)
     mix = k.instruction_mix()
     assert mix.get("HMMA", 0) >= 64 and mix.get("LDSM", 0) > 0 and mix.get("LDGSTS", 0) > 0
-    assert k.meta.resources["spill_stores"] == 0
+    assert mix.get("HGMMA", 0) == 0 and k.meta.resources["spill_stores"] == 0
     ks = gemm_softmax(256, 512, 128, 0.5, target=arch)
     mix = ks.instruction_mix()
     assert mix.get("HMMA", 0) > 0 and mix.get("SHFL", 0) > 0 and mix.get("LDGSTS", 0) > 0
@@ -79,7 +79,8 @@ def test_cubins_contain_the_intended_instructions(arch):
 def test_library_gemm_batched_bias_builds():
     k = gemm(200, 136, 72, 3, 3, 1, False, True, True, "float16", "float32", GemmConfig(64, 128, 32, 2, 128, 0),
              target="sm_90a")
-    assert k.meta.kept == ["A", "B", "Bias", "C"] and k.meta.grid == (2, 4, 3)
+    assert k.meta.kept == ["A_tmap", "B_tmap", "Bias", "C"] and k.meta.grid == (2, 4, 3)
+    assert k.meta.block == (256, 1, 1)  # 128 consumers + the TMA producer warpgroup
 
 
 # ----------------------------------------------------------------------------- errors name the user's line
@@ -188,3 +189,80 @@ def test_concurrent_processes_compile_a_key_once(tmp_path):
     from tile_ops.jit.cache import DiskCache
 
     assert DiskCache(tmp_path / "c").info()["entries"] == 1
+
+
+# ----------------------------------------------------------------------------- the Hopper path (sm_90a)
+
+
+def _swizzled_byte(offset_bytes: int, swizzle_bytes: int) -> int:
+    """CUTLASS's Swizzle<B, 4, 3> on a byte offset: the 16-byte chunk XOR the 128-byte row bits."""
+    mask = swizzle_bytes // 16 - 1
+    return offset_bytes ^ (((offset_bytes >> 7) & mask) << 4)
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 64), (64, 32), (32, 16), (64, 256), (64, 96)])
+def test_shared_layout_is_the_tma_box_swizzle(rows, cols):
+    """Each panel is one TMA box written with CU_TENSOR_MAP_SWIZZLE_<panel row bytes>."""
+    from tile_ops.compiler.layout import SharedLayout
+
+    lay = SharedLayout(rows, cols, 16)
+    row_bytes = lay.panel * 2
+    assert lay.swizzle_bytes == row_bytes and cols % lay.panel == 0
+    for i in range(rows):
+        for j in range(cols):
+            p, jj = divmod(j, lay.panel)
+            box_byte = _swizzled_byte(i * row_bytes + jj * 2, row_bytes)
+            assert lay.offset(i, j) * 2 == p * rows * row_bytes + box_byte, (i, j)
+
+
+def _decode_descriptor(d: int) -> dict:
+    return dict(start=(d & 0x3FFF) << 4, lbo=((d >> 16) & 0x3FFF) << 4, sbo=((d >> 32) & 0x3FFF) << 4,
+                mode=d >> 62)
+
+
+def test_wgmma_descriptors_follow_the_canonical_layouts():
+    """K-major: 8-row groups 8 * 128 B apart; MN-major: also 8-k groups apart, panels LBO apart."""
+    import re
+
+    c = compile_program(matmul.fn(1024, 1024, 1024, block_M=128, block_N=256, block_K=64, threads=256,
+                                  num_stages=4), "sm_90a")
+    consts = {int(x) for x in re.findall(r"(\d{15,})ULL", c.source)}
+    fields = sorted((d["lbo"], d["sbo"], d["mode"]) for d in map(_decode_descriptor, consts))
+    # A (128 x 64, K-major): LBO unused (16), SBO 1024, 128B swizzle; B (64 x 256, N-major): 4 panels of
+    # 64 x 64 (LBO = 64 rows * 128 B), SBO 1024
+    assert fields == [(16, 1024, 1), (64 * 128, 1024, 1)], fields
+
+
+def _hopper_gemm(M, N, K, **kw):
+    return matmul(M, N, K, target="sm_90a", **kw)
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("kw", [
+    dict(),  # the 20-line program unchanged: block_K=32 -> 64-byte swizzle, one consumer warpgroup
+    dict(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256),
+    dict(block_K=64, num_stages=4, transpose_A=True),
+    dict(block_K=64, num_stages=4, transpose_B=True, dtype="bfloat16"),
+])
+def test_hopper_gemm_is_tma_wgmma_warp_specialized(kw):
+    k = _hopper_gemm(1024, 1024, 1024, **kw)
+    mix = k.instruction_mix()
+    assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) > 0 and mix.get("SYNCS", 0) > 0, mix
+    assert mix.get("HMMA", 0) == 0 and mix.get("LDGSTS", 0) == 0
+    assert k.meta.block[0] == kw.get("threads", 128) + 128
+    assert k.meta.kept[:2] == ["A_tmap", "B_tmap"] and k.meta.resources["spill_stores"] == 0
+    if kw.get("threads", 128) == 256:
+        assert mix.get("USETMAXREG", 0) == 2  # producer gives registers to the two consumer warpgroups
+    tm = k.meta.tensormaps["A_tmap"]
+    assert tm["tensor"] == "A" and tm["dims"] == [1024, 1024] and tm["strides"] == [2048]
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_hopper_falls_back_where_tma_cannot_go():
+    """Rows of 129 halves are not 16-byte aligned: no tensor map, synchronous copies, still wgmma."""
+    k = _hopper_gemm(127, 255, 129, block_K=64)
+    mix = k.instruction_mix()
+    assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) == 0 and not k.meta.tensormaps
+    assert k.meta.block == (128, 1, 1)

@@ -8,6 +8,10 @@ from tile_ops.kernels.gemm_softmax import gemm_softmax
 
 pytestmark = pytest.mark.gpu
 TOL = {"float16": 5e-3, "bfloat16": 1e-2}
+# On Hopper both paths run: sm_90a (TMA + wgmma, warp-specialized) and sm_90 (cp.async + mma.sync)
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+TARGETS = ["sm_90a", "sm_90"] if HOPPER else [None]
+BIG_TILES = dict(block_M=128, block_N=256, block_K=64, num_stages=4, threads=256)
 
 
 def rel_err(out, ref):
@@ -20,11 +24,13 @@ def poisoned(kernel):
     return torch.full(shape, float("nan"), dtype=getattr(torch, dtype), device="cuda")
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("tiles", ["example", "big"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("M,N,K", [(2048, 2048, 2048), (4096, 4096, 4096), (1000, 1000, 1000),
                                    (127, 255, 129), (1, 4096, 4096)])
-def test_matmul_example(M, N, K, dtype):
-    kernel = matmul(M, N, K, dtype=dtype)
+def test_matmul_example(M, N, K, dtype, tiles, target):
+    kernel = matmul(M, N, K, dtype=dtype, target=target, **(BIG_TILES if tiles == "big" else {}))
     a = torch.randn(M, K, dtype=getattr(torch, dtype), device="cuda")
     b = torch.randn(K, N, dtype=getattr(torch, dtype), device="cuda")
     c = poisoned(kernel)
@@ -32,10 +38,11 @@ def test_matmul_example(M, N, K, dtype):
     assert rel_err(c, a.double() @ b.double()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("ta,tb", [(True, False), (False, True), (True, True)])
-def test_matmul_transposed_fp32_out(ta, tb):
-    M, N, K = 257, 130, 200
-    kernel = matmul(M, N, K, transpose_A=ta, transpose_B=tb, out_dtype="float32")
+@pytest.mark.parametrize("M,N,K", [(257, 136, 200), (1024, 512, 384)])
+def test_matmul_transposed_fp32_out(ta, tb, M, N, K, target):
+    kernel = matmul(M, N, K, transpose_A=ta, transpose_B=tb, out_dtype="float32", block_K=64, target=target)
     a = torch.randn(K if ta else M, M if ta else K, dtype=torch.float16, device="cuda")
     b = torch.randn(N if tb else K, K if tb else N, dtype=torch.float16, device="cuda")
     c = kernel(a, b)
@@ -43,12 +50,13 @@ def test_matmul_transposed_fp32_out(ta, tb):
     assert c.dtype == torch.float32 and rel_err(c, ref) < 5e-3
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("M,N,K", [(256, 64, 64), (1000, 200, 96), (512, 1024, 256), (300, 4096, 128),
                                    (128, 8192, 64), (8192, 2048, 1024)])
-def test_gemm_softmax(M, N, K, dtype):
+def test_gemm_softmax(M, N, K, dtype, target):
     scale = 0.125
-    kernel = gemm_softmax(M, N, K, scale, dtype, dtype)
+    kernel = gemm_softmax(M, N, K, scale, dtype, dtype, target=target)
     a = torch.randn(M, K, dtype=getattr(torch, dtype), device="cuda")
     b = torch.randn(K, N, dtype=getattr(torch, dtype), device="cuda")
     out = poisoned(kernel)

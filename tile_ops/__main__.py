@@ -67,7 +67,7 @@ class Job:
         if self.op == "gemm":
             from .kernels.gemm import default_config, gemm
 
-            return gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, default_config(M, N, K))
+            return gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, default_config(M, N, K, self.arch))
         if self.op == "gemm_softmax":
             from .kernels.gemm_softmax import default_config, gemm_softmax
 

@@ -23,17 +23,14 @@ class CompiledProgram:
     kept: list  # names of the parameters the CUDA entry takes, in order
     layouts: dict = field(default_factory=dict)
     tir: str = ""
-
-
-def arch_number(arch: str) -> int:
-    return int("".join(c for c in arch.split("_")[-1] if c.isdigit()))
+    tensormaps: dict = field(default_factory=dict)  # CUDA parameter name -> TMA descriptor spec
 
 
 def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
     from .codegen import emit_cuda
     from .lower import lower
 
-    lowered = lower(prog, arch_number(arch))
+    lowered = lower(prog, arch)
     source, entry, kept = emit_cuda(lowered, arch)
     return CompiledProgram(source, entry, arch, lowered.grid, lowered.block, lowered.smem_bytes,
-                           lowered.params, kept, lowered.layouts, lowered.func.script())
+                           lowered.params, kept, lowered.layouts, lowered.func.script(), lowered.tensormaps)

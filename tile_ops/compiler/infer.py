@@ -8,7 +8,7 @@ import tvm
 from ..lang import ir
 from ..lang.ir import Copy, For, Gemm, Parallel, Reduce, Store, error
 from .exprs import collect_loads
-from .layout import BlockedLayout, MmaAccumLayout, MmaWarps
+from .layout import BlockedLayout, MmaAccumLayout, MmaWarps, SharedLayout
 
 
 def walk(body):
@@ -23,8 +23,8 @@ def dtype_bits(dtype: str) -> int:
 
 
 class LayoutInference:
-    def __init__(self, kernel: ir.Kernel, buffers: dict):
-        self.kernel, self.buffers = kernel, buffers
+    def __init__(self, kernel: ir.Kernel, buffers: dict, wgmma: bool = False):
+        self.kernel, self.buffers, self.wgmma = kernel, buffers, wgmma
         self.warps = kernel.threads // 32
         self.layouts: dict = {}  # TileBuffer -> FragmentLayout
         self.origin: dict = {}  # TileBuffer -> node that fixed its layout
@@ -75,6 +75,9 @@ class LayoutInference:
         policy = "full_row" if g.A.scope == "fragment" else g.policy
         if policy not in ("square", "full_row", "full_col"):
             raise error(g.loc, f"T.gemm: unknown policy {g.policy!r}; accepted: square, full_row, full_col")
+        if self.wgmma and uses_wgmma(g, self.kernel.threads):
+            self.assign(g.C, MmaAccumLayout.for_wgmma(M, N, self.kernel.threads), g)
+            return
         warps = MmaWarps.choose(M, N, self.warps, policy)
         if warps is None:
             raise error(g.loc, f"T.gemm: a {M}x{N} accumulator cannot be tiled by {self.warps} warps with m16n8 "
@@ -160,6 +163,25 @@ class LayoutInference:
         if list(first.shape) != list(node.extents):
             raise error(node.loc, f"T.Parallel extents {node.extents} differ from the fragment shape {list(first.shape)}")
         return first
+
+
+def uses_wgmma(g: Gemm, threads: int) -> bool:
+    """Whether a gemm can be one wgmma per warpgroup and 64-row slice: shared 16-bit operands in
+    descriptor-readable (swizzled panel) layouts, warpgroups stacked along M, N <= 256."""
+    M, N = g.C.shape
+    Ka = g.A.shape[0] if g.transpose_A else g.A.shape[1]
+    ok = (g.A.scope == g.B.scope == "shared" and g.A.dtype == g.B.dtype and g.A.dtype in ("float16", "bfloat16")
+          and g.C.dtype == "float32" and g.policy != "full_col" and threads % 128 == 0
+          and M % (64 * (threads // 128)) == 0 and N % 8 == 0 and N <= 256 and Ka % 16 == 0)
+    return ok and all(_descriptor_readable(t) for t in (g.A, g.B))
+
+
+def _descriptor_readable(tile) -> bool:
+    if len(tile.shape) != 2:
+        return False
+    rows, cols = tile.shape
+    lay = SharedLayout(rows, cols, dtype_bits(tile.dtype))
+    return lay.swizzle and rows % 8 == 0 and cols % lay.panel == 0
 
 
 def _is_vars(idx, vars_) -> bool:

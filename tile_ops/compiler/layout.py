@@ -68,22 +68,37 @@ class FragmentLayout:
 
 class MmaAccumLayout(FragmentLayout):
     """The m16n8 mma.sync accumulator layout over a warp grid (also the A-operand register layout
-    of m16n8k16, which is what lets a gemm take its A from a fragment)."""
+    of m16n8k16, which is what lets a gemm take its A from a fragment).
 
-    kind = "mma"
+    ``wgmma=True`` is the Hopper warpgroup variant: every warp spans all N columns, and a warp's
+    16-row slices are 64 * warpgroups rows apart (one m64 wgmma per warpgroup and slice) instead
+    of adjacent.  Within a 16 x 8 piece the register order is the same, so reductions and copies
+    work on either."""
+
     vec = 2
 
-    def __init__(self, warps: MmaWarps):
-        self.w = warps
+    def __init__(self, warps: MmaWarps, wgmma: bool = False):
+        self.w, self.wgmma = warps, wgmma
+        self.kind = "wgmma" if wgmma else "mma"
         self.mi, self.ni = warps.WM // 16, warps.WN // 8
         self.local_size = self.mi * self.ni * 4
         self.shape = (warps.M, warps.N)
 
+    @staticmethod
+    def for_wgmma(M: int, N: int, threads: int) -> "MmaAccumLayout":
+        return MmaAccumLayout(MmaWarps(M, N, threads // 32, 1), wgmma=True)
+
     def __eq__(self, other):
-        return isinstance(other, MmaAccumLayout) and other.w == self.w
+        return isinstance(other, MmaAccumLayout) and (other.w, other.wgmma) == (self.w, self.wgmma)
 
     def __hash__(self):
-        return hash(self.w)
+        return hash((self.w, self.wgmma))
+
+    def row0(self, wr, mi):
+        """First row of a warp's ``mi``-th 16-row slice."""
+        if self.wgmma:
+            return mi * 16 * self.w.wm + wr * 16
+        return wr * self.w.WM + mi * 16
 
     def warp_rc(self, tid):
         warp = tid // 32
@@ -100,7 +115,7 @@ class MmaAccumLayout(FragmentLayout):
         e = r % 4
         nj = (r // 4) % self.ni
         mi = r // (4 * self.ni)
-        i = wr * self.w.WM + mi * 16 + (e // 2) * 8 + lane // 4
+        i = self.row0(wr, mi) + (e // 2) * 8 + lane // 4
         j = wc * self.w.WN + nj * 8 + (lane % 4) * 2 + e % 2
         return (i, j)
 
@@ -128,7 +143,7 @@ class MmaRowLayout(FragmentLayout):
     def coords(self, tid, r):
         lane = tid % 32
         wr, _ = self.accum.warp_rc(tid)
-        return (wr * self.accum.w.WM + (r // 2) * 16 + (r % 2) * 8 + lane // 4,)
+        return (self.accum.row0(wr, r // 2) + (r % 2) * 8 + lane // 4,)
 
     def row_of_accum_local(self, r_acc):
         """Local index in this layout of the row that accumulator local ``r_acc`` lies in."""
@@ -180,24 +195,38 @@ class BlockedLayout(FragmentLayout):
 
 
 class SharedLayout:
-    """A row-major (rows, cols) shared tile whose 16-byte chunks are XOR-swizzled so that 8 rows
-    read at the same column (ldmatrix, cp.async rows) hit 8 different bank groups."""
+    """A (rows, cols) shared tile stored as column panels of at most 128 bytes per row, each panel
+    row-major with its 16-byte chunks XOR-swizzled by row.  This is the layout TMA writes with
+    CU_TENSOR_MAP_SWIZZLE_{32,64,128}B (one box per panel) and wgmma reads through matrix
+    descriptors, and 8 rows read at one column (ldmatrix, cp.async rows) hit 8 bank groups."""
 
     def __init__(self, rows: int, cols: int, dtype_bits: int):
-        self.rows, self.cols = rows, cols
+        self.rows, self.cols, self.dtype_bits = rows, cols, dtype_bits
         self.chunk = 128 // dtype_bits  # elements per 16-byte chunk
         chunks = cols // self.chunk if cols % self.chunk == 0 else 0
-        self.swizzle = chunks >= 2
-        if self.swizzle:
-            self.xor_width = min(chunks, 8)  # chunks permuted within each group of this many
-            self.rows_per_group = 8 // self.xor_width  # rows that share one 128-byte line
+        self.xor_width = min(8, chunks & -chunks)  # chunks per panel row: 2, 4, 8 -> 32/64/128B swizzle
+        self.swizzle = self.xor_width >= 2
+        self.panel = self.xor_width * self.chunk if self.swizzle else cols  # elements per panel row
+        self.rows_per_group = 8 // self.xor_width if self.swizzle else 1  # rows sharing a 128-byte line
+
+    @property
+    def swizzle_bytes(self) -> int:
+        return 16 * self.xor_width if self.swizzle else 0
+
+    @property
+    def panel_elems(self) -> int:
+        return self.rows * self.panel
 
     def offset(self, i, j):
         if not self.swizzle:
             return i * self.cols + j
-        chunk = j // self.chunk
+        jj = j % self.panel
         key = (i // self.rows_per_group) % self.xor_width
-        return i * self.cols + ((chunk ^ key) * self.chunk) + j % self.chunk
+        return (j // self.panel) * self.panel_elems + i * self.panel + ((jj // self.chunk) ^ key) * self.chunk \
+            + jj % self.chunk
 
     def describe(self) -> str:
-        return f"xor-swizzled x{self.xor_width}" if self.swizzle else "row-major"
+        if not self.swizzle:
+            return "row-major"
+        panels = self.cols // self.panel
+        return f"{self.swizzle_bytes}B-swizzled" + (f", {panels} panels of {self.panel} columns" if panels > 1 else "")

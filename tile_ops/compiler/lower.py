@@ -1,6 +1,7 @@
-"""Lower a traced tile program to a TIRx PrimFunc for CUDA (the Ampere-class path: cp.async
-pipelines, swizzled shared tiles, ldmatrix and mma.sync).  TVM's CUDA code generator then
-turns the PrimFunc into CUDA source (codegen.py)."""
+"""Lower a traced tile program to a TIRx PrimFunc for CUDA.  The Ampere-class path (every
+target): cp.async pipelines, swizzled shared tiles, ldmatrix and mma.sync.  On sm_90a the
+Hopper pieces in sm90.py take over where a program allows: TMA, wgmma and warp-specialized
+pipelines.  TVM's CUDA code generator then turns the PrimFunc into CUDA source (codegen.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from ..lang.ir import Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangEr
 from .exprs import collect_loads, rewrite
 from .infer import LayoutInference, _is_vars, dtype_bits
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
+from .sm90 import PRODUCER_THREADS, CONSUMER_BARRIER, Hopper
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
+ALIGN_SM90 = 1024  # TMA and wgmma read 128-byte swizzle atoms of 8 rows from 1024-byte boundaries
 
 
 @dataclass
@@ -32,6 +35,7 @@ class LoweredKernel:
     smem_bytes: int
     params: list  # [(name, shape, dtype)]
     layouts: dict  # buffer name -> description
+    tensormaps: dict  # CUDA parameter name -> tensor-map spec for the launcher
 
 
 @dataclass
@@ -44,13 +48,18 @@ class SharedTile:
 
 
 class Lowerer:
-    def __init__(self, prog: ir.Program, arch: int):
-        self.prog, self.kernel, self.arch = prog, prog.kernel, arch
+    def __init__(self, prog: ir.Program, arch: str):
+        self.prog, self.kernel = prog, prog.kernel
+        self.sm90 = arch == "sm_90a"  # wgmma, TMA and setmaxnreg need the arch-specific sm_90a target
         self.threads = self.kernel.threads
         self.buffers = prog.buffers
-        self.infer = LayoutInference(self.kernel, self.buffers).run()
+        self.infer = LayoutInference(self.kernel, self.buffers, wgmma=self.sm90).run()
         self.ana = Analyzer()
         self.stages = self._stage_counts()
+        self.hopper = Hopper(self) if self.sm90 else None
+        self.ws = self.hopper.ws if self.hopper else None
+        self.uses_wgmma = self.hopper is not None and any(
+            isinstance(n, Gemm) and self.hopper.is_wgmma(n) for n in _walk(self.kernel.body))
 
     # ------------------------------------------------------------------ entry
 
@@ -62,18 +71,25 @@ class Lowerer:
                 self.globals = {}
                 for p in self.prog.params:
                     self.globals[p] = T.arg(p.name, T.Buffer(p.shape, p.dtype))
+                if self.ws:
+                    self.hopper.declare_tensormaps()
                 T.device_entry()
                 grid = list(k.grid) + [1] * (3 - len(k.grid))
                 ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
-                self.tid = T.thread_id([self.threads])
+                block = self.threads + (PRODUCER_THREADS if self.ws else 0)
+                self.tid = T.thread_id([block])
                 self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
                 self.smem_bytes = self._declare_memory()
-                self.body(k.body)
+                if self.ws:
+                    self.hopper.warp_specialized(k.body)
+                else:
+                    self.body(k.body)
             func = ib.get()
+        tensormaps = {tm.var.name: tm.spec for tm in self.hopper.tensormaps.values()} if self.hopper else {}
         return LoweredKernel(
-            func, self.prog.name, tuple(grid), (self.threads, 1, 1), self.smem_bytes,
+            func, self.prog.name, tuple(grid), (block, 1, 1), self.smem_bytes,
             [(p.name, p.shape, p.dtype) for p in self.prog.params],
-            {b.name: self._describe(b) for b in k.allocs},
+            {b.name: self._describe(b) for b in k.allocs}, tensormaps,
         )
 
     def _describe(self, b) -> str:
@@ -111,6 +127,10 @@ class Lowerer:
                         stages[st.dst.buffer] = max(stages.get(st.dst.buffer, 1), sub.num_stages)
         return stages
 
+    def _align(self, n: int) -> int:
+        a = ALIGN_SM90 if self.sm90 else ALIGN
+        return -(-n // a) * a
+
     def _declare_memory(self) -> int:
         offset, pending = 0, []
         self.shared, self.frags, self.locals = {}, {}, {}
@@ -122,7 +142,7 @@ class Lowerer:
                 stages = self.stages.get(b, 1)
                 lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
                 pending.append((b, offset, elems, stages, lay))
-                offset += _align(elems * stages * dtype_bits(b.dtype) // 8)
+                offset += self._align(elems * stages * dtype_bits(b.dtype) // 8)
             elif b.scope == "fragment":
                 lay = self.infer.layouts[b]
                 self.frags[b] = T.alloc_local([lay.local_size], b.dtype)
@@ -132,6 +152,8 @@ class Lowerer:
                 IRBuilder.name(b.name, self.locals[b])
         self.scratch_offset = offset
         offset += _align(self._scratch_bytes())
+        barrier_offset = offset
+        offset += self.hopper.barrier_bytes() if self.hopper else 0
         if offset:
             arena = T.alloc_buffer((offset,), "uint8", scope="shared.dyn")
             IRBuilder.name("smem", arena)
@@ -143,6 +165,8 @@ class Lowerer:
             self.scratch = T.decl_buffer((max(1, self._scratch_bytes() // 4),), "float32", data=arena.data,
                                          scope="shared.dyn", elem_offset=self.scratch_offset // 4)
             IRBuilder.name("reduce_scratch", self.scratch)
+            if self.ws:
+                self.hopper.bind_barriers(arena, barrier_offset)
         if offset > 227 * 1024:
             raise error(self.kernel.loc, f"the kernel needs {offset} bytes of shared memory; the limit is "
                                          f"{227 * 1024} (reduce block sizes or num_stages)")
@@ -226,7 +250,12 @@ class Lowerer:
                 raise error(node.loc, str(e)) from None
 
     def sync(self):
-        T.evaluate(TS.cuda.cta_sync())
+        if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads
+            _ptx("fence.proxy.async.shared::cta")
+        if self.ws:  # the producer warpgroup is not at consumer barriers
+            _ptx("bar.sync", CONSUMER_BARRIER, self.threads)
+        else:
+            T.evaluate(TS.cuda.cta_sync())
 
     def _touches_shared(self, node) -> bool:
         if isinstance(node, Copy):
@@ -267,6 +296,8 @@ class Lowerer:
 
     def loop(self, node: For, vm):
         extent = self.expr(node.extent, vm)
+        if self.ws and node is self.ws.loop:
+            return self.hopper.consumer_loop(node, vm, extent)
         if node.kind == "pipelined" and node.num_stages > 1 and any(
                 self._is_async_copy(s) for s in node.body):
             return self.pipelined(node, vm, extent)
@@ -595,6 +626,8 @@ class Lowerer:
                                f"(transpose_A={g.transpose_A}, transpose_B={g.transpose_B})")
         if Ka % 16:
             raise error(g.loc, f"T.gemm: K={Ka} must be a multiple of 16 (the mma.sync m16n8k16 instruction)")
+        if self.hopper and self.hopper.is_wgmma(g):
+            return self.hopper.gemm(g)
         lay: MmaAccumLayout = self.infer.layouts[C]
         w = lay.w
         if g.clear_accum:
@@ -774,5 +807,5 @@ def _buffers_in(node, buffers):
     return out
 
 
-def lower(prog: ir.Program, arch: int) -> LoweredKernel:
+def lower(prog: ir.Program, arch: str) -> LoweredKernel:
     return Lowerer(prog, arch).lower()

@@ -19,8 +19,14 @@ class GemmConfig:
     swizzle: int = 8
 
 
-def default_config(M: int, N: int, K: int) -> GemmConfig:
+def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfig:
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
+    if (arch or tile_ops.jit.default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
+        if M <= 64:
+            return GemmConfig(64, 128, 64, 6, 128, 0)
+        if M * N <= 2048 * 2048:
+            return GemmConfig(128, 128, 64, 5, 128, 8)
+        return GemmConfig(128, 256, 64, 4, 256, 8)
     if M <= 64:
         return GemmConfig(64, 128, 64, 4, 128, 0)
     if M * N <= 1024 * 1024:

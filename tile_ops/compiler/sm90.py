@@ -1,0 +1,340 @@
+"""The Hopper (sm_90a) lowering the Lowerer delegates to: TMA copies completing on mbarriers,
+wgmma reading shared tiles through matrix descriptors, and ``T.Pipelined`` as a warp-specialized
+producer/consumer pipeline.
+
+Warp specialization: the kernel gets one extra warpgroup (the producer) after the program's
+``threads`` (the consumers).  One producer thread walks the pipelined loop issuing the loop's
+global->shared copies as TMA loads into stage ``k % S``, each stage guarded by two mbarriers:
+``full[s]`` (TMA bytes landed) and ``empty[s]`` (every consumer thread is done reading).  The
+consumers run the rest of the program; their barriers are a named barrier that excludes the
+producer.  ``setmaxnreg`` moves registers from the producer to the consumers' accumulators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as TS
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
+
+from ..lang.ir import Copy, For, Gemm
+from .exprs import collect_loads
+from .infer import dtype_bits
+from .layout import MmaAccumLayout, SharedLayout
+
+PRODUCER_THREADS = 128
+CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
+_SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
+_DESC_MODE = {128: 1, 64: 2, 32: 3}  # wgmma matrix-descriptor layout type
+_L2_PROMOTION_256B = 3
+
+
+@dataclass
+class TensorMap:
+    var: object  # tirx Var of type tensormap (a __grid_constant__ CUtensorMap kernel parameter)
+    spec: dict  # what the launcher needs to encode it (KernelMeta.tensormaps)
+
+
+@dataclass
+class WarpSpecialization:
+    loop: For  # the program's one T.Pipelined loop
+    outer: list  # the serial loops around it, outermost first (the producer walks the same nest)
+    loads: list  # its global->shared copies, issued by the producer as TMA loads
+    stages: int
+    deferred_wait: bool  # the loop only issues gemms: keep one wgmma group in flight across iterations
+
+
+class Hopper:
+    def __init__(self, lw):
+        self.lw = lw
+        self.tensormaps: dict = {}  # (global buffer, box) -> TensorMap
+        self.ws = self._plan()
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self) -> WarpSpecialization | None:
+        k = self.lw.kernel
+        found = list(_pipelined_loops(k.body, []))
+        if k.threads % 128 or len(found) != 1:
+            return None
+        loop, outer = found[0]
+        if not all(o.kind in ("serial", "unroll") and _pure(o.extent) for o in outer) or not _pure(loop.extent):
+            return None
+        loads = [s for s in loop.body if isinstance(s, Copy) and s.src.buffer.scope == "global"
+                 and s.dst.buffer.scope == "shared"]
+        if not loads or not all(self._tma_ok(c) for c in loads):
+            return None
+        compute = [s for s in loop.body if s not in loads]
+        deferred = bool(compute) and all(isinstance(s, Gemm) and self.is_wgmma(s) for s in compute)
+        return WarpSpecialization(loop, outer, loads, max(loop.num_stages, 1), deferred)
+
+    def _tma_ok(self, c: Copy) -> bool:
+        """A global->shared tile copy TMA can do: same dtype, a swizzled 2-D tile whose panels are
+        full boxes, a window over the global tensor's last two dims, 16-byte aligned strides, and
+        start indices that do not read memory (the producer computes them on its own)."""
+        g, t = c.src.buffer, c.dst.buffer
+        if g.dtype != t.dtype or len(t.shape) != 2 or dtype_bits(g.dtype) % 8:
+            return False
+        rows, cols = t.shape
+        lay = SharedLayout(rows, cols, dtype_bits(t.dtype))
+        if not lay.swizzle or rows % 8 or cols % lay.panel or rows > 256:
+            return False
+        ext = [e for e in (c.src.extents if None not in c.src.extents else c.dst.extents)]
+        if [e for e in ext if e != 1][-2:] != [rows, cols] and list(ext[-2:]) != [rows, cols]:
+            return False
+        eb = dtype_bits(g.dtype) // 8
+        stride = eb
+        for d in reversed(g.shape[1:]):
+            stride *= d
+            if stride % 16:
+                return False
+        return all(_pure(s) for s in c.src.starts)
+
+    def is_wgmma(self, g: Gemm) -> bool:
+        lay = self.lw.infer.layouts.get(g.C)
+        return isinstance(lay, MmaAccumLayout) and lay.wgmma
+
+    # ------------------------------------------------------------------ host side: tensor maps
+
+    def declare_tensormaps(self):
+        """Encode one tensor map per (tensor, box) on the host; TVM passes each to the kernel as a
+        ``const __grid_constant__ CUtensorMap`` parameter, which our launcher encodes at launch."""
+        for c in self.ws.loads:
+            self._tensormap(c)
+
+    def _tensormap(self, c: Copy) -> TensorMap:
+        g, t = c.src.buffer, c.dst.buffer
+        lay = SharedLayout(t.shape[0], t.shape[1], dtype_bits(t.dtype))
+        rank = len(g.shape)
+        box = [lay.panel, lay.rows] + [1] * (rank - 2)
+        key = (g, tuple(box))
+        if key in self.tensormaps:
+            return self.tensormaps[key]
+        eb = dtype_bits(g.dtype) // 8
+        dims = list(reversed(g.shape))
+        strides, s = [], eb
+        for d in dims[:-1]:
+            s *= d
+            strides.append(s)
+        name = f"{g.name}_tmap{len([k for k in self.tensormaps if k[0] is g]) or ''}"
+        var = T.Var(name, ty=T.handle("tensormap").ty)
+        T.Bind(T.tvm_stack_alloca("tensormap", 1), var=var)
+        T.evaluate(T.tensormap_encode_tiled(
+            var, self.lw.globals[g].data, *dims, *strides, *box, *([1] * rank), descriptor_dtype=g.dtype,
+            rank=rank, swizzle=_SWIZZLE_ENUM[lay.swizzle_bytes], l2_promotion=_L2_PROMOTION_256B))
+        spec = dict(tensor=g.name, dtype=g.dtype, dims=dims, strides=strides, box=box, element_strides=[1] * rank,
+                    swizzle=_SWIZZLE_ENUM[lay.swizzle_bytes], l2_promotion=_L2_PROMOTION_256B, oob_fill=0)
+        self.tensormaps[key] = TensorMap(var, spec)
+        return self.tensormaps[key]
+
+    # ------------------------------------------------------------------ device side: warp specialization
+
+    def barrier_bytes(self) -> int:
+        return 2 * self.ws.stages * 8 if self.ws else 0
+
+    def bind_barriers(self, arena, offset: int):
+        S = self.ws.stages
+        self.bars = T.decl_buffer((2 * S,), "uint64", data=arena.data, scope="shared.dyn", elem_offset=offset // 8)
+        IRBuilder.name("mbarriers", self.bars)
+
+    def full(self, s):
+        return self.bars.ptr_to([s])
+
+    def empty(self, s):
+        return self.bars.ptr_to([self.ws.stages + s])
+
+    def warp_specialized(self, body):
+        lw, ws = self.lw, self.ws
+        consumers = lw.threads
+        with T.If(lw.tid == 0):
+            with T.Then():
+                for s in range(ws.stages):
+                    _ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
+                    _ptx("mbarrier.init.shared::cta.b64", self.empty(s), consumers)
+                _ptx("fence.mbarrier_init.release.cluster")
+        T.evaluate(TS.cuda.cta_sync())
+        n_wg = consumers // 128
+        with T.If(lw.tid >= consumers):
+            with T.Then():
+                if n_wg > 1:
+                    _ptx("setmaxnreg.dec.sync.aligned.u32", 40)
+                with T.If(lw.tid == consumers):
+                    with T.Then():
+                        self.producer()
+            with T.Else():
+                if n_wg > 1:
+                    _ptx("setmaxnreg.inc.sync.aligned.u32", min(240, (65536 - 40 * 128) // (128 * n_wg) // 8 * 8))
+                self.consumer_steps = self.step_counter()
+                lw.body(body)
+
+    def step_counter(self):
+        """Pipeline steps taken so far (across the outer loops): stage = step % S, phase = step / S % 2."""
+        cnt = T.alloc_local([1], "int32")
+        IRBuilder.name("pipeline_step", cnt)
+        T.buffer_store(cnt, 0, [0])
+        return cnt
+
+    def producer(self):
+        self.producer_nest(self.ws.outer, {}, self.step_counter())
+
+    def producer_nest(self, outer, vm, cnt):
+        lw, ws = self.lw, self.ws
+        if outer:
+            with T.serial(0, lw.expr(outer[0].extent, vm)) as v:
+                IRBuilder.name(outer[0].var.name, v)
+                self.producer_nest(outer[1:], {**vm, outer[0].var: v}, cnt)
+            return
+        node, S = ws.loop, ws.stages
+        stage_bytes = sum(_tile_bytes(c.dst.buffer) for c in ws.loads)
+        with T.serial(0, lw.expr(node.extent, vm)) as k:
+            IRBuilder.name(node.var.name, k)
+            s = tirx.floormod(cnt[0], S)
+            phase = tirx.floormod(tirx.floordiv(cnt[0], S), 2)
+            T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - phase))  # a fresh barrier passes parity 1
+            _ptx("mbarrier.arrive.expect_tx.shared::cta.b64", self.full(s), stage_bytes)
+            for c in ws.loads:
+                self.tma_load(c, {**vm, node.var: k}, s)
+            T.buffer_store(cnt, cnt[0] + 1, [0])
+
+    def tma_load(self, c: Copy, vm, stage):
+        lw = self.lw
+        t = lw.shared[c.dst.buffer]
+        tm = self._tensormap(c)
+        starts = [lw.expr(x, vm) for x in c.src.starts]
+        coords = list(reversed(starts))
+        rank = len(coords)
+        for p in range(t.layout.cols // t.layout.panel):
+            dst = t.view.ptr_to([stage * t.stage_elems + p * t.layout.panel_elems])
+            cs = [coords[0] + p * t.layout.panel] + coords[1:]
+            _ptx(f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes",
+                 dst, T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage))
+
+    def consumer_loop(self, node: For, vm, n):
+        """Wait for stage k, compute on it, release it.  With ``deferred_wait`` the gemms of step k stay
+        in flight while step k + 1 waits for its data; step k - 1's stage is released once its
+        wgmma group retires."""
+        lw, ws = self.lw, self.ws
+        S, cnt = ws.stages, self.consumer_steps
+        compute = [s for s in node.body if s not in ws.loads]
+        with T.serial(0, n) as k:
+            IRBuilder.name(node.var.name, k)
+            s = tirx.floormod(cnt[0], S)
+            T.evaluate(TS.cuda.mbarrier_wait(self.full(s), tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
+            lw.stage_of_iter = s
+            if ws.deferred_wait:
+                _ptx("wgmma.fence.sync.aligned")
+                for g in compute:
+                    self.issue_wgmma(g)
+                _ptx("wgmma.commit_group.sync.aligned")
+                _ptx("wgmma.wait_group.sync.aligned", 1)
+                with T.If(k > 0):  # step k - 1's group retired: its stage can be refilled
+                    with T.Then():
+                        _ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
+            else:
+                lw.body(compute, {**vm, node.var: k})
+                _ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
+            lw.stage_of_iter = None
+            T.buffer_store(cnt, cnt[0] + 1, [0])
+        if ws.deferred_wait:
+            _ptx("wgmma.wait_group.sync.aligned", 0)
+            self.fence_accumulators(compute)
+            with T.If(n > 0):  # release the last step's stage (an enclosing loop refills it)
+                with T.Then():
+                    _ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
+
+    # ------------------------------------------------------------------ wgmma
+
+    def gemm(self, g: Gemm):
+        """A synchronous wgmma gemm (outside a deferred warp-specialized loop)."""
+        lw = self.lw
+        if g.clear_accum:
+            with T.unroll(0, lw.infer.layouts[g.C].local_size) as r:
+                T.buffer_store(lw.frags[g.C], tirx.const(0.0, "float32"), [r])
+        _ptx("wgmma.fence.sync.aligned")
+        self.issue_wgmma(g)
+        _ptx("wgmma.commit_group.sync.aligned")
+        _ptx("wgmma.wait_group.sync.aligned", 0)
+        self.fence_accumulators([g])
+
+    def fence_accumulators(self, gemms):
+        """Keep nvcc from moving accumulator reads above the wgmma wait (the asm only names them)."""
+        for g in gemms:
+            acc = self.lw.frags[g.C]
+            for r in range(self.lw.infer.layouts[g.C].local_size):
+                T.evaluate(TS.cuda.func_call("tile_ops_fence_register", acc[r], source_code=_FENCE_REGISTER))
+
+    def issue_wgmma(self, g: Gemm):
+        """One m64nNk16 wgmma per 64-row slice of this warpgroup and 16-wide k step."""
+        lw = self.lw
+        lay: MmaAccumLayout = lw.infer.layouts[g.C]
+        M, N = g.C.shape
+        K = g.A.shape[0] if g.transpose_A else g.A.shape[1]
+        n_wg = lw.threads // 128
+        wg = tirx.floordiv(lw.tid, 128)
+        el = {"float16": "f16", "bfloat16": "bf16"}[g.A.dtype]
+        acc = lw.frags[g.C]
+        ta, tb = lw.shared[g.A], lw.shared[g.B]
+        for kk in range(K // 16):
+            for mi in range(lay.mi):
+                m0 = mi * 64 * n_wg + wg * 64
+                a_desc = self.descriptor(ta, g.A, m0, kk * 16, mn_major=g.transpose_A)
+                b_desc = self.descriptor(tb, g.B, 0, kk * 16, mn_major=not g.transpose_B)
+                d = [acc[mi * lay.ni * 4 + r] for r in range(lay.ni * 4)]
+                scale_d = tirx.const(True, "bool") if not g.clear_accum or kk else tirx.const(False, "bool")
+                _ptx(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}", *d, a_desc, b_desc, scale_d,
+                     1, 1, int(g.transpose_A), int(not g.transpose_B))
+
+    def descriptor(self, t, buf, mn0, k0, mn_major: bool):
+        """The 64-bit wgmma matrix descriptor of a shared tile at (mn0, k0) of the stage being read.
+
+        K-major tiles (rows = M/N, cols = K): 8-row groups ``8 * row bytes`` apart (SBO).
+        MN-major tiles (rows = K, cols = M/N): 8-k groups ``8 * row bytes`` apart (SBO), panels of
+        the M/N dim ``panel bytes`` apart (LBO)."""
+        lay: SharedLayout = t.layout
+        eb = dtype_bits(buf.dtype) // 8
+        row_bytes = lay.panel * eb
+        i, j = (k0, mn0) if mn_major else (mn0, k0)
+        elem = j // lay.panel * lay.panel_elems + i * lay.panel + j % lay.panel  # unswizzled: the panel origin
+        stage = self.lw.stage(buf)
+        elem = stage * t.stage_elems + elem if t.stages > 1 else elem
+        addr = tirx.Cast("uint64", TS.cuda.cvta_generic_to_shared(t.view.ptr_to([elem])))
+        lbo = lay.panel_elems * eb if mn_major else 16
+        const = ((lbo >> 4) << 16) | (((8 * row_bytes) >> 4) << 32) | (_DESC_MODE[lay.swizzle_bytes] << 62)
+        return tirx.bitwise_or(tirx.shift_right(tirx.bitwise_and(addr, tirx.const(0x3FFFF, "uint64")),
+                                                tirx.const(4, "uint64")), tirx.const(const, "uint64"))
+
+
+_FENCE_REGISTER = """
+__forceinline__ __device__ void tile_ops_fence_register(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+"""
+
+
+def _pipelined_loops(body, outer):
+    """(loop, enclosing loops) for every T.Pipelined loop."""
+    for n in body:
+        if isinstance(n, For):
+            if n.kind == "pipelined":
+                yield n, list(outer)
+            yield from _pipelined_loops(n.body, outer + [n])
+
+
+def _pure(e) -> bool:
+    """An index expression that reads no buffer, so the producer can evaluate it on its own."""
+    return isinstance(e, (int, float)) or not collect_loads(e)
+
+
+def _tile_bytes(buf) -> int:
+    n = dtype_bits(buf.dtype) // 8
+    for s in buf.shape:
+        n *= s
+    return n
+
+
+def _i32(x):
+    return x if isinstance(x, int) else (x if str(x.ty) == "int32" else tirx.Cast("int32", x))
+
+
+def _ptx(name, *args):
+    T.evaluate(TS.ptx[name](*args))
