@@ -9,12 +9,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TILE_OPS_CA
 [ -d .tvmkit ] && source .tvmkit/install.sh
 pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python -m pytest ${TESTS:-tests} -m gpu -q -n 8 -x --timeout 300 -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+python -m pytest ${TESTS:-tests} -m gpu -q -n 8 -x --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
   case $b in
-    gemm) python benchmarks/bench_gemm.py ${BENCH_ARGS:---configs} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" | tail -14 ;;
-    gemm80) python benchmarks/bench_gemm.py --arch sm_90 --no-triton ${BENCH_ARGS:---configs} --json "$OUT/gemm80.json" 2>&1 | tee "$OUT/bench_gemm80.log" | tail -14 ;;
-    softmax) python benchmarks/bench_gemm_softmax.py --json "$OUT/gemm_softmax.json" 2>&1 | tee "$OUT/bench_softmax.log" | tail -8 ;;
+    gemm) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py ${BENCH_ARGS:---configs} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" | tail -14 ;;
+    gemm80) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py --arch sm_90 --no-triton ${BENCH_ARGS:---configs} --json "$OUT/gemm80.json" 2>&1 | tee "$OUT/bench_gemm80.log" | tail -14 ;;
+    softmax) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm_softmax.py --json "$OUT/gemm_softmax.json" 2>&1 | tee "$OUT/bench_softmax.log" | tail -8 ;;
     overhead) python benchmarks/bench_overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/bench_overhead.log" | tail -7 ;;
     compile) python benchmarks/compile_time.py --json "$OUT/compile_time.json" 2>&1 | tee "$OUT/compile_time.log" | tail -6 ;;
   esac
