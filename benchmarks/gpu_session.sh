@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TILE_OPS_CA
 [ -d .tvmkit ] && source .tvmkit/install.sh
 pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python -m pytest ${TESTS:-tests} -m gpu -q -n 8 -x --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+python -m pytest ${TESTS:-tests} -m gpu -q -n 8 ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
   case $b in
     gemm) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py ${BENCH_ARGS:---configs} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" | tail -14 ;;
