@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import bench_ms, print_table, save  # noqa: E402
 
-import tile_ops  # noqa: E402
+from tile_ops.jit import default_arch  # noqa: E402
 from tile_ops.kernels.gemm import GemmConfig, default_config, gemm  # noqa: E402
 
 SHAPES = {  # ../shared/ANCHORS.md
@@ -40,7 +40,7 @@ def kernels_for(M, N, K, dtype, configs, arch):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--arch", default=tile_ops.jit.default_arch(), choices=sorted(PATHS))
+    p.add_argument("--arch", default=default_arch(), choices=sorted(PATHS))
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time a few block configs, report the best")
     p.add_argument("--json")

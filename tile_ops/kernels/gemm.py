@@ -7,6 +7,7 @@ import torch
 
 import tile_ops
 import tile_ops.lang as T
+from tile_ops.jit import default_arch
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class GemmConfig:
 
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfig:
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
-    if (arch or tile_ops.jit.default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
+    if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:
             return GemmConfig(64, 128, 64, 6, 128, 0)
         if M * N <= 2048 * 2048:
