@@ -77,8 +77,8 @@ def test_demo_quick_without_gpu(tmp_path):
     for col in ("regs", "spills", "smem_bytes", "HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SHFL", "BAR"):
         assert col in header.split()
     if _have_cuobjdump():
-        hmma = header.split().index("HMMA")
-        assert all(int(r.split()[hmma]) > 0 for r in rows), out  # mma.sync path: HMMA in the SASS
+        hgmma = header.split().index("HGMMA")
+        assert all(int(r.split()[hgmma]) > 0 for r in rows), out  # the Hopper path: wgmma in the SASS
 
     # second run: every kernel is a cache hit; without cuobjdump the mix reads n/a instead of failing
     out = run_cli(cache, "demo", "--quick", "--arch", "sm_90a", env={"TILE_OPS_CUOBJDUMP": str(tmp_path / "none")})

@@ -71,7 +71,7 @@ class Job:
         if self.op == "gemm_softmax":
             from .kernels.gemm_softmax import default_config, gemm_softmax
 
-            return gemm_softmax, (M, N, K, float(self.scale), self.dtype, self.dtype, default_config(M, N, K))
+            return gemm_softmax, (M, N, K, float(self.scale), self.dtype, self.dtype, default_config(M, N, K, self.arch))
         raise ValueError(f"unknown op {self.op!r}")
 
 

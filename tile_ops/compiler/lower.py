@@ -75,13 +75,18 @@ class Lowerer:
                     self.hopper.declare_tensormaps()
                 T.device_entry()
                 grid = list(k.grid) + [1] * (3 - len(k.grid))
-                ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
+                if self.ws:
+                    grid = self.hopper.persistent_grid(grid)
+                if self.ws and self.hopper.persistent:
+                    ids = [T.cta_id([grid[0]])]  # the tile loop sets the block vars
+                else:
+                    ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
+                    self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
                 block = self.threads + (PRODUCER_THREADS if self.ws else 0)
                 self.tid = T.thread_id([block])
-                self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
                 self.smem_bytes = self._declare_memory()
                 if self.ws:
-                    self.hopper.warp_specialized(k.body)
+                    self.hopper.warp_specialized(k.body, ids[0])
                 else:
                     self.body(k.body)
             func = ib.get()

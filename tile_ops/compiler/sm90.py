@@ -12,6 +12,7 @@ producer.  ``setmaxnreg`` moves registers from the producer to the consumers' ac
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -25,6 +26,7 @@ from .infer import dtype_bits
 from .layout import MmaAccumLayout, SharedLayout
 
 PRODUCER_THREADS = 128
+PERSISTENT_CTAS = 132  # SMs of an H100 SXM / H200: warp-specialized kernels with more tiles loop over them
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 _DESC_MODE = {128: 1, 64: 2, 32: 3}  # wgmma matrix-descriptor layout type
@@ -145,7 +147,32 @@ class Hopper:
     def empty(self, s):
         return self.bars.ptr_to([self.ws.stages + s])
 
-    def warp_specialized(self, body):
+    def persistent_grid(self, grid: list):
+        """Launch one CTA per SM when there is more than one wave of tiles; each CTA then walks tiles
+        cta, cta + CTAs, ...  The producer runs ahead into the next tile while the consumers store this
+        one's results, which hides the epilogue and the pipeline fill."""
+        total = grid[0] * grid[1] * grid[2]
+        if not self.ws or total <= PERSISTENT_CTAS:
+            self.persistent = None
+            return grid
+        self.persistent = (total, grid)
+        return [PERSISTENT_CTAS, 1, 1]
+
+    @contextmanager
+    def tiles(self, cta):
+        lw = self.lw
+        if self.persistent is None:
+            yield
+            return
+        total, (gx, gy, _) = self.persistent
+        with T.serial(0, tirx.floordiv(total - cta + (PERSISTENT_CTAS - 1), PERSISTENT_CTAS)) as it:
+            IRBuilder.name("tile_iter", it)
+            t = cta + it * PERSISTENT_CTAS
+            ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
+            lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
+            yield
+
+    def warp_specialized(self, body, cta):
         lw, ws = self.lw, self.ws
         consumers = lw.threads
         with T.If(lw.tid == 0):
@@ -162,12 +189,18 @@ class Hopper:
                     _ptx("setmaxnreg.dec.sync.aligned.u32", 40)
                 with T.If(lw.tid == consumers):
                     with T.Then():
-                        self.producer()
+                        cnt = self.step_counter()
+                        with self.tiles(cta):
+                            self.producer_nest(self.ws.outer, {}, cnt)
             with T.Else():
                 if n_wg > 1:
                     _ptx("setmaxnreg.inc.sync.aligned.u32", min(240, (65536 - 40 * 128) // (128 * n_wg) // 8 * 8))
                 self.consumer_steps = self.step_counter()
-                lw.body(body)
+                reuses_shared = any(lw._touches_shared(n) for n in body if not _contains(n, ws.loop))
+                with self.tiles(cta):
+                    lw.body(body)
+                    if self.persistent and reuses_shared:  # the next tile's first shared write waits for readers
+                        lw.sync()
 
     def step_counter(self):
         """Pipeline steps taken so far (across the outer loops): stage = step % S, phase = step / S % 2."""
@@ -175,9 +208,6 @@ class Hopper:
         IRBuilder.name("pipeline_step", cnt)
         T.buffer_store(cnt, 0, [0])
         return cnt
-
-    def producer(self):
-        self.producer_nest(self.ws.outer, {}, self.step_counter())
 
     def producer_nest(self, outer, vm, cnt):
         lw, ws = self.lw, self.ws
@@ -309,6 +339,10 @@ class Hopper:
 _FENCE_REGISTER = """
 __forceinline__ __device__ void tile_ops_fence_register(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
 """
+
+
+def _contains(node, target) -> bool:
+    return node is target or isinstance(node, For) and any(_contains(n, target) for n in node.body)
 
 
 def _pipelined_loops(body, outer):

@@ -20,14 +20,19 @@ class GemmConfig:
     swizzle: int = 8
 
 
+_HOPPER_TILES = [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(128, 128, 64, 5, 256, 8),
+                 GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 64, 64, 8, 128, 8)]
+
+
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfig:
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
-        if M <= 64:
-            return GemmConfig(64, 128, 64, 6, 128, 0)
-        if M * N <= 2048 * 2048:
-            return GemmConfig(128, 128, 64, 5, 128, 8)
-        return GemmConfig(128, 256, 64, 4, 256, 8)
+        if M <= 64:  # decode: bandwidth-bound, so enough CTAs to stream B from every SM
+            return GemmConfig(64, 64, 128, 6, 128, 0)
+        for cfg in _HOPPER_TILES:  # the biggest tile that still gives ~one CTA per SM
+            if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= 100:
+                return cfg
+        return _HOPPER_TILES[-1]
     if M <= 64:
         return GemmConfig(64, 128, 64, 4, 128, 0)
     if M * N <= 1024 * 1024:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import tile_ops
 import tile_ops.lang as T
+from tile_ops.jit import default_arch
 
 from .gemm import _DT
 
@@ -26,8 +27,10 @@ class SoftmaxConfig:
     threads: int = 256
 
 
-def default_config(M: int, N: int, K: int) -> SoftmaxConfig:
+def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxConfig:
     # one block per 64 rows: the grid is M / block_M blocks, so smaller row blocks fill more SMs
+    if (arch or default_arch()) == "sm_90a":  # TMA stages of 64-wide K feed one wgmma warpgroup
+        return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, block_K=64, num_stages=4, threads=128)
     return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
 
 
