@@ -111,7 +111,10 @@ def test_bucket_rule():
     a, b = GemmConfig(64, 64, 32, 3, 128, 0), GemmConfig(128, 64, 32, 3, 128, 0)
     autotune.record("gemm", (1000, 512, 256), "float16", FAKE_GPU, a)
     autotune.record("gemm", (600, 512, 256), "float16", FAKE_GPU, b)
-    look = lambda M, N=512, K=256, dtype="float16", gpu=FAKE_GPU: autotune.lookup("gemm", (M, N, K), dtype, gpu)  # noqa: E731
+
+    def look(M, N=512, K=256, dtype="float16", gpu=FAKE_GPU):
+        return autotune.lookup("gemm", (M, N, K), dtype, gpu)
+
     assert look(1000) == a and look(600) == b  # exact shapes
     assert look(900) == a and look(700) == b and look(513) == b  # same bucket (513..1024), nearest M
     assert look(1025) is None and look(512) is None  # other buckets

@@ -166,7 +166,8 @@ def show() -> int:
         rows.append({"gpu": e.get("gpu"), "op": e.get("op"), "dtype": e.get("dtype"),
                      "shape": "x".join(map(str, e.get("shape", []))),
                      "config": " ".join(f"{k}={v}" for k, v in e.get("config", {}).items()),
-                     "ms": f"{ms:.4f}" if ms else "", "vs_default": f"{default_ms / ms:.2f}x" if ms and default_ms else "",
+                     "ms": f"{ms:.4f}" if ms else "",
+                     "vs_default": f"{default_ms / ms:.2f}x" if ms and default_ms else "",
                      "tuned_at": e.get("tuned_at", "")})
     if rows:
         print_table(rows, ["gpu", "op", "dtype", "shape", "config", "ms", "vs_default", "tuned_at"])

@@ -114,14 +114,15 @@ class TuneTable:
         with DiskCache(self.path.parent).lock(_LOCK_KEY):
             entries = self.entries()
             change(entries)
-            self._publish({"version": VERSION, "entries": entries})
+            self._publish({"version": VERSION, "entries": dict(sorted(entries.items()))})
         reload()
 
     def _publish(self, data: dict) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         os.close(fd)
         try:
-            _write_synced(pathlib.Path(tmp), json.dumps(data, indent=1, sort_keys=True).encode())
+            _write_synced(pathlib.Path(tmp), json.dumps(data, indent=1).encode())  # configs keep field order
+            os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache directory may be shared
             os.replace(tmp, self.path)
             _fsync_dir(self.path.parent)
         finally:
