@@ -5,6 +5,8 @@
     tile_ops cache info | clear               the on-disk kernel cache ($TILE_OPS_CACHE_DIR or ~/.tile_ops/cache)
     tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--dtype ...]
                                              fill the cache ahead of time (no GPU needed)
+    tile_ops tune OP --shape MxNxK [...] | --list | --show | --clear
+                                             autotune kernel configs (tile_ops/autotune/cli.py)
 
 Kernels compile in parallel threads (tracing and lowering hold the GIL; nvcc runs as a subprocess);
 see ``_tracing_is_thread_safe`` for when cache misses are built one at a time instead.
@@ -64,14 +66,18 @@ class Job:
     def factory_args(self):
         """(jit function, positional args): the same specialization the torch op path builds."""
         M, N, K = self.shape
+        from .autotune import config_for  # the config the op would launch with here (tuned, else default)
+
         if self.op == "gemm":
-            from .kernels.gemm import default_config, gemm
+            from .kernels.gemm import gemm
 
-            return gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, default_config(M, N, K, self.arch))
+            cfg = config_for("gemm", M, N, K, self.dtype, arch=self.arch)
+            return gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, cfg)
         if self.op == "gemm_softmax":
-            from .kernels.gemm_softmax import default_config, gemm_softmax
+            from .kernels.gemm_softmax import gemm_softmax
 
-            return gemm_softmax, (M, N, K, float(self.scale), self.dtype, self.dtype, default_config(M, N, K, self.arch))
+            return gemm_softmax, (M, N, K, float(self.scale), self.dtype, self.dtype,
+                                  config_for("gemm_softmax", M, N, K, self.dtype, arch=self.arch))
         raise ValueError(f"unknown op {self.op!r}")
 
 

@@ -8,6 +8,7 @@ import torch
 import tile_ops
 import tile_ops.lang as T
 from tile_ops.jit import default_arch
+from tile_ops.autotune import config_for
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class GemmConfig:
     num_stages: int = 3
     threads: int = 256
     swizzle: int = 8
+    policy: str = "square"  # T.gemm warp policy: "square" | "full_row" | "full_col"
 
 
 _HOPPER_TILES = [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(128, 128, 64, 5, 256, 8),
@@ -38,6 +40,58 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     if M * N <= 1024 * 1024:
         return GemmConfig(128, 128, 64, 3, 256, 8)
     return GemmConfig(128, 128, 32, 3, 128, 8)  # best of bench_gemm.py --configs on the H200 (NOTES.md)
+
+
+# (block_M, block_N, threads): at most 128 fp32 accumulators per thread
+_TILES = [(64, 64, 128), (64, 128, 128), (128, 64, 128), (128, 128, 128), (128, 128, 256), (128, 256, 256),
+          (256, 128, 256)]
+_DECODE_TILES = [(16, 128, 128), (16, 256, 128), (32, 128, 128), (32, 256, 128), (64, 128, 128), (64, 256, 256)]
+# sm_90a: wgmma needs 64 rows per consumer warpgroup; TMA stages are cheap, so pipelines are deeper
+_HOPPER_SPACE = [(128, 256, 256), (256, 128, 256), (128, 192, 256), (128, 128, 256), (128, 128, 128),
+                 (128, 64, 128), (64, 128, 128), (64, 64, 128)]
+_HOPPER_DECODE = [(64, 32, 128), (64, 64, 128), (64, 128, 128)]
+
+
+def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm_90a") -> list[GemmConfig]:
+    """The autotuner's candidates (tile_ops.autotune): tile x (block_K, stages) x rasterization, with the
+    warp policy fixed per regime; tiles larger than the problem's power-of-two M or N are left out.
+    ``arch`` is the target: sm_90a (TMA + wgmma) has its own tiles and depths."""
+    if arch == "sm_90a":
+        return _hopper_space(M, N)
+    decode = M <= 64  # few rows: thin tiles whose warps split N ("full_col"), deeper K steps
+    tiles = _DECODE_TILES if decode else _TILES
+    depths = [(64, 3), (64, 4), (128, 2), (128, 3)] if decode else [(32, 3), (32, 4), (64, 2), (64, 3)]
+    policy = "full_col" if decode else "square"
+    space = []
+    for bM, bN, threads in tiles:
+        if bM > max(16, _pow2(M)) or bN > max(64, _pow2(N)):
+            continue
+        # a swizzle panel of 8 column blocks only reorders a grid wider than 8 with more than one row
+        swizzles = (0, 8) if -(-N // bN) > 8 and -(-M // bM) > 1 else (0,)
+        space += [GemmConfig(bM, bN, bK, stages, threads, sw, policy) for bK, stages in depths for sw in swizzles]
+    return space
+
+
+def _hopper_space(M: int, N: int) -> list[GemmConfig]:
+    decode = M <= 64
+    depths = [(64, 6), (64, 8), (128, 4), (128, 6)] if decode else [(64, 3), (64, 4), (64, 5), (128, 3)]
+    space = []
+    for bM, bN, threads in _HOPPER_DECODE if decode else _HOPPER_SPACE:
+        if bM > max(64, _pow2(M)) or bN > max(64, _pow2(N)):
+            continue
+        swizzles = (0, 8) if -(-N // bN) > 8 and -(-M // bM) > 1 else (0,)
+        space += [GemmConfig(bM, bN, bK, stages, threads, sw) for bK, stages in depths for sw in swizzles]
+    return space
+
+
+def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
+    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the bias tile."""
+    esize = _ESIZE[dtype]
+    return (cfg.num_stages * (cfg.block_M * cfg.block_K + cfg.block_K * cfg.block_N) + cfg.block_N) * esize + 256
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 @tile_ops.jit(out_idx=[-1])
@@ -70,7 +124,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                     T.copy(B[zb, bx * bN, k * bK], B_s)
                 else:
                     T.copy(B[zb, k * bK, bx * bN], B_s)
-                T.gemm(A_s, B_s, C_f, transpose_A=trans_A, transpose_B=trans_B)
+                T.gemm(A_s, B_s, C_f, transpose_A=trans_A, transpose_B=trans_B, policy=cfg.policy)
             if has_bias:
                 bias_s = T.alloc_shared((bN,), dtype)
                 T.copy(Bias[bx * bN], bias_s)
@@ -82,6 +136,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
 
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def _storage(x):
@@ -108,7 +163,7 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
-    cfg = cfg or default_config(M, N, K)
+    cfg = cfg or config_for("gemm", M, N, K, _DT[a.dtype], a.device)
     return gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg), a, b
 
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import tile_ops
 import tile_ops.lang as T
 from tile_ops.jit import default_arch
+from tile_ops.autotune import config_for
 
-from .gemm import _DT
+from .gemm import _DT, _ESIZE, _pow2
 
 LOG2E = 1.4426950408889634
 
@@ -25,6 +26,7 @@ class SoftmaxConfig:
     block_K: int = 32
     num_stages: int = 3
     threads: int = 256
+    policy: str = "square"  # T.gemm warp policy; "full_row" keeps each row in one warp (no cross-warp reduce)
 
 
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxConfig:
@@ -32,6 +34,30 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxCo
     if (arch or default_arch()) == "sm_90a":  # TMA stages of 64-wide K feed one wgmma warpgroup
         return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, block_K=64, num_stages=4, threads=128)
     return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
+
+
+def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm_90a") -> list[SoftmaxConfig]:
+    """The autotuner's candidates (tile_ops.autotune): row block x threads, column tile, (block_K, stages),
+    warp policy.  ``arch`` is the target: sm_90a (TMA stages + wgmma) pipelines 64-wide K steps deeper."""
+    depths = ((64, 3), (64, 4), (32, 4)) if arch == "sm_90a" else ((32, 3), (64, 2))
+    space = []
+    for bM, threads in ((64, 128), (128, 128), (128, 256)):
+        for bN in (64, 128):
+            if bN > max(64, _pow2(N)):
+                continue
+            space += [SoftmaxConfig(bM, bN, bK, stages, threads, policy)
+                      for bK, stages in depths for policy in ("square", "full_row")]
+    return space
+
+
+def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
+    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the per-tile
+    running maxima (grow with N), the final max/sum rows and the cross-warp reduction scratch (none when
+    each row stays in one warp)."""
+    tiles = cfg.num_stages * (cfg.block_M * cfg.block_K + cfg.block_K * cfg.block_N) * _ESIZE[dtype]
+    scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
+    rows = (-(-N // cfg.block_N) + 2 + scratch_cols) * cfg.block_M * 4
+    return tiles + rows + 256
 
 
 @tile_ops.jit(out_idx=[-1])
@@ -62,7 +88,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
                 for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
                     T.copy(A[bx * bM, k * bK], A_s)
                     T.copy(B[k * bK, j * bN], B_s)
-                    T.gemm(A_s, B_s, S)
+                    T.gemm(A_s, B_s, S, policy=cfg.policy)
                 for r, col in T.Parallel(bM, bN):  # scale into log2 units; mask columns past N
                     S[r, col] = T.if_then_else(j * bN + col < N, S[r, col] * c, -T.infinity("float32"))
                 T.reduce_max(S, m_tile, dim=1)
@@ -100,7 +126,7 @@ def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
     if not math.isfinite(scale):
         raise ValueError(f"tile_ops.gemm_softmax: scale must be finite, got {scale}")
     a, b = a.contiguous(), b.contiguous()
-    kernel = gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype],
-                          cfg or default_config(M, N, K))
+    cfg = cfg or config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
+    kernel = gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
     kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr()], a.device)
     return out

@@ -1,0 +1,379 @@
+"""tile_ops.autotune on the CPU: config spaces and pruning, the tuned table (persistence, bucket rule,
+concurrent writers), the ops' config selection, the tuner with a fake timer (real sm_90a compiles),
+and the ``tune`` command.  One GPU test tunes a small shape end to end."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tile_ops import autotune
+from tile_ops.autotune import bench, table, targets
+from tile_ops.autotune.progress import _Bar
+from tile_ops.autotune.tuner import make_candidates, prune, smem_limit
+from tile_ops.jit.build import _find_tool
+from tile_ops.kernels import gemm as gemm_kernels
+from tile_ops.kernels import gemm_softmax as softmax_kernels
+from tile_ops.kernels.gemm import GemmConfig
+from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
+FAKE_GPU = "FAKE GPU"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+    autotune.reload()
+    yield
+    autotune.reload()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The table lookups see a GPU named FAKE_GPU (tensors stay on the CPU)."""
+    monkeypatch.setattr(table, "gpu_name", lambda device=None: FAKE_GPU)
+
+
+def subprocess_env() -> dict:
+    """This checkout first on the path, and no GPU (the CPU path even on a GPU machine)."""
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
+
+
+# ------------------------------------------------------------------------------------ config spaces
+@pytest.mark.parametrize("op, shape", [("gemm", (4096, 4096, 4096)), ("gemm", (16, 8192, 8192)),
+                                       ("gemm", (1000, 1000, 1000)), ("gemm_softmax", (8192, 2048, 1024)),
+                                       ("gemm_softmax", (200, 96, 64))])
+def test_config_space_is_declared_by_the_kernel_and_round_trips_json(op, shape):
+    target = targets.get(op)
+    space = target.config_space(shape, "float16", "sm_90a")
+    assert space and len(set(space)) == len(space)
+    assert all(type(c) is target.config_class() for c in space)
+    for c in space:
+        assert autotune.config_from_dict(op, json.loads(json.dumps(autotune.config_to_dict(c)))) == c
+    cands = make_candidates(target, shape, "float16", "sm_90a")
+    assert target.default_config(shape) in [c.config for c in cands]  # the heuristic is always a candidate
+    assert len(cands) == len({c.config for c in cands})
+
+
+def test_gemm_space_fits_the_problem():
+    decode = gemm_kernels.config_space(16, 8192, 8192)
+    assert {c.block_M for c in decode} == {16} and {c.policy for c in decode} == {"full_col"}
+    big = gemm_kernels.config_space(4096, 4096, 4096)
+    assert {c.swizzle for c in big} == {0, 8} and {c.policy for c in big} == {"square"}
+    assert {(c.block_M, c.block_N) for c in big} >= {(128, 128), (128, 256), (256, 128)}
+    assert max(c.block_N for c in gemm_kernels.config_space(512, 64, 512)) == 64
+
+
+def test_prune_skips_configs_over_the_shared_memory_limit():
+    target, shape = targets.get("gemm"), (4096, 4096, 4096)
+    cands = make_candidates(target, shape, "float16", "sm_86")
+    prune(target, cands, shape, "float16", smem_limit("sm_86"))
+    skipped = [c for c in cands if c.skipped]
+    assert skipped and all(c.skipped.startswith("shared memory: needs ~") and "101376 B" in c.skipped
+                           for c in skipped)
+    assert all(target.shared_memory_bytes(c.config, shape, "float16") > 101376 for c in skipped)
+    cands = make_candidates(target, shape, "float16", "sm_90a")
+    prune(target, cands, shape, "float16", smem_limit("sm_90a"))
+    assert not any(c.skipped for c in cands)  # the H200 space fits in 227 KiB
+    assert smem_limit("sm_90a") == 232448 and smem_limit("sm_80") == 166912
+
+
+@pytest.mark.parametrize("op, cfg, shape", [
+    ("gemm", GemmConfig(128, 256, 64, 3, 256, 8), (1024, 1024, 1024)),
+    ("gemm", GemmConfig(16, 128, 128, 2, 128, 0, "full_col"), (16, 512, 512)),
+    ("gemm_softmax", SoftmaxConfig(128, 64, 32, 3, 256), (512, 2048, 256)),
+    ("gemm_softmax", SoftmaxConfig(64, 128, 64, 2, 128, "full_row"), (200, 96, 64)),
+])
+def test_shared_memory_estimate_bounds_the_compiler(op, cfg, shape):
+    from tile_ops.compiler import compile_program
+
+    M, N, K = shape
+    if op == "gemm":
+        prog = gemm_kernels.gemm.fn(M, N, K, 1, 1, 1, False, False, True, "float16", "float16", cfg)
+    else:
+        prog = softmax_kernels.gemm_softmax.fn(M, N, K, 1.0, "float16", "float16", cfg)
+    used = compile_program(prog, "sm_90a").smem_bytes
+    estimate = targets.get(op).shared_memory_bytes(cfg, shape, "float16")
+    assert used <= estimate <= used + 4096, (used, estimate)
+
+
+# ---------------------------------------------------------------------------------------- the table
+def test_bucket_rule():
+    assert [autotune.shape_bucket(m) for m in (1, 2, 3, 64, 65, 1000, 1024, 1025)] == [1, 2, 4, 64, 128, 1024,
+                                                                                          1024, 2048]
+    a, b = GemmConfig(64, 64, 32, 3, 128, 0), GemmConfig(128, 64, 32, 3, 128, 0)
+    autotune.record("gemm", (1000, 512, 256), "float16", FAKE_GPU, a)
+    autotune.record("gemm", (600, 512, 256), "float16", FAKE_GPU, b)
+
+    def look(M, N=512, K=256, dtype="float16", gpu=FAKE_GPU):
+        return autotune.lookup("gemm", (M, N, K), dtype, gpu)
+
+    assert look(1000) == a and look(600) == b  # exact shapes
+    assert look(900) == a and look(700) == b and look(513) == b  # same bucket (513..1024), nearest M
+    assert look(1025) is None and look(512) is None  # other buckets
+    assert look(1000, N=1024) is None and look(1000, K=128) is None  # N and K must match
+    assert look(1000, dtype="bfloat16") is None and look(1000, gpu="OTHER GPU") is None
+    assert look(1000, gpu=None) is None
+
+
+def test_table_file_format_and_location(tmp_path):
+    cfg = SoftmaxConfig(64, 64, 32, 3, 128, "full_row")
+    key = autotune.record("gemm_softmax", (256, 128, 64), "bfloat16", FAKE_GPU, cfg, ms=0.5, default_ms=0.6)
+    path = tmp_path / "cache" / "autotune.json"
+    assert autotune.table_path() == path
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and list(data["entries"]) == [key] == [f"{FAKE_GPU}|gemm_softmax|bfloat16|256x128x64"]
+    entry = data["entries"][key]
+    assert entry["config"] == dataclasses.asdict(cfg) and entry["shape"] == [256, 128, 64]
+    assert entry["ms"] == 0.5 and entry["default_ms"] == 0.6 and entry["gpu"] == FAKE_GPU and entry["tuned_at"]
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # no temp file left behind
+
+
+_PROCESS = """
+import pathlib, sys, time
+from tile_ops import autotune
+from tile_ops.kernels.gemm import GemmConfig
+print(autotune.lookup("gemm", (30, 4096, 4096), "float16", "FAKE GPU"))  # the parent's entry, M in its bucket
+tag, sync = sys.argv[1], pathlib.Path(sys.argv[2])
+(sync / ("ready-" + tag)).touch()
+while not (sync / "go").exists():  # start writing together
+    time.sleep(0.001)
+for i in range(40):
+    autotune.record("gemm", (64 * (i + 1), 512, 512), "float16", "GPU " + tag, GemmConfig(64, 64, 32, 3, 128, 0))
+"""
+
+
+def test_table_is_read_by_new_processes_and_concurrent_writers_merge(tmp_path):
+    cfg = GemmConfig(64, 128, 64, 4, 128, 0, "full_col")
+    autotune.record("gemm", (32, 4096, 4096), "float16", FAKE_GPU, cfg, ms=0.1)
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, tag, str(tmp_path)], env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for tag in ("A", "B")]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{tag}").exists() for tag in "AB"):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a writer did not start"
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out.strip() == repr(cfg)
+    entries = autotune.TuneTable().entries()
+    assert len(entries) == 81  # no writer lost another's keys
+    assert {e["gpu"] for e in entries.values()} == {FAKE_GPU, "GPU A", "GPU B"}
+
+
+def test_corrupt_or_stale_table_falls_back_with_a_warning(fake_gpu):
+    path = autotune.table_path()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"version": 1, "entries": {')  # truncated
+    with pytest.warns(UserWarning, match="ignoring the autotune table"):
+        assert autotune.config_for("gemm", 256, 256, 256, "float16") == gemm_kernels.default_config(256, 256, 256)
+    cfg = GemmConfig(64, 64, 32, 3, 128, 0)
+    with pytest.warns(UserWarning, match="ignoring the autotune table"):
+        autotune.record("gemm", (256, 256, 256), "float16", FAKE_GPU, cfg)  # rewrites the file whole
+    assert autotune.config_for("gemm", 256, 256, 256, "float16") == cfg
+
+    entries = autotune.TuneTable().entries()
+    entries[next(iter(entries))]["config"]["warpgroups_removed_field"] = 2
+    path.write_text(json.dumps({"version": 1, "entries": entries}))
+    autotune.reload()
+    with pytest.warns(UserWarning, match="no field"):
+        assert autotune.config_for("gemm", 256, 256, 256, "float16") == gemm_kernels.default_config(256, 256, 256)
+
+
+def test_clear():
+    autotune.record("gemm", (64, 64, 64), "float16", FAKE_GPU, GemmConfig())
+    assert autotune.TuneTable().clear() == 1 and autotune.TuneTable().entries() == {}
+
+
+# ------------------------------------------------------------------------------ what the ops launch
+def test_gemm_op_launches_the_tuned_config_else_the_default(fake_gpu, monkeypatch):
+    seen = []
+    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, **kw: seen.append(args[-1]))
+    a, b = torch.randn(1, 300, 256, dtype=torch.float16), torch.randn(1, 256, 512, dtype=torch.float16)
+    out = torch.empty(1, 300, 512, dtype=torch.float16)
+    gemm_kernels.get_gemm_kernel(a, b, out)
+    assert seen[-1] == gemm_kernels.default_config(300, 512, 256)
+
+    tuned = GemmConfig(64, 128, 64, 2, 128, 0)
+    autotune.record("gemm", (500, 512, 256), "float16", FAKE_GPU, tuned)  # 300 is in 500's bucket (257..512)
+    gemm_kernels.get_gemm_kernel(a, b, out)
+    assert seen[-1] == tuned
+    gemm_kernels.get_gemm_kernel(a.bfloat16(), b.bfloat16(), out.bfloat16())
+    assert seen[-1] == gemm_kernels.default_config(300, 512, 256)  # tuned for float16 only
+    explicit = GemmConfig(128, 64, 32, 3, 128, 0)
+    gemm_kernels.get_gemm_kernel(a, b, out, cfg=explicit)
+    assert seen[-1] == explicit
+
+
+def test_gemm_softmax_op_launches_the_tuned_config(fake_gpu, monkeypatch):
+    seen = []
+
+    class FakeKernel:
+        def launch_ptrs(self, ptrs, device):
+            pass
+
+    monkeypatch.setattr(softmax_kernels, "gemm_softmax", lambda *args, **kw: seen.append(args[-1]) or FakeKernel())
+    a, b = torch.randn(128, 64, dtype=torch.float16), torch.randn(64, 96, dtype=torch.float16)
+    out = torch.empty(128, 96, dtype=torch.float16)
+    softmax_kernels.launch_gemm_softmax(a, b, out)
+    assert seen[-1] == softmax_kernels.default_config(128, 96, 64)
+    tuned = SoftmaxConfig(128, 64, 64, 2, 256, "full_row")
+    autotune.record("gemm_softmax", (128, 96, 64), "float16", FAKE_GPU, tuned)
+    softmax_kernels.launch_gemm_softmax(a, b, out)
+    assert seen[-1] == tuned
+
+
+def test_no_gpu_means_the_default():
+    assert table.gpu_name("cpu") is None
+    assert autotune.config_for("gemm", 16, 4096, 4096, "float16", torch.device("cpu")) == \
+        gemm_kernels.default_config(16, 4096, 4096)
+
+
+# ------------------------------------------------------------------- the tuner, with a fake timer
+@needs_nvcc
+def test_tune_picks_the_fastest_and_skips_failures_with_reasons(fake_gpu):
+    shape = (128, 128, 64)
+    fast = GemmConfig(64, 64, 32, 2, 128, 0)
+    wrong = GemmConfig(64, 128, 32, 2, 128, 0)
+    crashes = GemmConfig(128, 64, 32, 2, 128, 0)
+    untileable = GemmConfig(16, 64, 32, 2, 256, 0, "full_row")  # 8 warps cannot split 16 rows
+    too_big = GemmConfig(256, 256, 128, 4, 256, 0)  # ~0.5 MB of shared memory: pruned before compiling
+    calls = []
+
+    def fake_measure(kernel, cfg):
+        calls.append(cfg)
+        assert kernel.meta.arch == "sm_90a" and kernel.cubin
+        if cfg == wrong:
+            raise bench.WrongResult("relative error 1.0e+00 vs the float32 reference (tolerance 0.005)")
+        if cfg == crashes:
+            raise RuntimeError("tile_ops: CUDA error CUDA_ERROR_LAUNCH_FAILED")
+        return 1.0 if cfg == fast else 2.0
+
+    result = autotune.tune("gemm", shape, "float16", configs=[fast, wrong, crashes, untileable, too_big],
+                           arch="sm_90a", measure=fake_measure, gpu=FAKE_GPU, show_progress=False)
+    reasons = {c.config: c.skipped for c in result.candidates}
+    assert reasons[too_big].startswith("shared memory: needs ~")
+    assert reasons[untileable].startswith("compile error: TileLangError") and "cannot be tiled" in reasons[untileable]
+    assert reasons[wrong].startswith("wrong result: relative error")
+    assert reasons[crashes].startswith("launch error: RuntimeError: tile_ops: CUDA error")
+    assert too_big not in calls and untileable not in calls
+    default = gemm_kernels.default_config(*shape)
+    assert set(calls) == {fast, wrong, crashes, default} and result.default_ms == 2.0
+    assert result.best.config == fast and result.best.ms == 1.0
+    assert result.key == f"{FAKE_GPU}|gemm|float16|128x128x64"
+    assert autotune.config_for("gemm", 128, 128, 64, "float16") == fast  # the in-process memo was refreshed
+    entry = autotune.TuneTable().entries()[result.key]
+    assert entry["candidates"] == 6 and entry["skipped"] == 4 and entry["arch"] == "sm_90a"
+
+    def context_lost(kernel, cfg):
+        raise bench.DeviceLost("the CUDA context is unusable")
+
+    with pytest.raises(bench.DeviceLost):  # not skipped like a failed candidate: every later one would fail too
+        autotune.tune("gemm", shape, configs=[fast], arch="sm_90a", measure=context_lost, gpu=FAKE_GPU,
+                      show_progress=False)
+
+
+def test_tune_without_a_gpu_or_timer_says_how_to_proceed(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*compile_only=True"):
+        autotune.tune("gemm", (64, 64, 64), configs=[], show_progress=False)
+    with pytest.raises(ValueError, match="unknown op 'conv'.*gemm, gemm_softmax"):
+        autotune.tune("conv", (64, 64, 64))
+
+
+def test_progress_fallback_prints_plain_lines(capsys):
+    bar = _Bar(20, "compile", sys.stderr)
+    for _ in range(20):
+        bar.update()
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "compile: 1/20" and lines[-1] == "compile: 20/20" and len(lines) <= 11
+
+
+def test_input_copies_cover_twice_the_l2():
+    l2 = 50 << 20
+    assert bench.input_copies(96 << 20, l2) == 2  # 4096^3 fp16: one set already exceeds L2
+    assert bench.input_copies(1 << 20, l2) == 100
+    assert bench.input_copies(1 << 10, l2) == bench.MAX_COPIES
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def test_cli_tune_is_a_tile_ops_command():
+    proc = subprocess.run([sys.executable, "-m", "tile_ops", "tune", "--help"], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0 and "--shape" in proc.stdout and "--list" in proc.stdout, proc.stderr
+
+
+def test_cli_show_clear_and_no_gpu(capsys, monkeypatch):
+    from tile_ops.__main__ import main
+    from tile_ops.autotune import cli
+
+    autotune.record("gemm", (4096, 4096, 4096), "float16", FAKE_GPU, GemmConfig(), ms=0.25, default_ms=0.3)
+    assert main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert str(autotune.table_path()) in out and "(1 entry)" in out
+    row = next(line for line in out.splitlines() if line.startswith(FAKE_GPU))
+    assert "4096x4096x4096" in row and "block_M=128" in row and "1.20x" in row
+
+    monkeypatch.setattr(cli, "_gpu_available", lambda: False)
+    assert main(["tune", "gemm", "--shape", "64x64x64"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "--compile-only" in err
+
+    assert main(["tune", "--clear"]) == 0
+    assert "removed 1 tuned entry" in capsys.readouterr().out
+    assert autotune.TuneTable().entries() == {}
+
+
+def test_cli_list_and_bad_input(capsys):
+    from tile_ops.__main__ import main
+
+    assert main(["tune", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "gemm: tile_ops.kernels.gemm.GemmConfig(block_M=" in out and "gemm_softmax:" in out
+
+    assert main(["tune", "--list", "gemm", "--shape", "4096x4096x4096", "--arch", "sm_86"]) == 0
+    out = capsys.readouterr().out
+    assert "candidates for 4096x4096x4096 float16 on sm_86" in out and "shared memory: needs ~" in out
+    assert "default" in out
+
+    for argv, message in [(["tune"], "give an op and --shape"), (["tune", "gemm"], "give an op and --shape"),
+                          (["tune", "gemm", "--shape", "64x64"], "expected a shape MxNxK"),
+                          (["tune", "conv", "--shape", "64x64x64"], "invalid choice: 'conv'"),
+                          (["tune", "gemm", "--shape", "64x64x64", "-j", "0"], "--jobs must be at least 1"),
+                          (["tune", "--list", "--shape", "64x64x64"], "--list --shape needs an op")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, shape, configs", [
+    ("gemm", (256, 192, 128), [GemmConfig(64, 64, 32, 3, 128, 0), GemmConfig(128, 64, 64, 2, 128, 0)]),
+    ("gemm_softmax", (200, 96, 64), [SoftmaxConfig(64, 64, 32, 3, 128, "full_row"),
+                                      SoftmaxConfig(128, 128, 32, 2, 256)]),
+])
+def test_tune_end_to_end_on_the_gpu(op, shape, configs):
+    result = autotune.tune(op, shape, "float16", configs=configs, show_progress=False)
+    assert all(c.skipped is None and c.ms > 0 for c in result.candidates), [c.skipped for c in result.candidates]
+    assert result.key and autotune.TuneTable().entries()[result.key]["gpu"] == torch.cuda.get_device_name()
+    assert autotune.config_for(op, *shape, "float16", torch.device("cuda")) == result.best.config
+    M, N, K = shape
+    a = torch.randn(M, K, dtype=torch.float16, device="cuda")
+    b = torch.randn(K, N, dtype=torch.float16, device="cuda") * K ** -0.5
+    import tile_ops
+
+    if op == "gemm":
+        got, ref = tile_ops.gemm(a, b), a.double() @ b.double()
+    else:
+        got, ref = tile_ops.gemm_softmax(a, b), torch.softmax(a.double() @ b.double(), -1)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 5e-3

@@ -1,0 +1,205 @@
+"""The tuned-config table: ``<cache_dir()>/autotune.json``, and the lookup the ops use.
+
+File format (JSON)::
+
+    {"version": 1,
+     "entries": {"NVIDIA H200|gemm|float16|4096x4096x4096": {
+         "gpu": "NVIDIA H200", "op": "gemm", "dtype": "float16", "shape": [4096, 4096, 4096],
+         "config": {"block_M": 128, ...},            # dataclasses.asdict of the kernel's config
+         "ms": 0.21, "default_ms": 0.25,             # best and heuristic-default times (median)
+         "arch": "sm_90a", "candidates": 56, "skipped": 3, "tuned_at": "2026-...Z", "compiler": "..."}}}
+
+Writers take ``DiskCache.lock("autotune")``, re-read the file, merge their entries and publish
+with write-temp + ``os.replace``, so concurrent tuning processes never lose each other's keys and
+readers (which take no lock) always see a whole file.
+
+Shape buckets: a tuned shape is stored and found under its exact M x N x K.  An untuned shape uses
+the entry with the same N and K whose M is in the same bucket, the smallest power of two >= M
+(513..1024 -> 1024), nearest M first: N and K are the model's weight dims and stay fixed while M
+(tokens x batch) varies.  Otherwise the kernel's heuristic ``default_config``.
+
+Nothing here imports torch at module level, nor TVM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import tempfile
+import warnings
+
+from ..jit.cache import DiskCache, _fsync_dir, _write_synced, cache_dir
+from . import targets
+
+TABLE_FILE = "autotune.json"
+VERSION = 1
+_LOCK_KEY = "autotune"
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(op: str, d: dict):
+    """The op's config from its JSON dict; fields added since it was written take their defaults, a
+    field that no longer exists makes it stale (ValueError)."""
+    cls = targets.get(op).config_class()
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(**d)
+
+
+def shape_bucket(M: int) -> int:
+    """The M bucket of an untuned shape: the smallest power of two >= M."""
+    return 1 << max(0, int(M) - 1).bit_length()
+
+
+def entry_key(gpu: str, op: str, dtype: str, shape) -> str:
+    M, N, K = shape
+    return f"{gpu}|{op}|{dtype}|{M}x{N}x{K}"
+
+
+def table_path() -> pathlib.Path:
+    return cache_dir() / TABLE_FILE
+
+
+class TuneTable:
+    """The table file at ``path`` (default: :func:`table_path` at construction time)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = pathlib.Path(path) if path is not None else table_path()
+
+    def entries(self) -> dict:
+        """key -> entry; a missing file is empty, an unreadable one is empty with a warning."""
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            warnings.warn(f"tile_ops: ignoring the autotune table {self.path}: {e}")
+            return {}
+        if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
+            warnings.warn(f"tile_ops: ignoring the autotune table {self.path}: not a version {VERSION} table")
+            return {}
+        return data["entries"]
+
+    def update(self, put: dict | None = None, remove=()) -> None:
+        """Merge ``put`` (key -> entry) and drop the keys in ``remove``, atomically."""
+
+        def change(entries):
+            entries.update(put or {})
+            for key in remove:
+                entries.pop(key, None)
+
+        self._modify(change)
+
+    def clear(self) -> int:
+        """Remove every entry; returns how many there were."""
+        removed = []
+
+        def change(entries):
+            removed.extend(entries)
+            entries.clear()
+
+        self._modify(change)
+        return len(removed)
+
+    def _modify(self, change) -> None:
+        """Read, ``change(entries)`` in place, publish: under the lock, so concurrent writers merge."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with DiskCache(self.path.parent).lock(_LOCK_KEY):
+            entries = self.entries()
+            change(entries)
+            self._publish({"version": VERSION, "entries": dict(sorted(entries.items()))})
+        reload()
+
+    def _publish(self, data: dict) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        try:
+            _write_synced(pathlib.Path(tmp), json.dumps(data, indent=1).encode())  # configs keep field order
+            os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache directory may be shared
+            os.replace(tmp, self.path)
+            _fsync_dir(self.path.parent)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def record(op: str, shape, dtype: str, gpu: str, cfg, **stats) -> str:
+    """Store ``cfg`` as the best config of (gpu, op, shape, dtype); returns the entry's key."""
+    from ..jit import compiler_fingerprint
+
+    key = entry_key(gpu, op, dtype, shape)
+    entry = {"gpu": gpu, "op": op, "dtype": dtype, "shape": [int(x) for x in shape],
+             "config": config_to_dict(cfg), "compiler": compiler_fingerprint(),
+             "tuned_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **stats}
+    TuneTable().update({key: entry})
+    return key
+
+
+# ---------------------------------------------------------------------------------------- lookup
+_index: dict | None = None  # (gpu, op, dtype, N, K) -> [(M, config)], built from the table once
+_chosen: dict = {}  # (op, M, N, K, dtype, device) -> config: the op's per-call path is one dict hit
+_gpu_names: dict = {}
+
+
+def reload() -> None:
+    """Forget what was read from the table (after it changed, or TILE_OPS_CACHE_DIR did)."""
+    global _index
+    _index = None
+    _chosen.clear()
+
+
+def _load_index() -> dict:
+    index: dict = {}
+    for key, e in TuneTable().entries().items():
+        try:
+            M, N, K = e["shape"]
+            cfg = config_from_dict(e["op"], e["config"])
+            index.setdefault((e["gpu"], e["op"], e["dtype"], N, K), []).append((M, cfg))
+        except (KeyError, TypeError, ValueError) as err:
+            warnings.warn(f"tile_ops: ignoring autotune entry {key!r}: {err}")
+    return index
+
+
+def lookup(op: str, shape, dtype: str, gpu: str | None):
+    """The tuned config for (gpu, op, shape, dtype) under the bucket rule, or None."""
+    global _index
+    if gpu is None:
+        return None
+    if _index is None:
+        _index = _load_index()
+    M, N, K = shape
+    tuned = _index.get((gpu, op, dtype, N, K), [])
+    same_bucket = [(abs(m - M), -m, cfg) for m, cfg in tuned if shape_bucket(m) == shape_bucket(M)]
+    return min(same_bucket, key=lambda t: t[:2])[2] if same_bucket else None
+
+
+def gpu_name(device=None) -> str | None:
+    """The name of ``device``'s GPU (default: the current one), or None off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return None
+    index = torch.device(device).index if device is not None else None
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _gpu_names:
+        _gpu_names[index] = torch.cuda.get_device_name(index)
+    return _gpu_names[index]
+
+
+def config_for(op: str, M: int, N: int, K: int, dtype: str, device=None, arch: str | None = None):
+    """THE config an op launches with: the tuned one for this GPU and shape, else the kernel's
+    ``default_config(M, N, K, arch)`` (``arch``: the compile target, by default the local GPU's).
+    Memoized per (op, shape, dtype, device, arch)."""
+    memo = (op, M, N, K, dtype, device, arch)
+    cfg = _chosen.get(memo)
+    if cfg is None:
+        cfg = lookup(op, (M, N, K), dtype, gpu_name(device)) or targets.get(op).default_config((M, N, K), arch)
+        _chosen[memo] = cfg
+    return cfg
