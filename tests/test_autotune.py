@@ -58,17 +58,21 @@ def test_config_space_is_declared_by_the_kernel_and_round_trips_json(op, shape):
     for c in space:
         assert autotune.config_from_dict(op, json.loads(json.dumps(autotune.config_to_dict(c)))) == c
     cands = make_candidates(target, shape, "float16", "sm_90a")
-    assert target.default_config(shape) in [c.config for c in cands]  # the heuristic is always a candidate
+    assert target.default_config(shape, "sm_90a") in [c.config for c in cands]  # the heuristic is a candidate
     assert len(cands) == len({c.config for c in cands})
 
 
-def test_gemm_space_fits_the_problem():
-    decode = gemm_kernels.config_space(16, 8192, 8192)
-    assert {c.block_M for c in decode} == {16} and {c.policy for c in decode} == {"full_col"}
-    big = gemm_kernels.config_space(4096, 4096, 4096)
+@pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
+def test_gemm_space_fits_the_problem(arch):
+    decode = gemm_kernels.config_space(16, 8192, 8192, arch=arch)
+    if arch == "sm_90a":  # wgmma: 64-row tiles, thin N so B streams from every SM
+        assert {c.block_M for c in decode} == {64} and min(c.block_N for c in decode) == 32
+    else:
+        assert {c.block_M for c in decode} == {16} and {c.policy for c in decode} == {"full_col"}
+    big = gemm_kernels.config_space(4096, 4096, 4096, arch=arch)
     assert {c.swizzle for c in big} == {0, 8} and {c.policy for c in big} == {"square"}
     assert {(c.block_M, c.block_N) for c in big} >= {(128, 128), (128, 256), (256, 128)}
-    assert max(c.block_N for c in gemm_kernels.config_space(512, 64, 512)) == 64
+    assert max(c.block_N for c in gemm_kernels.config_space(512, 64, 512, arch=arch)) == 64
 
 
 def test_prune_skips_configs_over_the_shared_memory_limit():
@@ -81,7 +85,8 @@ def test_prune_skips_configs_over_the_shared_memory_limit():
     assert all(target.shared_memory_bytes(c.config, shape, "float16") > 101376 for c in skipped)
     cands = make_candidates(target, shape, "float16", "sm_90a")
     prune(target, cands, shape, "float16", smem_limit("sm_90a"))
-    assert not any(c.skipped for c in cands)  # the H200 space fits in 227 KiB
+    assert not any(c.skipped for c in cands if c.config == target.default_config(shape, "sm_90a"))
+    assert all(target.shared_memory_bytes(c.config, shape, "float16") > 232448 for c in cands if c.skipped)
     assert smem_limit("sm_90a") == 232448 and smem_limit("sm_80") == 166912
 
 

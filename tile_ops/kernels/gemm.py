@@ -85,9 +85,15 @@ def _hopper_space(M: int, N: int) -> list[GemmConfig]:
 
 
 def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
-    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the bias tile."""
+    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the bias tile
+    (each buffer starts on a 1 KiB boundary on sm_90a) and the pipeline's mbarriers."""
     esize = _ESIZE[dtype]
-    return (cfg.num_stages * (cfg.block_M * cfg.block_K + cfg.block_K * cfg.block_N) + cfg.block_N) * esize + 256
+    tiles = [cfg.num_stages * cfg.block_M * cfg.block_K, cfg.num_stages * cfg.block_K * cfg.block_N, cfg.block_N]
+    return sum(_kib(n * esize) for n in tiles) + 16 * cfg.num_stages
+
+
+def _kib(nbytes: int) -> int:
+    return -(-nbytes // 1024) * 1024
 
 
 def _pow2(n: int) -> int:

@@ -14,7 +14,7 @@ import tile_ops.lang as T
 from tile_ops.jit import default_arch
 from tile_ops.autotune import config_for
 
-from .gemm import _DT, _ESIZE, _pow2
+from .gemm import _DT, _kib, _ESIZE, _pow2
 
 LOG2E = 1.4426950408889634
 
@@ -54,10 +54,11 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the per-tile
     running maxima (grow with N), the final max/sum rows and the cross-warp reduction scratch (none when
     each row stays in one warp)."""
-    tiles = cfg.num_stages * (cfg.block_M * cfg.block_K + cfg.block_K * cfg.block_N) * _ESIZE[dtype]
+    esize = _ESIZE[dtype]
+    tiles = _kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize) + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize)
     scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
-    rows = (-(-N // cfg.block_N) + 2 + scratch_cols) * cfg.block_M * 4
-    return tiles + rows + 256
+    rows = _kib(-(-N // cfg.block_N) * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4) + _kib(scratch_cols * cfg.block_M * 4)
+    return tiles + rows + 16 * cfg.num_stages
 
 
 @tile_ops.jit(out_idx=[-1])
