@@ -18,3 +18,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """The ops' CUDA code paths on CPU tensors (tests/stand_in_kernels.py): (gemm, gemm_softmax) stand-ins."""
+    import stand_in_kernels
+
+    return stand_in_kernels.install(monkeypatch)

@@ -2,8 +2,6 @@
 and the CUDA launch glue (layouts handed to the kernel) exercised with a stand-in kernel."""
 
 import importlib
-import sys
-import types
 
 import pytest
 import torch
@@ -309,41 +307,11 @@ def test_check_helpers_cuda_kind():
 # --------------------------------------------------------------------------- CUDA launch glue
 
 
-def _kernel_layout_ok(t):
-    _, R, C = t.shape
-    return t.stride()[1:] in ((C, 1), (1, R))
-
-
-def _stand_in_launch_gemm(calls):
-    """A CPU stand-in for tile_ops.kernels.gemm.launch_gemm that checks its contract."""
-
-    def launch_gemm(a, b, out, bias=None):
-        assert a.dim() == b.dim() == out.dim() == 3
-        Bt, M, K = a.shape
-        assert b.shape[:2] == (Bt, K) and out.shape == (Bt, M, b.shape[2])
-        assert _kernel_layout_ok(a) and _kernel_layout_ok(b), (a.stride(), b.stride())
-        assert out.is_contiguous()
-        for t in (a, b, out) + ((bias,) if bias is not None else ()):
-            assert t.data_ptr() % 16 == 0
-        if bias is not None:
-            assert bias.shape == (out.shape[2],) and bias.is_contiguous() and bias.dtype == a.dtype
-        acc = torch.matmul(a.float(), b.float())
-        if bias is not None:
-            acc = acc + bias.float()
-        out.copy_(acc)
-        calls.append((a, b, out, bias))
-
-    return launch_gemm
-
-
-def _run_glue(monkeypatch, a, b, bias=None, out_dtype=None):
-    calls = []
-    fake = types.SimpleNamespace(launch_gemm=_stand_in_launch_gemm(calls))
-    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm", fake)
-    out, launch = gemm_mod.prepare_gemm_launch(a, b, bias, out_dtype, kind="cuda")
-    if launch is not None:
-        gemm_mod.load_kernel_module("gemm", "tile_ops.gemm").launch_gemm(*launch)
-    return out, calls
+def _run_glue(stand_ins, a, b, bias=None, out_dtype=None):
+    """The CUDA implementation on CPU tensors: its output and the operands it gave the kernel."""
+    gemm_kernels, _ = stand_ins
+    out = gemm_mod._gemm_cuda(a, b, bias, out_dtype)
+    return out, gemm_kernels.calls
 
 
 def _same_storage(x, y):
@@ -351,12 +319,12 @@ def _same_storage(x, y):
 
 
 @pytest.mark.parametrize("case", list(_cases()))
-def test_cuda_glue_layouts(monkeypatch, case):
+def test_cuda_glue_layouts(stand_in_kernels, case):
     torch.manual_seed(3)
     make_a, make_b = _cases()[case]
     a, b = make_a(F16), make_b(F16)
     bias = rnd(b.shape[-1], dtype=F16)
-    out, calls = _run_glue(monkeypatch, a, b, bias, out_dtype=F32)
+    out, calls = _run_glue(stand_in_kernels, a, b, bias, out_dtype=F32)
     assert len(calls) == 1
     assert out.dtype == F32 and out.shape == ref_gemm(a, b).shape
     assert rel_err(out, ref_gemm(a, b, bias)) < 1e-5
@@ -365,33 +333,33 @@ def test_cuda_glue_layouts(monkeypatch, case):
         assert _same_storage(a3, a) and _same_storage(b3, b)
 
 
-def test_cuda_glue_folds_batch_into_m(monkeypatch):
+def test_cuda_glue_folds_batch_into_m(stand_in_kernels):
     a, b = rnd(4, 5, 8, dtype=BF16), rnd(8, 3, dtype=BF16)
-    out, calls = _run_glue(monkeypatch, a, b)
+    out, calls = _run_glue(stand_in_kernels, a, b)
     assert calls[0][0].shape == (1, 20, 8) and calls[0][2].shape == (1, 20, 3)
     assert rel_err(out, ref_gemm(a, b)) < 1e-2
 
 
-def test_cuda_glue_broadcast_uses_zero_batch_stride(monkeypatch):
+def test_cuda_glue_broadcast_uses_zero_batch_stride(stand_in_kernels):
     a, b = rnd(5, 8, dtype=F16), rnd(3, 8, 4, dtype=F16)
-    out, calls = _run_glue(monkeypatch, a, b)
+    out, calls = _run_glue(stand_in_kernels, a, b)
     assert calls[0][0].shape == (3, 5, 8) and calls[0][0].stride(0) == 0
     assert rel_err(out, ref_gemm(a, b)) < 5e-3
 
 
-def test_cuda_glue_empty_and_k_zero_do_not_launch(monkeypatch):
-    out, calls = _run_glue(monkeypatch, rnd(0, 8, dtype=F16), rnd(8, 4, dtype=F16))
+def test_cuda_glue_empty_and_k_zero_do_not_launch(stand_in_kernels):
+    out, calls = _run_glue(stand_in_kernels, rnd(0, 8, dtype=F16), rnd(8, 4, dtype=F16))
     assert out.shape == (0, 4) and not calls
     bias = rnd(4, dtype=F16)
-    out, calls = _run_glue(monkeypatch, rnd(3, 0, dtype=F16), rnd(0, 4, dtype=F16), bias)
+    out, calls = _run_glue(stand_in_kernels, rnd(3, 0, dtype=F16), rnd(0, 4, dtype=F16), bias)
     assert not calls and torch.equal(out, bias.expand(3, 4))
 
 
-def test_cuda_glue_misaligned_pointer_error(monkeypatch):
+def test_cuda_glue_misaligned_pointer_error(stand_in_kernels):
     buf = rnd(1 + 16 * 8, dtype=F16)
     a = buf[1:].view(16, 8)  # storage offset of one element: 2 bytes off
     b = rnd(8, 4, dtype=F16)
     with pytest.raises(ValueError, match=r"tile_ops\.gemm: a's data pointer .* is not 16-byte aligned.*pass a\.clone\(\)"):
-        _run_glue(monkeypatch, a, b)
+        _run_glue(stand_in_kernels, a, b)
     with pytest.raises(ValueError, match=r"b's data pointer .* 16-byte aligned"):
-        _run_glue(monkeypatch, rnd(4, 8, dtype=F16), buf[1:33].view(8, 4))
+        _run_glue(stand_in_kernels, rnd(4, 8, dtype=F16), buf[1:33].view(8, 4))

@@ -3,8 +3,6 @@ and the CUDA launch glue exercised with a stand-in kernel."""
 
 import importlib
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -239,58 +237,41 @@ def test_gemm_softmax_cuda_rules_under_fake_cuda_tensors():
 # --------------------------------------------------------------------------- CUDA launch glue
 
 
-def _run_glue(monkeypatch, a, b, scale=1.0, out_dtype=None):
-    calls = []
-
-    def launch_gemm_softmax(a2, b2, out2, s):
-        assert a2.dim() == b2.dim() == out2.dim() == 2
-        assert a2.is_contiguous() and b2.is_contiguous() and out2.is_contiguous()
-        for t in (a2, b2, out2):
-            assert t.data_ptr() % 16 == 0, "misaligned operand handed to the kernel"
-        assert a2.shape[1] == b2.shape[0] and out2.shape == (a2.shape[0], b2.shape[1])
-        out2.copy_(torch.softmax((a2.float() @ b2.float()) * s, -1))
-        calls.append((a2, b2, out2, s))
-
-    monkeypatch.setitem(
-        sys.modules, "tile_ops.kernels.gemm_softmax", types.SimpleNamespace(launch_gemm_softmax=launch_gemm_softmax)
-    )
-    out, launches, finish = gs_mod.prepare_gemm_softmax_launch(a, b, scale, out_dtype, kind="cuda")
-    kernels = gs_mod.load_kernel_module("gemm_softmax", "tile_ops.gemm_softmax")
-    for args in launches:
-        kernels.launch_gemm_softmax(*args)
-    if finish is not None:
-        finish()
-    return out, calls
+def _run_glue(stand_ins, a, b, scale=1.0, out_dtype=None):
+    """The CUDA implementation on CPU tensors: its output and the (a2, b2, out2, scale) of each launch."""
+    _, softmax_kernels = stand_ins
+    out = gs_mod._gemm_softmax_cuda(a, b, scale, out_dtype)
+    return out, softmax_kernels.calls
 
 
 @pytest.mark.parametrize("case", list(_cases()))
-def test_cuda_glue(monkeypatch, case):
+def test_cuda_glue(stand_in_kernels, case):
     torch.manual_seed(4)
     make_a, make_b = _cases()[case]
     a, b = make_a(F16), make_b(F16)
-    out, calls = _run_glue(monkeypatch, a, b, 0.3, out_dtype=F32)
+    out, calls = _run_glue(stand_in_kernels, a, b, 0.3, out_dtype=F32)
     assert out.dtype == F32 and out.is_contiguous()
     assert rel_err(out, ref_gemm_softmax(a, b, 0.3)) < 1e-5
     expected_launches = 3 if case in ("batched", "2d_a_batched_b") else 1
     assert len(calls) == expected_launches
 
 
-def test_cuda_glue_misaligned_batch_pitch_is_padded(monkeypatch):
+def test_cuda_glue_misaligned_batch_pitch_is_padded(stand_in_kernels):
     # M*K and M*N are odd: batch entries of a contiguous tensor are not 16-byte aligned.
     a, b = rnd(3, 5, 7, dtype=BF16), rnd(3, 7, 9, dtype=BF16)
-    out, calls = _run_glue(monkeypatch, a, b, 1.0)
+    out, calls = _run_glue(stand_in_kernels, a, b, 1.0)
     assert len(calls) == 3 and out.shape == (3, 5, 9)
     assert rel_err(out, ref_gemm_softmax(a, b)) < 1e-2
 
 
-def test_cuda_glue_empty_and_k_zero(monkeypatch):
-    out, calls = _run_glue(monkeypatch, rnd(0, 8, dtype=F16), rnd(8, 4, dtype=F16))
+def test_cuda_glue_empty_and_k_zero(stand_in_kernels):
+    out, calls = _run_glue(stand_in_kernels, rnd(0, 8, dtype=F16), rnd(8, 4, dtype=F16))
     assert out.shape == (0, 4) and not calls
-    out, calls = _run_glue(monkeypatch, rnd(3, 0, dtype=F16), rnd(0, 5, dtype=F16))
+    out, calls = _run_glue(stand_in_kernels, rnd(3, 0, dtype=F16), rnd(0, 5, dtype=F16))
     assert not calls and torch.equal(out, torch.full((3, 5), 0.2, dtype=F16))
 
 
-def test_cuda_glue_misaligned_pointer_error(monkeypatch):
+def test_cuda_glue_misaligned_pointer_error(stand_in_kernels):
     buf = rnd(1 + 8 * 8, dtype=F16)
     with pytest.raises(ValueError, match=r"tile_ops\.gemm_softmax: b's data pointer .* not 16-byte aligned"):
-        _run_glue(monkeypatch, rnd(4, 8, dtype=F16), buf[1:].view(8, 8))
+        _run_glue(stand_in_kernels, rnd(4, 8, dtype=F16), buf[1:].view(8, 8))

@@ -5,11 +5,16 @@ call (the op's output comes from the caching allocator), results compared with
 a float64 reference by relative Frobenius error.
 """
 
+import importlib
+
 import pytest
 import torch
 
 import tile_ops
 import tile_ops.nn
+
+gemm_mod = importlib.import_module("tile_ops.ops.gemm")
+softmax_mod = importlib.import_module("tile_ops.ops.gemm_softmax")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -192,6 +197,85 @@ def test_gemm_softmax_errors_and_edge_cases():
     torch.testing.assert_close(
         tile_ops.gemm_softmax(rnd(8, 0), rnd(0, 4)), torch.full((8, 4), 0.25, device="cuda", dtype=F16)
     )
+
+
+# --------------------------------------------------------------------------- eager fast path
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """How many calls reached each op's CUDA implementation through the dispatcher."""
+    calls = {"gemm": 0, "gemm_softmax": 0}
+
+    def counting(name, impl):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return impl(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setitem(gemm_mod.gemm_op._backend_fns, "cuda", counting("gemm", gemm_mod._gemm_cuda))
+    monkeypatch.setitem(softmax_mod.gemm_softmax_op._backend_fns, "cuda",
+                        counting("gemm_softmax", softmax_mod._gemm_softmax_cuda))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_path_matches_op_path(op_calls, dtype, with_bias, kind):
+    M, K, N = 127, 255, 129
+    a, b = _operands(kind, M, K, N, dtype)
+    bias = rnd(N, dtype=dtype) if with_bias else None
+    via_op = torch.ops.tile_ops.gemm(a, b, bias)  # plans the signature (unless the kernel needs a copy)
+    poison()
+    fast = tile_ops.gemm(a, b, bias)
+    assert op_calls["gemm"] == (2 if kind == "strided" else 1)
+    assert torch.equal(fast, via_op)  # the same kernel on the same operands
+    assert rel_err(fast, ref_gemm(a, b, bias)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["2d", "batched_a_2d_b", "batched"])
+def test_gemm_softmax_fast_path_matches_op_path(op_calls, dtype, kind):
+    a, b = _operands(kind, 127, 255, 129, dtype)
+    via_op = torch.ops.tile_ops.gemm_softmax(a, b, 0.0625)
+    poison()
+    fast = tile_ops.gemm_softmax(a, b, 0.0625)
+    assert op_calls["gemm_softmax"] == (2 if kind == "batched" else 1)  # batched: a launch per entry, no plan
+    assert torch.equal(fast, via_op)
+
+
+def test_fast_path_misaligned_pointer_error(op_calls):
+    a, b = rnd(64, 64), rnd(64, 32)
+    tile_ops.gemm(a, b)
+    tile_ops.gemm(a, b)
+    assert op_calls["gemm"] <= 1
+    buf = rnd(1 + 64 * 64)
+    with pytest.raises(ValueError, match=r"a's data pointer .* is not 16-byte aligned"):
+        tile_ops.gemm(buf[1:].view(64, 64), b)  # the planned signature, misaligned
+
+
+def test_fast_path_under_cuda_graph_capture(op_calls):
+    a, b = rnd(64, 64), rnd(64, 64)
+    tile_ops.gemm(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tile_ops.gemm(a, b)
+    a.copy_(rnd(64, 64))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert op_calls["gemm"] <= 1
+    assert torch.equal(out, torch.ops.tile_ops.gemm(a, b))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fast_path_on_another_device(op_calls):
+    a, b = rnd(96, 64).to("cuda:1"), rnd(64, 80).to("cuda:1")
+    via_op = torch.ops.tile_ops.gemm(a, b)
+    fast = tile_ops.gemm(a, b)  # launched on cuda:1 and its current stream, not the current device's
+    assert fast.device == a.device and op_calls["gemm"] == 1
+    assert torch.equal(fast, via_op)
 
 
 # --------------------------------------------------------------------------- opcheck / compile

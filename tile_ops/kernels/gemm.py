@@ -173,10 +173,20 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     return gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg), a, b
 
 
+def gemm_launcher(kernel, device):
+    """``launch(a_ptr, b_ptr, out_ptr, bias_ptr=0)`` for a kernel from ``get_gemm_kernel`` (0: no bias)."""
+
+    def launch(a_ptr, b_ptr, out_ptr, bias_ptr=0):
+        # unused bias parameter slot: any valid pointer
+        kernel.launch_ptrs([a_ptr, b_ptr, bias_ptr or out_ptr, out_ptr], device)
+
+    return launch
+
+
 def launch_gemm(a, b, out, bias=None, cfg=None):
     """a (Bt, M, K), b (Bt, K, N): row-major or plain-transposed views (batch stride 0 = broadcast);
     out (Bt, M, N) contiguous; bias (N,) or None."""
     kernel, a, b = get_gemm_kernel(a, b, out, bias, cfg)
-    bias_t = bias if bias is not None else out  # unused parameter slot: any valid pointer
-    kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), bias_t.data_ptr(), out.data_ptr()], a.device)
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    gemm_launcher(kernel, a.device)(a.data_ptr(), b.data_ptr(), out.data_ptr(), bias_ptr)
     return out

@@ -120,14 +120,28 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
 
 
 
-def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
-    """a (M, K), b (K, N) row-major; out (M, N) contiguous = softmax(scale * a @ b, -1)."""
+def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
+    """The kernel computing out (M, N) = softmax(scale * a (M, K) @ b (K, N), -1)."""
     M, K = a.shape
     N = b.shape[1]
+    cfg = cfg or config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
+    return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
+
+
+def gemm_softmax_launcher(kernel, device):
+    """``launch(a_ptr, b_ptr, out_ptr)`` for a kernel from ``get_gemm_softmax_kernel``."""
+
+    def launch(a_ptr, b_ptr, out_ptr):
+        kernel.launch_ptrs([a_ptr, b_ptr, out_ptr], device)
+
+    return launch
+
+
+def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
+    """a (M, K), b (K, N) row-major; out (M, N) contiguous = softmax(scale * a @ b, -1)."""
     if not math.isfinite(scale):
         raise ValueError(f"tile_ops.gemm_softmax: scale must be finite, got {scale}")
     a, b = a.contiguous(), b.contiguous()
-    cfg = cfg or config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
-    kernel = gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
-    kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr()], a.device)
+    kernel = get_gemm_softmax_kernel(a, b, out, scale, cfg)
+    gemm_softmax_launcher(kernel, a.device)(a.data_ptr(), b.data_ptr(), out.data_ptr())
     return out

@@ -11,13 +11,16 @@ Implementations:
   whose last two dims are row-major or a plain transpose (``x.t()``,
   ``x.transpose(-1, -2)``, ``x.mT``) go to the kernel as they are, through its
   transpose flags; any other strided view (e.g. ``x[:, ::2]``) is copied with
-  ``.contiguous()`` first.  Data pointers must be 16-byte aligned.
+  ``.contiguous()`` first.  Data pointers must be 16-byte aligned.  A call
+  whose signature was launched before runs from its recorded plan
+  (``fastpath``); ``tile_ops.gemm`` does so without the dispatcher when it
+  adds nothing (eager, no autograd graph, plain tensors).
 * CPU: the reference in plain torch, computed in float32 (float64 for float64
   inputs); accepts float16, bfloat16, float32 and float64.
 * Fake/meta: shapes and dtypes only, for ``torch.compile``.
 * Autograd: ``dA = dC @ B^T`` and ``dB = A^T @ dC``, both computed with
-  ``torch.ops.tile_ops.gemm`` itself on transposed views; ``dbias`` = ``dC``
-  summed over rows.
+  ``tile_ops.gemm`` itself on transposed views; ``dbias`` = ``dC`` summed over
+  rows.
 """
 
 import importlib
@@ -25,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import checks
+from . import checks, fastpath
 
 OP = "tile_ops.gemm"
 
@@ -133,13 +136,36 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     return out, (a3, b3, out3, bias)
 
 
-def _gemm_cuda(a, b, bias=None, out_dtype=None):
+_PLANS = fastpath.PlanCache()
+
+
+def _plan_key(a, b, bias, out_dtype):
+    flags = (out_dtype,) if bias is None else (out_dtype, bias.shape, bias.stride(), bias.dtype, bias.device)
+    return fastpath.plan_key(a, b, flags)
+
+
+def _gemm_cuda_checked(a, b, bias, out_dtype, key):
+    """Validate, lay out and launch; record the plan for ``key`` when the kernel reads the caller's tensors."""
     out, launch_args = prepare_gemm_launch(a, b, bias, out_dtype, kind="cuda")
-    if launch_args is not None:
-        kernels = load_kernel_module("gemm", OP)
-        with torch.cuda.device(a.device):
-            kernels.launch_gemm(*launch_args)
+    if launch_args is None:
+        return out
+    a3, b3, out3, bias3 = launch_args
+    kernels = load_kernel_module("gemm", OP)
+    with torch.cuda.device(a.device):  # the JIT compiles for the current device's arch
+        kernel, a3, b3 = kernels.get_gemm_kernel(a3, b3, out3, bias3)
+    launch = kernels.gemm_launcher(kernel, a.device)
+    launch(a3.data_ptr(), b3.data_ptr(), out3.data_ptr(), 0 if bias3 is None else bias3.data_ptr())
+    operands = (a3, b3, out3) if bias is None else (a3, b3, out3, bias3)
+    callers = (a, b, out) if bias is None else (a, b, out, bias)
+    if fastpath.launched_in_place(operands, callers):
+        _PLANS.record(key, fastpath.Plan(launch, tuple(out.shape), out.dtype, out.device))
     return out
+
+
+def _gemm_cuda(a, b, bias=None, out_dtype=None):
+    key = _plan_key(a, b, bias, out_dtype)
+    out = fastpath.launch(_PLANS.get(key), a, b, bias)
+    return out if out is not None else _gemm_cuda_checked(a, b, bias, out_dtype, key)
 
 
 gemm_op.register_kernel("cuda", _gemm_cuda)
@@ -160,11 +186,11 @@ def _gemm_fake(a, b, bias=None, out_dtype=None):
 def matmul_input_grads(grad, a, b, need_a: bool, need_b: bool, a_dim: int, b_dim: int):
     """Gradients of ``a @ b`` for an upstream ``grad`` (already in the input dtype).
 
-    ``dA = grad @ B^T`` and ``dB = A^T @ grad`` through ``torch.ops.tile_ops.gemm``
-    on transposed views; a 2-D operand broadcast over a batch gets its
-    gradient summed over that batch.
+    ``dA = grad @ B^T`` and ``dB = A^T @ grad`` through ``tile_ops.gemm`` (the
+    op, or its fast path when the backward builds no graph) on transposed
+    views; a 2-D operand broadcast over a batch gets its gradient summed over
+    that batch.
     """
-    gemm = torch.ops.tile_ops.gemm
     da = db = None
     batched = grad.dim() == 3
     if need_a:
@@ -250,5 +276,13 @@ def gemm(
 
     Differentiable in ``a``, ``b`` and ``bias``; the backward runs two gemms.
     Works under ``torch.compile(fullgraph=True)``.
+
+    Calls ``torch.ops.tile_ops.gemm``, except for a repeated CUDA call that
+    the dispatcher would add nothing to (eager, no autograd graph, plain
+    tensors): that one launches the kernel recorded for its signature directly.
     """
+    if fastpath.skips_dispatcher(a, b, bias):
+        out = fastpath.launch(_PLANS.find(_plan_key, a, b, bias, out_dtype), a, b, bias)
+        if out is not None:
+            return out
     return torch.ops.tile_ops.gemm(a, b, bias, out_dtype)

@@ -12,7 +12,10 @@ Implementations:
   row-major (transposes included) are copied with ``.contiguous()``.  A batched
   ``a`` with row-major rows and a 2-D ``b`` runs as one (B*M, K) problem (the
   softmax is per row); other batched problems launch the kernel once per batch
-  entry.  Data pointers must be 16-byte aligned.
+  entry.  Data pointers must be 16-byte aligned.  A call whose signature was
+  launched before in a single launch runs from its recorded plan
+  (``fastpath``); ``tile_ops.gemm_softmax`` does so without the dispatcher
+  when it adds nothing (eager, no autograd graph, plain tensors).
 * CPU: the reference in plain torch, in float32 (float64 for float64 inputs).
 * Fake/meta: shapes and dtypes only, for ``torch.compile``.
 * Autograd: with ``P`` the output and ``dP`` its gradient,
@@ -25,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import checks
+from . import checks, fastpath
 from .gemm import _compute_dtype, load_kernel_module, matmul_input_grads, needs_input_grad
 
 OP = "tile_ops.gemm_softmax"
@@ -129,16 +132,34 @@ def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cu
     return out, launches, finish
 
 
-def _gemm_softmax_cuda(a, b, scale=1.0, out_dtype=None):
+_PLANS = fastpath.PlanCache()
+
+
+def _plan_key(a, b, scale, out_dtype):
+    return fastpath.plan_key(a, b, (out_dtype, type(scale), scale))  # the type: 1 == 1.0 == True
+
+
+def _gemm_softmax_cuda_checked(a, b, scale, out_dtype, key):
+    """Validate, lay out and launch; record the plan for ``key`` when one launch reads the caller's tensors."""
     out, launches, finish = prepare_gemm_softmax_launch(a, b, scale, out_dtype, kind="cuda")
-    if launches:
-        kernels = load_kernel_module("gemm_softmax", OP)
-        with torch.cuda.device(a.device):
-            for args in launches:
-                kernels.launch_gemm_softmax(*args)
-            if finish is not None:
-                finish()
+    if not launches:
+        return out
+    kernels = load_kernel_module("gemm_softmax", OP)
+    with torch.cuda.device(a.device):  # the JIT compiles for the current device's arch
+        for a2, b2, out2, s in launches:
+            launch = kernels.gemm_softmax_launcher(kernels.get_gemm_softmax_kernel(a2, b2, out2, s), a.device)
+            launch(a2.data_ptr(), b2.data_ptr(), out2.data_ptr())
+        if finish is not None:
+            finish()
+    if len(launches) == 1 and fastpath.launched_in_place((a2, b2, out2), (a, b, out)):
+        _PLANS.record(key, fastpath.Plan(launch, tuple(out.shape), out.dtype, out.device))
     return out
+
+
+def _gemm_softmax_cuda(a, b, scale=1.0, out_dtype=None):
+    key = _plan_key(a, b, scale, out_dtype)
+    out = fastpath.launch(_PLANS.get(key), a, b)
+    return out if out is not None else _gemm_softmax_cuda_checked(a, b, scale, out_dtype, key)
 
 
 gemm_softmax_op.register_kernel("cuda", _gemm_softmax_cuda)
@@ -221,5 +242,13 @@ def gemm_softmax(
 
     Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
     Works under ``torch.compile(fullgraph=True)``.
+
+    Calls ``torch.ops.tile_ops.gemm_softmax``, except for a repeated CUDA call
+    that the dispatcher would add nothing to (eager, no autograd graph, plain
+    tensors): that one launches the kernel recorded for its signature directly.
     """
+    if fastpath.skips_dispatcher(a, b):
+        out = fastpath.launch(_PLANS.find(_plan_key, a, b, scale, out_dtype), a, b)
+        if out is not None:
+            return out
     return torch.ops.tile_ops.gemm_softmax(a, b, scale, out_dtype)

@@ -1,0 +1,282 @@
+"""The eager fast path (tile_ops/ops/fastpath.py) on the CPU, with the stand-in kernels.
+
+CPU tensors are sent through the ops' CUDA implementations (the dispatcher's CPU kernel is
+pointed at them), so plans are recorded for CPU signatures and ``tile_ops.gemm`` /
+``tile_ops.gemm_softmax`` take the fast path for them exactly as they do for CUDA tensors.
+"""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tile_ops
+from tile_ops.ops import fastpath
+
+gemm_mod = importlib.import_module("tile_ops.ops.gemm")
+softmax_mod = importlib.import_module("tile_ops.ops.gemm_softmax")
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+class Counter:
+    """Counts the calls that went through the dispatcher into an op's (CUDA) implementation."""
+
+    def __init__(self, fn):
+        self.fn, self.n = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.n += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.fixture
+def ops(stand_in_kernels, monkeypatch):
+    """CPU calls of the ops run their CUDA implementations: (gemm op counter, gemm_softmax op counter, stand-ins)."""
+    gemm_op = Counter(gemm_mod._gemm_cuda)
+    softmax_op = Counter(softmax_mod._gemm_softmax_cuda)
+    monkeypatch.setitem(gemm_mod.gemm_op._backend_fns, "cpu", gemm_op)
+    monkeypatch.setitem(softmax_mod.gemm_softmax_op._backend_fns, "cpu", softmax_op)
+    return gemm_op, softmax_op, stand_in_kernels
+
+
+def rnd(*shape, dtype=F16):
+    return torch.randn(*shape).to(dtype)
+
+
+def same_signature(t):
+    """A fresh tensor with ``t``'s shape, strides and dtype, and new values."""
+    if t is None:
+        return None
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(torch.randn(t.shape))
+
+
+def ref_gemm(a, b, bias=None, out_dtype=None):
+    out = torch.matmul(a.float(), b.float())
+    return (out if bias is None else out + bias.float()).to(out_dtype or a.dtype)
+
+
+def ref_gemm_softmax(a, b, scale, out_dtype=None):
+    return torch.softmax(torch.matmul(a.float(), b.float()) * scale, -1).to(out_dtype or a.dtype)
+
+
+def close(x, ref):
+    torch.testing.assert_close(x, ref, rtol=1e-2, atol=1e-2)
+
+
+GEMM_CASES = {  # name -> (a, b, bias, out_dtype); M, K, N = 16, 32, 24
+    "2d": lambda: (rnd(16, 32), rnd(32, 24), None, None),
+    "bias_out_f32": lambda: (rnd(16, 32), rnd(32, 24), rnd(24), F32),
+    "bf16_bias": lambda: (rnd(16, 32, dtype=BF16), rnd(32, 24, dtype=BF16), rnd(24, dtype=BF16), None),
+    "batched": lambda: (rnd(3, 16, 32), rnd(3, 32, 24), None, None),
+    "batched_a_2d_b": lambda: (rnd(3, 16, 32), rnd(32, 24), None, None),
+    "2d_a_batched_b": lambda: (rnd(16, 32), rnd(3, 32, 24), None, None),
+    "a_t": lambda: (rnd(32, 16).t(), rnd(32, 24), None, None),
+    "b_t_bias": lambda: (rnd(16, 32), rnd(24, 32).t(), rnd(24), None),
+    "both_t_batched": lambda: (rnd(3, 32, 16).mT, rnd(3, 24, 32).mT, None, None),
+}
+
+SOFTMAX_CASES = {  # name -> (a, b, scale, out_dtype): the ones the kernel runs in one launch
+    "2d": lambda: (rnd(16, 32), rnd(32, 24), 0.125, None),
+    "out_f32": lambda: (rnd(16, 32, dtype=BF16), rnd(32, 24, dtype=BF16), 1.0, F32),
+    "batched_a_2d_b": lambda: (rnd(3, 16, 32), rnd(32, 24), -0.5, None),
+    "batch_of_one": lambda: (rnd(1, 16, 32), rnd(1, 32, 24), 2.0, None),
+}
+
+
+# --------------------------------------------------------------------------- taken
+
+
+@pytest.mark.parametrize("case", list(GEMM_CASES))
+def test_gemm_repeated_signature_skips_the_op(ops, case):
+    gemm_op, _, (kernels, _) = ops
+    torch.manual_seed(0)
+    a, b, bias, out_dtype = GEMM_CASES[case]()
+    first = tile_ops.gemm(a, b, bias, out_dtype)
+    assert (gemm_op.n, kernels.launches, len(gemm_mod._PLANS)) == (1, 1, 1)
+    a2, b2, bias2 = same_signature(a), same_signature(b), same_signature(bias)
+    second = tile_ops.gemm(a2, b2, bias2, out_dtype)
+    assert (gemm_op.n, kernels.launches, len(kernels.calls)) == (1, 2, 1)  # launched from the plan
+    close(first, ref_gemm(a, b, bias, out_dtype))
+    close(second, ref_gemm(a2, b2, bias2, out_dtype))
+    assert second.shape == first.shape and second.dtype == first.dtype and second.is_contiguous()
+
+
+@pytest.mark.parametrize("case", list(SOFTMAX_CASES))
+def test_gemm_softmax_repeated_signature_skips_the_op(ops, case):
+    _, softmax_op, (_, kernels) = ops
+    torch.manual_seed(1)
+    a, b, scale, out_dtype = SOFTMAX_CASES[case]()
+    close(tile_ops.gemm_softmax(a, b, scale, out_dtype), ref_gemm_softmax(a, b, scale, out_dtype))
+    a2, b2 = same_signature(a), same_signature(b)
+    close(tile_ops.gemm_softmax(a2, b2, scale, out_dtype), ref_gemm_softmax(a2, b2, scale, out_dtype))
+    assert (softmax_op.n, kernels.launches, len(kernels.calls)) == (1, 2, 1)
+    tile_ops.gemm_softmax(a2, b2, scale / 2, out_dtype)  # the scale is part of the signature
+    assert softmax_op.n == 2
+
+
+def test_op_path_launches_from_the_plan_too(ops):
+    gemm_op, softmax_op, (kernels, softmax_kernels) = ops
+    a, b = rnd(16, 32), rnd(32, 24)
+    for _ in range(3):
+        close(torch.ops.tile_ops.gemm(a, b), ref_gemm(a, b))
+        close(torch.ops.tile_ops.gemm_softmax(a, b, 0.5), ref_gemm_softmax(a, b, 0.5))
+    assert (gemm_op.n, kernels.launches, len(kernels.calls)) == (3, 3, 1)  # checked once
+    assert (softmax_op.n, softmax_kernels.launches, len(softmax_kernels.calls)) == (3, 3, 1)
+
+
+def test_no_grad_and_inference_mode_take_the_fast_path(ops):
+    gemm_op, _, _ = ops
+    a, b = rnd(16, 32).requires_grad_(), rnd(32, 24).requires_grad_()
+    with torch.no_grad():
+        tile_ops.gemm(a, b)
+        tile_ops.gemm(a, b)
+    with torch.inference_mode():
+        out = tile_ops.gemm(a, b)
+    assert gemm_op.n == 1 and not out.requires_grad
+
+
+# --------------------------------------------------------------------------- not taken
+
+
+def test_not_planned_when_the_checked_path_copies(ops):
+    gemm_op, softmax_op, _ = ops
+    a, b = rnd(16, 64)[:, ::2], rnd(32, 24)  # a strided view: copied for the kernel
+    for _ in range(2):
+        close(tile_ops.gemm(a, b), ref_gemm(a, b))
+    a3, b3 = rnd(3, 16, 32), rnd(3, 32, 24)  # one launch per batch entry
+    for _ in range(2):
+        close(tile_ops.gemm_softmax(a3, b3, 0.5), ref_gemm_softmax(a3, b3, 0.5))
+    assert gemm_op.n == 2 and softmax_op.n == 2
+    assert not gemm_mod._PLANS and not softmax_mod._PLANS
+
+
+def test_grad_mode_goes_through_the_op_and_gradients_flow(ops):
+    gemm_op, softmax_op, (kernels, _) = ops
+    torch.manual_seed(2)
+    a, b, bias, keys = (rnd(*s).requires_grad_() for s in ((2, 16, 32), (32, 24), (24,), (24, 8)))
+    weights = torch.randn(2, 16, 8)
+    calls = []
+    for _ in range(2):
+        for t in (a, b, bias, keys):
+            t.grad = None
+        p = tile_ops.gemm_softmax(tile_ops.gemm(a, b, bias), keys, 0.25)
+        (p.float() * weights).sum().backward()
+        calls.append((gemm_op.n, softmax_op.n, kernels.launches))
+    # step 1: the forward gemm and the backward's four gemms through the op; step 2: the forward
+    # through the op, the backward's gemms (which build no graph) from their plans
+    assert calls == [(5, 1, 5), (6, 2, 10)]
+    refs = [t.detach().float().requires_grad_() for t in (a, b, bias, keys)]
+    ra, rb, rbias, rkeys = refs
+    (torch.softmax(torch.matmul(torch.matmul(ra, rb) + rbias, rkeys) * 0.25, -1) * weights).sum().backward()
+    for t, r in zip((a, b, bias, keys), refs):
+        assert t.grad.abs().sum() > 0
+        torch.testing.assert_close(t.grad.float(), r.grad, rtol=2e-2, atol=2e-2)
+
+
+class _Seen(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("context", ["dispatch_mode", "function_mode", "compiling"])
+def test_interception_goes_through_the_op(ops, monkeypatch, context):
+    gemm_op, _, _ = ops
+    a, b = rnd(16, 32), rnd(32, 24)
+    tile_ops.gemm(a, b)
+    if context == "compiling":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with {"dispatch_mode": _Seen, "function_mode": lambda: torch.device("cpu")}.get(context, torch.no_grad)():
+        tile_ops.gemm(a, b)
+    assert gemm_op.n == 2
+
+
+def test_torch_compile_calls_the_op(ops):
+    gemm_op, _, _ = ops
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: tile_ops.gemm(a, b), backend="eager", fullgraph=True)
+    a, b = rnd(16, 32), rnd(32, 24)
+    with torch.no_grad():
+        for _ in range(3):
+            close(compiled(a, b), ref_gemm(a, b))
+    assert gemm_op.n == 3
+
+
+def test_skips_dispatcher_conditions():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    w = torch.nn.Parameter(torch.ones(2, 2))
+    assert fastpath.skips_dispatcher(a, b) and fastpath.skips_dispatcher(a, b, torch.ones(2))
+    assert not fastpath.skips_dispatcher(a, w)  # a parameter that requires grad, in grad mode
+    with torch.no_grad():
+        assert fastpath.skips_dispatcher(a, w, w)
+    assert not fastpath.skips_dispatcher(a, b, torch.ones(2, requires_grad=True))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(a)
+    assert not fastpath.skips_dispatcher(fake, b)
+    seen = []
+
+    def probe(x):
+        seen.append(fastpath.skips_dispatcher(x, x))
+        return x * 2
+
+    torch.vmap(probe)(torch.ones(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace is deprecated, still used
+        torch.jit.trace(probe, (a,), check_trace=False)
+    assert seen == [False, False]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _outcome(fn, *args):
+    """The result of ``fn(*args)``, or the type and message of what it raised."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return type(e), str(e)
+
+
+@pytest.mark.parametrize(
+    "make_args",
+    [
+        lambda a, b: (torch.cat([a.flatten(), a.flatten()[:1]])[1:].view(16, 32), b),  # misaligned, warm signature
+        lambda a, b: (a.float(), b.float()),  # CUDA dtype rules
+        lambda a, b: (a, b[:16]),  # inner dimensions
+        lambda a, b: (a, b, torch.ones(7, dtype=F16)),  # bias shape
+        lambda a, b: (a, b, None, "float32"),  # not a dtype
+        lambda a, b: (a, b, None, [F32]),  # unhashable
+        lambda a, b: (a.unsqueeze(0).unsqueeze(0), b),  # rank
+    ],
+)
+def test_gemm_errors_are_the_same_on_both_paths(ops, make_args):
+    a, b = rnd(16, 32), rnd(32, 24)
+    tile_ops.gemm(a, b)  # a plan for this signature
+    args = make_args(a, b)
+    via_op = _outcome(torch.ops.tile_ops.gemm, *args)
+    assert isinstance(via_op, tuple) and _outcome(tile_ops.gemm, *args) == via_op
+    if args[0].dtype == F32:
+        assert "accepted on CUDA" in via_op[1]
+
+
+@pytest.mark.parametrize("scale", [True, float("inf"), [0.5], "0.5"])
+def test_gemm_softmax_errors_are_the_same_on_both_paths(ops, scale):
+    a, b = rnd(16, 32), rnd(32, 24)
+    tile_ops.gemm_softmax(a, b, 1.0)  # 1.0 == True: only the scale's type tells them apart
+    got, want = _outcome(tile_ops.gemm_softmax, a, b, scale), _outcome(torch.ops.tile_ops.gemm_softmax, a, b, scale)
+    if isinstance(want, torch.Tensor):  # the op takes True as 1.0
+        assert torch.equal(got, want)
+    else:
+        assert got == want
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(fastpath.PlanCache, "MAX_PLANS", 2)
+    plans = fastpath.PlanCache()
+    for key in range(5):
+        plans.record(key, None)
+    assert list(plans) == [4]
