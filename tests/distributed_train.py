@@ -149,47 +149,6 @@ def register_gemm_sharding():
 # --------------------------------------------------------------------------- wrapping
 
 
-def tp_styles(colwise_cls, rowwise_cls):
-    """ColwiseParallel / RowwiseParallel that also take a ``tile_ops.nn.Linear``.
-
-    torch's styles check ``isinstance(module, nn.Linear)`` and raise ``NotImplementedError:
-    ColwiseParallel currently only support nn.Linear and nn.Embedding!`` for anything else, and
-    ``tile_ops.nn.Linear`` is a plain ``nn.Module``.  Its parameters (``weight`` (out, in),
-    ``bias`` (out,)) and function are those of ``nn.Linear``, so the subclasses below apply the
-    styles' own Linear partitioning and input/output layout hooks to it.  When
-    ``tile_ops.nn.Linear`` is an ``nn.Linear`` subclass, torch's styles are used as they are.
-    """
-    if issubclass(tile_ops.nn.Linear, nn.Linear):
-        return colwise_cls, rowwise_cls
-    from functools import partial
-
-    from torch.distributed.tensor import Shard, distribute_module
-
-    def apply(style, module, device_mesh):
-        return distribute_module(
-            module,
-            device_mesh,
-            style._partition_linear_fn,
-            partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
-            partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
-        )
-
-    class TileColwiseParallel(colwise_cls):
-        def _apply(self, module, device_mesh):
-            if not isinstance(module, tile_ops.nn.Linear):
-                return super()._apply(module, device_mesh)
-            return apply(self, module, device_mesh)
-
-    class TileRowwiseParallel(rowwise_cls):
-        def _apply(self, module, device_mesh):
-            if not isinstance(module, tile_ops.nn.Linear):
-                return super()._apply(module, device_mesh)
-            self.desired_input_layouts = (Shard(-1),)  # as RowwiseParallel does for nn.Linear
-            return apply(self, module, device_mesh)
-
-    return TileColwiseParallel, TileRowwiseParallel
-
-
 def wrap(model: Block, mode: str, device: torch.device, mesh):
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -205,8 +164,8 @@ def wrap(model: Block, mode: str, device: torch.device, mesh):
     if mode == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        colwise, rowwise = tp_styles(ColwiseParallel, RowwiseParallel)
-        parallelize_module(model, mesh, {"mlp.fc1": colwise(), "mlp.fc2": rowwise()})
+        # tile_ops.nn.Linear is a torch.nn.Linear: torch's styles take it as it is.
+        parallelize_module(model, mesh, {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
         from torch.distributed.tensor import DTensor
 
         assert isinstance(model.mlp.fc1.weight, DTensor) and isinstance(model.mlp.fc2.weight, DTensor)

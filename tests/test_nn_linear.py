@@ -65,6 +65,17 @@ def test_from_linear_shares_or_copies(bias):
         tile_ops.nn.Linear.from_linear(torch.nn.Conv1d(1, 1, 1))
 
 
+def test_is_a_torch_linear_and_converts_once():
+    """A torch.nn.Linear subclass (torch's tensor-parallel styles and the like accept it); converting
+    a model twice leaves the converted layers as they are."""
+    ours = tile_ops.nn.Linear(4, 3)
+    assert isinstance(ours, torch.nn.Linear)
+    model = torch.nn.Sequential(ours, torch.nn.Linear(3, 2))
+    convert_linears(model)
+    assert model[0] is ours and type(model[1]) is tile_ops.nn.Linear
+    assert convert_linears(ours) is ours
+
+
 def test_convert_linears():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(8, 2)))
     x = torch.randn(5, 4)

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tile_ops
+import tile_ops.nn
 from tile_ops.ops import fastpath
 
 gemm_mod = importlib.import_module("tile_ops.ops.gemm")
@@ -136,6 +137,19 @@ def test_no_grad_and_inference_mode_take_the_fast_path(ops):
     with torch.inference_mode():
         out = tile_ops.gemm(a, b)
     assert gemm_op.n == 1 and not out.requires_grad
+
+
+def test_linear_is_a_torch_linear_and_infers_on_the_fast_path(ops):
+    gemm_op, _, _ = ops
+    lin = tile_ops.nn.Linear(32, 24, dtype=F16)
+    assert isinstance(lin, torch.nn.Linear)
+    x = rnd(4, 4, 32)
+    with torch.no_grad():
+        y = [lin(x) for _ in range(3)]
+        ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float()).to(F16)
+    assert gemm_op.n == 1
+    for out in y:
+        close(out, ref)
 
 
 # --------------------------------------------------------------------------- not taken

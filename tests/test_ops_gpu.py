@@ -278,6 +278,17 @@ def test_fast_path_on_another_device(op_calls):
     assert torch.equal(fast, via_op)
 
 
+def test_linear_inference_on_the_fast_path(op_calls):
+    lin = tile_ops.nn.Linear(256, 128, device="cuda", dtype=BF16)
+    x = rnd(4, 32, 256, dtype=BF16)
+    with torch.inference_mode():
+        ys = [lin(x) for _ in range(3)]
+    assert op_calls["gemm"] <= 1
+    ref = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+    for y in ys:
+        assert rel_err(y, ref) < TOL[BF16]
+
+
 # --------------------------------------------------------------------------- opcheck / compile
 
 

@@ -1,29 +1,28 @@
 """``tile_ops.nn.Linear``: a drop-in replacement for ``torch.nn.Linear`` running on ``tile_ops.gemm``."""
 
-import math
-
 import torch
-from torch.nn import Parameter, init
+from torch.nn import Parameter
 
-from .. import ops as _ops  # noqa: F401  (registers torch.ops.tile_ops.gemm)
+from ..ops import gemm
 
 
-class Linear(torch.nn.Module):
-    r"""Applies ``y = x @ weight^T + bias`` with ``tile_ops.gemm``.
+class Linear(torch.nn.Linear):
+    r"""A :class:`torch.nn.Linear` whose forward, ``y = x @ weight^T + bias``, runs on ``tile_ops.gemm``.
 
-    Same constructor, parameters (``weight`` of shape ``(out_features,
-    in_features)``, ``bias`` of shape ``(out_features,)`` or None),
-    initialization and ``state_dict`` keys as :class:`torch.nn.Linear`, so
-    state dicts load either way and :meth:`from_linear` converts a module in
-    place of its parameters.
+    A subclass of ``torch.nn.Linear``: same constructor, parameters (``weight``
+    of shape ``(out_features, in_features)``, ``bias`` of shape
+    ``(out_features,)`` or None), initialization and ``state_dict`` keys, and
+    accepted wherever an ``nn.Linear`` is expected (e.g. torch's tensor-parallel
+    ``ColwiseParallel`` / ``RowwiseParallel``).  :meth:`from_linear` converts a
+    module, sharing its parameters.
 
     The input ``(*, in_features)`` is flattened to 2-D (a view when its layout
     allows), multiplied by ``weight.t()`` (a transposed view read through the
     kernel's transpose flag, never copied) with the bias added in the kernel's
     epilogue, and reshaped to ``(*, out_features)``.  Forward and backward run
-    through ``torch.ops.tile_ops.gemm``: on CUDA the parameters and input must
-    be float16 or bfloat16 (all the same dtype); on CPU the reference path
-    also takes float32 and float64.
+    through ``tile_ops.gemm``: on CUDA the parameters and input must be float16
+    or bfloat16 (all the same dtype); on CPU the reference path also takes
+    float32 and float64.
 
     Example::
 
@@ -32,38 +31,6 @@ class Linear(torch.nn.Module):
         torch.Size([128, 30])
         >>> fast = tile_ops.nn.Linear.from_linear(torch.nn.Linear(20, 30))
     """
-
-    __constants__ = ["in_features", "out_features"]
-    in_features: int
-    out_features: int
-    weight: torch.Tensor
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-    ) -> None:
-        factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = Parameter(torch.empty((out_features, in_features), **factory_kwargs))
-        if bias:
-            self.bias = Parameter(torch.empty(out_features, **factory_kwargs))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Same initialization as ``torch.nn.Linear.reset_parameters``."""
-        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in, _ = init._calculate_fan_in_and_fan_out(self.weight)
-            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-            init.uniform_(self.bias, -bound, bound)
 
     @classmethod
     def from_linear(cls, module: torch.nn.Linear, copy: bool = False) -> "Linear":
@@ -78,7 +45,7 @@ class Linear(torch.nn.Module):
                 f"tile_ops.nn.Linear.from_linear: expected a torch.nn.Linear, got {type(module).__name__}"
             )
         new = cls.__new__(cls)
-        torch.nn.Module.__init__(new)
+        torch.nn.Module.__init__(new)  # not Linear.__init__: it would allocate and initialize new parameters
         new.in_features = module.in_features
         new.out_features = module.out_features
         weight, bias = module.weight, module.bias
@@ -102,11 +69,8 @@ class Linear(torch.nn.Module):
             )
         lead = input.shape[:-1]
         x2 = input.unsqueeze(0) if input.dim() == 1 else input.flatten(0, -2)
-        y = torch.ops.tile_ops.gemm(x2, self.weight.t(), self.bias)
+        y = gemm(x2, self.weight.t(), self.bias)
         return y.view(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def convert_linears(module: torch.nn.Module, copy: bool = False) -> torch.nn.Module:
@@ -115,11 +79,12 @@ def convert_linears(module: torch.nn.Module, copy: bool = False) -> torch.nn.Mod
     Returns ``module`` (or the converted module when ``module`` itself is a
     ``torch.nn.Linear``).  Parameters are shared unless ``copy=True``.
     """
+    if isinstance(module, Linear):  # already converted (and itself a torch.nn.Linear)
+        return module
     if isinstance(module, torch.nn.Linear):
         return Linear.from_linear(module, copy=copy)
     for name, child in module.named_children():
-        if isinstance(child, torch.nn.Linear):
-            setattr(module, name, Linear.from_linear(child, copy=copy))
-        else:
-            convert_linears(child, copy=copy)
+        converted = convert_linears(child, copy=copy)
+        if converted is not child:
+            setattr(module, name, converted)
     return module
