@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_ms, print_table, save  # noqa: E402
+from common import bench_ms, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.jit import default_arch  # noqa: E402
 from tile_ops.kernels.gemm import GemmConfig, default_config, gemm  # noqa: E402
@@ -48,6 +48,7 @@ def main():
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
+    args.png = png_path_or_none(args.png)
     jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes]
     extra = EXTRA_CONFIGS[args.arch] if args.configs else []
     configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + extra)) for job in jobs}
@@ -81,7 +82,7 @@ def main():
     cols = ["dtype", "shape", "tile_ops", "cuBLAS"] + ([] if args.no_triton else ["triton"]) + [
         "vs_cuBLAS", "rel_err", "config"]
     print_table(rows, cols, f"GEMM TFLOP/s on {torch.cuda.get_device_name()} (tile_ops {args.arch}: {PATHS[args.arch]})")
-    save(rows, args.json, args.png, ys=("tile_ops", "cuBLAS", "triton"), ylabel="TFLOP/s")
+    save(rows, args.json, args.png, x=("dtype", "shape"), ys=("tile_ops", "cuBLAS", "triton"), ylabel="TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_ms, print_table, save  # noqa: E402
+from common import bench_ms, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.kernels.gemm import default_config as gemm_config, gemm  # noqa: E402
 from tile_ops.kernels.gemm_softmax import default_config, gemm_softmax  # noqa: E402
@@ -25,6 +25,7 @@ def main():
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
+    args.png = png_path_or_none(args.png)
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:
         fused = list(pool.map(lambda s: gemm_softmax(*s, SCALE, "float16", "float16", default_config(*s)), SHAPES))
         plain = list(pool.map(lambda s: gemm(*s, 1, 1, 1, False, False, False, "float16", "float16",

@@ -22,21 +22,39 @@ def print_table(rows, columns, title):
     sys.stdout.flush()
 
 
+def png_path_or_none(path):
+    """``path`` when a PNG plot can be written (matplotlib is importable); else None, saying so up front."""
+    if path is None:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"--png {path}: matplotlib is not installed, so no plot will be written (the table and --json "
+              f"are not affected; `pip install matplotlib` for plots)", file=sys.stderr)
+        return None
+    return path
+
+
 def save(rows, json_path=None, png_path=None, x="shape", ys=(), ylabel=""):
+    """Write ``rows`` as JSON and/or a bar plot (``png_path`` from ``png_path_or_none``) of the ``ys``
+    columns, one group per row labelled by column ``x`` (or a tuple of columns)."""
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+            json.dump({"device": device, "rows": rows}, f, indent=1)
     if png_path:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        keys = x if isinstance(x, tuple) else (x,)
         fig, ax = plt.subplots(figsize=(max(6, len(rows)), 4))
         width = 0.8 / max(1, len(ys))
         for i, y in enumerate(ys):
             ax.bar([j + i * width for j in range(len(rows))], [float(r.get(y) or 0) for r in rows], width, label=y)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r[x] for r in rows], rotation=30, ha="right")
+        labels = [" ".join(str(r[k]) for k in keys) for r in rows]
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=30, ha="right")
         ax.set_ylabel(ylabel)
         ax.legend()
         fig.tight_layout()

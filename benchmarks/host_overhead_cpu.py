@@ -1,0 +1,109 @@
+"""Host cost per call of the ops' Python paths, on the CPU (no GPU needed), stage by stage.
+
+    python benchmarks/host_overhead_cpu.py [--iters 20000] [--repeat 7] [--json out.json]
+
+CPU tensors run the ops' CUDA code paths with stand-ins for what needs CUDA: the dispatcher's CPU
+kernel is the CUDA implementation, the JIT returns a kernel without compiling, and the stream
+lookup and the driver launch do nothing.  So each number is the host work of that path minus the
+real ``torch.cuda.current_stream`` and ``cuLaunchKernel`` (and with ``torch.empty`` on the CPU
+allocator).  Each is the fastest of ``--repeat`` runs of ``--iters`` calls.  For the GPU numbers (wall time
+minus kernel time) see bench_overhead.py.
+"""
+
+import argparse
+import contextlib
+import importlib
+import os
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import print_table, save  # noqa: E402
+
+import tile_ops  # noqa: E402
+from tile_ops.jit.kernel import Kernel, KernelMeta  # noqa: E402
+from tile_ops.ops import fastpath  # noqa: E402
+
+jit_mod = importlib.import_module("tile_ops.jit")  # the module: tile_ops.jit is the decorator
+gemm_mod = importlib.import_module("tile_ops.ops.gemm")
+softmax_mod = importlib.import_module("tile_ops.ops.gemm_softmax")
+
+
+class _NoLaunch:
+    def launch(self, grid, block, ptrs, stream, device):
+        pass
+
+
+def _fake_build(key, trace, arch, out_idx):
+    """A Kernel with the traced program's parameters and no cubin (nothing is compiled)."""
+    params = [(buf.name, tuple(buf.shape), buf.dtype) for buf in trace().params]
+    names = [name for name, _, _ in params]
+    return Kernel(KernelMeta("stand_in", "stand_in", arch, (1, 1, 1), (128, 1, 1), 0, params, names, out_idx), "", b"")
+
+
+def install_stand_ins():
+    jit_mod._load_or_build = _fake_build
+    Kernel._fn = lambda self: _NoLaunch()
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device = lambda device: contextlib.nullcontext()
+    gemm_mod.gemm_op.register_kernel("cpu", gemm_mod._gemm_cuda)
+    softmax_mod.gemm_softmax_op.register_kernel("cpu", softmax_mod._gemm_softmax_cuda)
+
+
+def per_call_us(fn, iters, repeat):
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter_ns()
+        for _ in range(iters):
+            fn()
+        best = min(best, time.perf_counter_ns() - t)
+    return best / iters / 1e3
+
+
+def cases(a, b):
+    key = gemm_mod._plan_key(a, b, None, None)
+    plan = gemm_mod._PLANS[key]
+    kernel = importlib.import_module("tile_ops.kernels.gemm").get_gemm_kernel(a[None], b[None], a[None])[0]
+    return {
+        "tile_ops.gemm (fast path)": lambda: tile_ops.gemm(a, b),
+        "torch.ops.tile_ops.gemm (dispatcher + plan)": lambda: torch.ops.tile_ops.gemm(a, b),
+        "gemm checked path (a signature's first call)": lambda: gemm_mod._gemm_cuda_checked(a, b, None, None, key),
+        "tile_ops.gemm_softmax (fast path)": lambda: tile_ops.gemm_softmax(a, b, 0.125),
+        "torch.ops.tile_ops.gemm_softmax (dispatcher + plan)": lambda: torch.ops.tile_ops.gemm_softmax(a, b, 0.125),
+        "fast path stage: skips_dispatcher": lambda: fastpath.skips_dispatcher(a, b, None),
+        "fast path stage: plan key + lookup": lambda: gemm_mod._PLANS.find(gemm_mod._plan_key, a, b, None, None),
+        "fast path stage: fastpath.launch": lambda: fastpath.launch(plan, a, b),
+        "  of which torch.empty": lambda: torch.empty(*plan.out_shape, dtype=plan.out_dtype, device=plan.device),
+        "  of which Kernel.launch_ptrs": lambda: kernel.launch_ptrs([16, 32, 48, 64], a.device),
+        "the dispatcher alone (trivial kernel)": lambda: torch.ops.tile_ops.gemm(a, b),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=20000)
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--json")
+    args = p.parse_args()
+    install_stand_ins()
+    a = torch.randn(64, 64, dtype=torch.float16)
+    b = torch.randn(64, 64, dtype=torch.float16)
+    for op in (torch.ops.tile_ops.gemm, lambda x, y: torch.ops.tile_ops.gemm_softmax(x, y, 0.125)):
+        op(a, b)  # the checked path records the plans
+    rows = []
+    for name, fn in cases(a, b).items():
+        if name.startswith("the dispatcher alone"):
+            gemm_mod.gemm_op.register_kernel("cpu", lambda *_: torch.empty(64, 64, dtype=a.dtype))
+        rows.append({"path": name, "us_per_call": round(per_call_us(fn, args.iters, args.repeat), 2)})
+    print_table(rows, ["path", "us_per_call"], f"Host cost per call on the CPU with CUDA stand-ins, 64x64x64 fp16 "
+                f"(torch {torch.__version__}, best of {args.repeat} x {args.iters})")
+    save(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
