@@ -57,3 +57,44 @@ def collect_loads(expr) -> list:
 
     rewrite(expr, on_load=on_load)
     return found
+
+
+def uses_var(expr, var) -> bool:
+    """Whether ``var`` occurs in ``expr``."""
+    return not isinstance(expr, (int, float, bool)) and any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def lazy_loads(expr) -> list:
+    """(buffer var, indices) of the loads in the branches of ``if_then_else``, which read memory
+    only when their branch is taken (it may guard an out-of-bounds index)."""
+    found = []
+
+    def go(e, lazy):
+        if isinstance(e, irx.TensorLoad):
+            if lazy:
+                found.append((e.source, list(e.indices)))
+            children = e.indices
+        elif isinstance(e, irx.Call) and e.op.name == "prim.if_then_else":
+            go(e.args[0], lazy)
+            children, lazy = e.args[1:], True
+        else:
+            children = _operands(e)
+        for c in children:
+            go(c, lazy)
+
+    go(expr, False)
+    return found
+
+
+def _operands(e) -> list:
+    if isinstance(e, px.BinaryOpExpr) or isinstance(e, (px.CmpExpr, px.LogicalExpr)) and hasattr(e, "b"):
+        return [e.a, e.b]
+    if isinstance(e, px.Not):
+        return [e.a]
+    if isinstance(e, px.Cast):
+        return [e.value]
+    if isinstance(e, px.Select):
+        return [e.condition, e.true_value, e.false_value]
+    if isinstance(e, irx.Call):
+        return list(e.args)
+    return []
