@@ -1,9 +1,10 @@
 """The eager fast path: a repeated call goes straight to its ready kernel.
 
 A call through ``torch.ops.tile_ops.*`` pays for the Python custom-op machinery
-(dispatcher, autograd wrapper, aliasing checks: ~35 µs on a CPU) and then for
-the checks, layout decisions and JIT lookup of the CUDA implementation (~40 µs),
-although for a given input signature every one of them comes out the same.
+(dispatcher, autograd wrapper, aliasing check: ~16 µs) and then for the checks,
+layout decisions and JIT lookup of the CUDA implementation (~38 µs; both on the
+CPU of benchmarks/host_overhead_cpu.py), although for a given input signature
+every one of them comes out the same.
 
 So the CUDA implementations record a :class:`Plan` per signature (shapes,
 strides, dtypes and devices of the operands, and the op's flags): the launcher
