@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: install (TVM from the carried kit), GPU tests, then the benchmarks; logs under $OUT.
 #   TESTS="tests/test_kernels_gpu.py"  narrows the tests;  BENCHES="softmax overhead"  picks benchmarks
-#   (gemm gemm80 softmax overhead compile);  BENCH_ARGS  goes to bench_gemm.py (default --configs).
-#   gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path (sm_90) on the same GPU.
+#   (gemm gemm80 softmax overhead compile; also sanitize, not in the default list);  BENCH_ARGS  goes to
+#   bench_gemm.py (default --configs).  gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path
+#   (sm_90) on the same GPU.  sanitize: compute-sanitizer memcheck/racecheck/synccheck over every kernel,
+#   both paths, small and ragged shapes (benchmarks/sanitize.py; SANITIZE_ARGS), logs in $OUT/sanitize/.
 set -uo pipefail
 OUT=${OUT:-/tmp/tile_ops_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TILE_OPS_CACHE_DIR=${TILE_OPS_CACHE_DIR:-/tmp/tile_ops_cache}
@@ -16,6 +18,7 @@ for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
     gemm80) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py --arch sm_90 --no-triton ${BENCH_ARGS:---configs} --json "$OUT/gemm80.json" 2>&1 | tee "$OUT/bench_gemm80.log" | tail -14 ;;
     softmax) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm_softmax.py --json "$OUT/gemm_softmax.json" 2>&1 | tee "$OUT/bench_softmax.log" | tail -8 ;;
     overhead) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/bench_overhead.log" | tail -8 ;;
+    sanitize) timeout ${BENCH_TIMEOUT:-400} python benchmarks/sanitize.py --out "$OUT" --budget $(( ${BENCH_TIMEOUT:-400} - 20 )) ${SANITIZE_ARGS:-} 2>&1 | tee "$OUT/sanitize.log" | tail -24 ;;
     compile) python benchmarks/compile_time.py --json "$OUT/compile_time.json" 2>&1 | tee "$OUT/compile_time.log" | tail -6 ;;
   esac
 done

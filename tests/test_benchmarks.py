@@ -1,7 +1,9 @@
-"""The benchmarks' CPU-side pieces: JSON and PNG output (with and without matplotlib), and the
-CPU host-overhead profile (benchmarks/host_overhead_cpu.py) end to end."""
+"""The benchmarks' CPU-side pieces: JSON and PNG output (with and without matplotlib), the CPU
+host-overhead profile (benchmarks/host_overhead_cpu.py) end to end, and the sanitizer runner
+(benchmarks/sanitize.py): its --dry-run and how it reads compute-sanitizer's summaries."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -43,3 +45,89 @@ def test_host_overhead_cpu_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["path"]: r["us_per_call"] for r in json.loads(out.read_text())["rows"]}
     assert rows["tile_ops.gemm (fast path)"] > 0 and rows["torch.ops.tile_ops.gemm (dispatcher + plan)"] > 0
+
+
+def _sanitize():
+    import importlib
+
+    return importlib.import_module("sanitize")
+
+
+def test_sanitize_dry_run_builds_everything_and_lists_the_runs(tmp_path):
+    """benchmarks/sanitize.py --dry-run: every kernel x path x shape compiles for sm_90a and sm_90 (in a fresh
+    cache, without a GPU), the child's CPU half (inputs, float64 reference, check) works, and every planned
+    sanitizer run is listed."""
+    from tile_ops.jit.build import _find_tool
+
+    if _find_tool("nvcc", "TILE_OPS_NVCC") is None:
+        pytest.skip("nvcc not installed")
+    san = _sanitize()
+    env = dict(os.environ, TILE_OPS_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "sanitize.py"), "--dry-run", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n_builds = sum(len(s) for s in san.SHAPES.values()) * len(san.PATHS)
+    assert f"built {n_builds}/{n_builds} kernels" in proc.stdout, proc.stdout
+    n_runs = n_builds * len(san.DEFAULT_TOOLS)
+    assert f"{n_runs} runs planned" in proc.stdout, proc.stdout
+    commands = [line for line in proc.stdout.splitlines() if "--child" in line]
+    assert len(commands) == n_runs
+    for tool in san.DEFAULT_TOOLS:
+        assert sum(f"--tool {tool} " in c for c in commands) == n_builds
+    assert all("--error-exitcode 1" in c for c in commands)
+    # the sm_90a path takes TMA on the aligned shapes and falls back on the unaligned ragged one
+    tma = {tuple(line.split()[:3]): line.rstrip().endswith("tma=yes") for line in proc.stdout.splitlines()
+           if "<tile_ops.Kernel" in line}
+    assert tma[("gemm", "sm_90a", "ragged-tma")] and tma[("matmul20", "sm_90a", "small")]
+    assert not tma[("gemm", "sm_90a", "ragged")] and not any(v for k, v in tma.items() if k[1] == "sm_90")
+
+
+@pytest.mark.parametrize("text, rc, timed_out, result, clean", [
+    ("sanitize child: ... ok\n========= ERROR SUMMARY: 0 errors\n", 0, False, "clean", True),
+    ("========= Invalid __global__ read of size 16 bytes\n========= ERROR SUMMARY: 3 errors\n", 1, False,
+     "3 errors", False),
+    ("========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n", 1, False, "1 errors, 1 warnings",
+     False),
+    ("========= RACECHECK SUMMARY: 1 hazard displayed (0 errors, 1 warning)\n", 0, False, "0 errors, 1 warnings",
+     False),
+    ("sanitize child: ... WRONG RESULT\n========= ERROR SUMMARY: 0 errors\n", 3, False, "wrong result", False),
+    ("Traceback ...\nRuntimeError: boom\n========= ERROR SUMMARY: 0 errors\n", 1, False, "failed rc=1", False),
+    ("sanitize child: ... ok\n", 0, False, "no summary", False),
+    ("", -9, True, "timeout", False),
+])
+def test_sanitize_parses_sanitizer_summaries(text, rc, timed_out, result, clean):
+    assert _sanitize().parse(text, rc, timed_out) == (result, clean)
+
+
+def test_sanitize_runs_tables_and_exit_status_with_a_stand_in_sanitizer(tmp_path, monkeypatch, capsys):
+    """The GPU half's plumbing on the CPU: a stand-in compute-sanitizer (clean memcheck, a racecheck hazard,
+    a synccheck that hangs past --timeout) gives one log per run, summary.json, the table, exit status 1."""
+    import torch
+    from tile_ops.jit import launcher
+    from tile_ops.jit.build import _find_tool
+
+    if _find_tool("nvcc", "TILE_OPS_NVCC") is None:
+        pytest.skip("nvcc not installed")
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text("#!/bin/bash\ncase $2 in\n"
+                    "  memcheck) echo '========= ERROR SUMMARY: 0 errors'; exit 0;;\n"
+                    "  racecheck) echo '========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)'"
+                    "; exit 1;;\n"
+                    "  *) sleep 60 & wait;;\nesac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in GPU")
+    monkeypatch.setattr(launcher, "get_launcher", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["sanitize.py", "--sanitizer", str(fake), "--only", "matmul20", "--paths", "sm_90",
+                                      "--timeout", "2", "--out", str(tmp_path), "-j", "3"])
+    assert _sanitize().main() == 1
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "sanitize" / "summary.json").read_text())
+    results = {(r["shape"].split()[0], r["tool"]): r["result"] for r in summary["runs"]}
+    assert len(results) == 9 and len(list((tmp_path / "sanitize").glob("matmul20_sm_90_*.log"))) == 9
+    assert all(results[(s, "memcheck")] == "clean" and results[(s, "racecheck")] == "1 errors"
+               and results[(s, "synccheck")] == "timeout" for s in ("small", "ragged", "ragged-tma"))
+    assert "3/9 clean" in out
+    table = out[out.index("compute-sanitizer on stand-in GPU"):].splitlines()
+    assert len(table) == 5 and "memcheck" in table[1] and "timeout" in table[-1]
