@@ -27,12 +27,9 @@ SHAPES = {  # ../shared/ANCHORS.md
 EXTRA_CONFIGS = {
     "sm_90": [GemmConfig(128, 128, 32, 3, 128, 8), GemmConfig(128, 256, 32, 4, 256, 8),
               GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)],
-    "sm_90a": [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(128, 128, 64, 5, 128, 8),
-               GemmConfig(128, 128, 64, 5, 256, 8), GemmConfig(256, 128, 64, 4, 256, 8),
-               GemmConfig(128, 192, 64, 4, 256, 8), GemmConfig(128, 64, 64, 6, 128, 8),
+    "sm_90a": [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(256, 128, 64, 4, 256, 8),
                GemmConfig(128, 128, 64, 3, 128, 8), GemmConfig(128, 128, 32, 5, 128, 8),  # ping-pong
-               GemmConfig(64, 128, 64, 6, 128, 8), GemmConfig(64, 64, 128, 6, 128, 0),
-               GemmConfig(64, 64, 64, 10, 128, 0), GemmConfig(64, 32, 128, 4, 128, 0)],
+               GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 128, 64, 6, 128, 0)],
 }
 PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.async + mma.sync"}
 
