@@ -386,4 +386,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo's worker threads can still be joinable when C++ statics are
+    # destroyed, which aborts ("terminate called without an active exception") after a clean run.
+    os._exit(rc)
