@@ -146,20 +146,17 @@ def split_k_tiles(K: int, cfg: GemmConfig) -> int:
 @tile_ops.jit(out_idx=[-1])
 def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
          dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig()):
-    """C = A @ B (+ Bias); with ``cfg.split_k > 1`` the split-K partial kernel instead: the grid's z
-    is (split, batch), split s sums its K range into W[s] (fp32, no bias), ``gemm_splitk_reduce`` adds up."""
+    """C = A @ B (+ Bias).  With ``cfg.split_k > 1`` the split-K partial kernel instead: grid z is
+    (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n = ``split_k_tiles``; the last splits
+    may get fewer, or none: zeros) into W[s] in fp32, without the bias; ``gemm_splitk_reduce`` adds up."""
     bM, bN, bK, splits = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split_k
     A_shape = (batch_a, K, M) if trans_A else (batch_a, M, K)
     B_shape = (batch_b, N, K) if trans_B else (batch_b, K, N)
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
-    k_tiles = T.ceildiv(K, bK)
-    split_tiles = split_k_tiles(K, cfg)
-    C_shape, C_dtype = ((splits, batch, M, N), "float32") if splits > 1 else ((batch, M, N), out_dtype)
+    k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
 
-    @T.prim_func
-    def gemm_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
-                    C: T.Tensor(C_shape, C_dtype)):
+    def body(A, B, Bias, C):
         with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits, threads=cfg.threads) as (bx, by, bz):
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
@@ -167,7 +164,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
             B_s = T.alloc_shared(B_tile, dtype)
             C_f = T.alloc_fragment((bM, bN), "float32")
             split, k0, steps = 0, 0, k_tiles
-            if splits > 1:  # this CTA's K range; the last splits may get fewer k-tiles, or none (zeros)
+            if splits > 1:  # this CTA's K range
                 split, bz = bz // batch, bz % batch
                 k0 = split * split_tiles
                 steps = T.max(T.min(k_tiles - k0, split_tiles), 0)
@@ -186,15 +183,28 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.gemm(A_s, B_s, C_f, transpose_A=trans_A, transpose_B=trans_B, policy=cfg.policy)
             if splits > 1:
                 T.copy(C_f, C[split, bz, by * bM, bx * bN])
-            else:
-                if has_bias:
-                    bias_s = T.alloc_shared((bN,), dtype)
-                    T.copy(Bias[bx * bN], bias_s)
-                    for i, j in T.Parallel(bM, bN):
-                        C_f[i, j] = C_f[i, j] + bias_s[j]
-                T.copy(C_f, C[bz, by * bM, bx * bN])
+                return
+            if has_bias:
+                bias_s = T.alloc_shared((bN,), dtype)
+                T.copy(Bias[bx * bN], bias_s)
+                for i, j in T.Parallel(bM, bN):
+                    C_f[i, j] = C_f[i, j] + bias_s[j]
+            T.copy(C_f, C[bz, by * bM, bx * bN])
 
-    return gemm_kernel
+    if splits == 1:
+        @T.prim_func
+        def gemm_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
+                        C: T.Tensor((batch, M, N), out_dtype)):
+            body(A, B, Bias, C)
+
+        return gemm_kernel
+
+    @T.prim_func
+    def gemm_splitk_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
+                           W: T.Tensor((splits, batch, M, N), "float32")):  # Bias: unused, the reduction adds it
+        body(A, B, Bias, W)
+
+    return gemm_splitk_kernel
 
 
 def reduce_tile(M: int, N: int) -> tuple:
