@@ -201,7 +201,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
 
     @T.prim_func
     def gemm_splitk_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
-                           W: T.Tensor((splits, batch, M, N), "float32")):  # Bias: unused, the reduction adds it
+                           W: T.Tensor((splits, batch, M, N), T.float32)):  # Bias: unused, the reduction adds it
         body(A, B, Bias, W)
 
     return gemm_splitk_kernel
@@ -215,12 +215,12 @@ def reduce_tile(M: int, N: int) -> tuple:
 
 @tile_ops.jit(out_idx=[-1])
 def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16", out_dtype="float16",
-                       block_M=16, block_N=256, threads=128):
+                       block_M=16, block_N=64, threads=128):
     """C[b] = sum over s of W[s, b] (+ Bias), cast to ``out_dtype``: the second kernel of a split-K gemm."""
     bM, bN = block_M, block_N
 
     @T.prim_func
-    def splitk_reduce(W: T.Tensor((split_k, batch, M, N), "float32"), Bias: T.Tensor((N,), dtype),
+    def splitk_reduce(W: T.Tensor((split_k, batch, M, N), T.float32), Bias: T.Tensor((N,), dtype),
                       C: T.Tensor((batch, M, N), out_dtype)):
         with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch, threads=threads) as (bx, by, bz):
             acc = T.alloc_fragment((bM, bN), "float32")
