@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import bench_ms, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.jit import default_arch  # noqa: E402
-from tile_ops.kernels.gemm import GemmConfig, default_config, gemm  # noqa: E402
+from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa: E402
 
 SHAPES = {  # ../shared/ANCHORS.md
     "float16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (8192, 1024, 8192),
@@ -29,13 +29,17 @@ EXTRA_CONFIGS = {
               GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)],
     "sm_90a": [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(256, 128, 64, 4, 256, 8),
                GemmConfig(128, 128, 64, 3, 128, 8), GemmConfig(128, 128, 32, 5, 128, 8),  # ping-pong
-               GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 128, 64, 6, 128, 0)],
+               GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 128, 64, 6, 128, 0),
+               # split-K decode (16x8192x8192: 64 tiles of 64x128 -> 128 / 256 CTAs; 128 tiles of 64x64 -> 256)
+               GemmConfig(64, 128, 64, 6, 128, 0, split_k=2), GemmConfig(64, 128, 64, 6, 128, 0, split_k=4),
+               GemmConfig(64, 64, 128, 6, 128, 0, split_k=2)],
 }
 PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.async + mma.sync"}
 
 
 def kernels_for(M, N, K, dtype, configs, arch):
-    return {cfg: gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch) for cfg in configs}
+    # build_gemm: a split-K config is two kernels (partials, reduction) launched as one
+    return {cfg: build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch) for cfg in configs}
 
 
 def main():
@@ -49,7 +53,8 @@ def main():
     args.png = png_path_or_none(args.png)
     jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes]
     extra = EXTRA_CONFIGS[args.arch] if args.configs else []
-    configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + extra)) for job in jobs}
+    configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + [
+        c for c in extra if c.split_k == 1 or job[0] <= 64])) for job in jobs}  # split K: decode shapes only
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
         built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j], args.arch), jobs)))
     rows = []
@@ -70,7 +75,8 @@ def main():
         cublas = tflops(bench_ms(lambda: torch.matmul(a, b)))
         row = {"dtype": dt, "shape": f"{M}x{N}x{K}", "tile_ops": round(best, 1), "cuBLAS": round(cublas, 1),
                "vs_cuBLAS": round(best / cublas, 3), "rel_err": f"{err:.1e}",
-               "config": f"{best_cfg.block_M}x{best_cfg.block_N}x{best_cfg.block_K}/s{best_cfg.num_stages}/t{best_cfg.threads}"}
+               "config": f"{best_cfg.block_M}x{best_cfg.block_N}x{best_cfg.block_K}/s{best_cfg.num_stages}/t{best_cfg.threads}"
+                         + (f"/k{best_cfg.split_k}" if best_cfg.split_k > 1 else "")}
         if not args.no_triton:
             from triton_matmul import matmul as triton_matmul
 

@@ -1,6 +1,7 @@
 """GEMM: C[b] = op(A[b]) @ op(B[b]) (+ bias), fp16/bf16 in, fp32 accumulate, any output dtype."""
 
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,11 @@ class GemmConfig:
     threads: int = 256
     swizzle: int = 8
     policy: str = "square"  # T.gemm warp policy: "square" | "full_row" | "full_col"
+    split_k: int = 1  # > 1: K split over this many CTAs per tile, fp32 partials reduced by a second kernel
+
+    def __post_init__(self):
+        if self.split_k < 1:
+            raise ValueError(f"GemmConfig.split_k={self.split_k}: must be >= 1")
 
 
 _HOPPER_TILES = [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(128, 128, 64, 5, 256, 8),
@@ -30,6 +36,9 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound, so enough CTAs to stream B from every SM
+            split = _decode_split(M, N, K)
+            if split > 1:  # long K: the best decode tile (bench_gemm.py --configs), K split to fill the SMs
+                return GemmConfig(64, 128, 64, 6, 128, 0, split_k=split)
             return GemmConfig(64, 64, 128, 6, 128, 0)
         for cfg in _HOPPER_TILES:  # the biggest tile that still gives ~one CTA per SM
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= 100:
@@ -40,6 +49,32 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     if M * N <= 1024 * 1024:
         return GemmConfig(128, 128, 64, 3, 256, 8)
     return GemmConfig(128, 128, 32, 3, 128, 8)  # best of bench_gemm.py --configs on the H200 (NOTES.md)
+
+
+SMS = 132  # H100 SXM / H200
+SPLIT_K_MIN_K = 2048  # below this a decode gemm is too short to be worth a second (reduction) kernel
+_MAX_SPLIT = 16
+
+
+def _decode_split(M: int, N: int, K: int, block_N: int = 128, block_K: int = 64) -> int:
+    """split_k for a 64 x ``block_N`` decode tile: the split (up to 16, each split >= 4 k-tiles) whose
+    tiles * split fill 1-2 waves of the SMs best (fewest idle SM slots in the last wave, then the
+    smallest split); 1 when K is short or the tiles alone nearly fill the GPU."""
+    if K < SPLIT_K_MIN_K:
+        return 1
+    tiles = -(-M // 64) * -(-N // block_N)
+    k_tiles = -(-K // block_K)
+    best, best_fill = 1, tiles / (-(-tiles // SMS) * SMS)
+    for split in range(2, _MAX_SPLIT + 1):
+        ctas = tiles * split
+        if ctas > 2 * SMS or k_tiles < 4 * split:
+            break
+        if -(-k_tiles // split) * (split - 1) >= k_tiles:  # the last split would get no k-tiles
+            continue
+        fill = ctas / (-(-ctas // SMS) * SMS)
+        if fill > best_fill + 0.05:  # a clearly fuller last wave; otherwise fewer splits (less reduction)
+            best, best_fill = split, fill
+    return best
 
 
 # (block_M, block_N, threads): at most 128 fp32 accumulators per thread
@@ -57,7 +92,7 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
     warp policy fixed per regime; tiles larger than the problem's power-of-two M or N are left out.
     ``arch`` is the target: sm_90a (TMA + wgmma) has its own tiles and depths."""
     if arch == "sm_90a":
-        return _hopper_space(M, N)
+        return _hopper_space(M, N, K)
     decode = M <= 64  # few rows: thin tiles whose warps split N ("full_col"), deeper K steps
     tiles = _DECODE_TILES if decode else _TILES
     depths = [(64, 3), (64, 4), (128, 2), (128, 3)] if decode else [(32, 3), (32, 4), (64, 2), (64, 3)]
@@ -72,7 +107,7 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
     return space
 
 
-def _hopper_space(M: int, N: int) -> list[GemmConfig]:
+def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
     decode = M <= 64
     depths = [(64, 6), (64, 8), (128, 4), (128, 6)] if decode else [(64, 3), (64, 4), (64, 5), (128, 3)]
     space = []
@@ -80,7 +115,10 @@ def _hopper_space(M: int, N: int) -> list[GemmConfig]:
         if bM > max(64, _pow2(M)) or bN > max(64, _pow2(N)):
             continue
         swizzles = (0, 8) if -(-N // bN) > 8 and -(-M // bM) > 1 else (0,)
-        space += [GemmConfig(bM, bN, bK, stages, threads, sw) for bK, stages in depths for sw in swizzles]
+        # decode: split K too (the grid is short); a split gets at least 2 k-tiles
+        splits = [s for s in (1, 2, 4) if s == 1 or decode and -(-K // 64) >= 2 * s]
+        space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk) for bK, stages in depths
+                  for sw in swizzles for sk in splits if sk == 1 or -(-K // bK) >= 2 * sk]
     return space
 
 
@@ -100,37 +138,52 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def split_k_tiles(K: int, cfg: GemmConfig) -> int:
+    """k-tiles (of ``block_K``) per split: split s covers k-tiles [s * n, min((s + 1) * n, ceil(K / bK)))."""
+    return -(-(-(-K // cfg.block_K)) // cfg.split_k)
+
+
 @tile_ops.jit(out_idx=[-1])
 def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
          dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig()):
-    bM, bN, bK = cfg.block_M, cfg.block_N, cfg.block_K
+    """C = A @ B (+ Bias).  With ``cfg.split_k > 1`` the split-K partial kernel instead: grid z is
+    (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n = ``split_k_tiles``; the last splits
+    may get fewer, or none: zeros) into W[s] in fp32, without the bias; ``gemm_splitk_reduce`` adds up."""
+    bM, bN, bK, splits = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split_k
     A_shape = (batch_a, K, M) if trans_A else (batch_a, M, K)
     B_shape = (batch_b, N, K) if trans_B else (batch_b, K, N)
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
+    k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
 
-    @T.prim_func
-    def gemm_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
-                    C: T.Tensor((batch, M, N), out_dtype)):
-        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch, threads=cfg.threads) as (bx, by, bz):
+    def body(A, B, Bias, C):
+        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits, threads=cfg.threads) as (bx, by, bz):
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
             A_s = T.alloc_shared(A_tile, dtype)
             B_s = T.alloc_shared(B_tile, dtype)
             C_f = T.alloc_fragment((bM, bN), "float32")
+            split, k0, steps = 0, 0, k_tiles
+            if splits > 1:  # this CTA's K range
+                split, bz = bz // batch, bz % batch
+                k0 = split * split_tiles
+                steps = T.max(T.min(k_tiles - k0, split_tiles), 0)
             za = bz if batch_a > 1 else 0
             zb = bz if batch_b > 1 else 0
             T.clear(C_f)
-            for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
+            for k in T.Pipelined(steps, num_stages=cfg.num_stages):
                 if trans_A:
-                    T.copy(A[za, k * bK, by * bM], A_s)
+                    T.copy(A[za, (k0 + k) * bK, by * bM], A_s)
                 else:
-                    T.copy(A[za, by * bM, k * bK], A_s)
+                    T.copy(A[za, by * bM, (k0 + k) * bK], A_s)
                 if trans_B:
-                    T.copy(B[zb, bx * bN, k * bK], B_s)
+                    T.copy(B[zb, bx * bN, (k0 + k) * bK], B_s)
                 else:
-                    T.copy(B[zb, k * bK, bx * bN], B_s)
+                    T.copy(B[zb, (k0 + k) * bK, bx * bN], B_s)
                 T.gemm(A_s, B_s, C_f, transpose_A=trans_A, transpose_B=trans_B, policy=cfg.policy)
+            if splits > 1:
+                T.copy(C_f, C[split, bz, by * bM, bx * bN])
+                return
             if has_bias:
                 bias_s = T.alloc_shared((bN,), dtype)
                 T.copy(Bias[bx * bN], bias_s)
@@ -138,7 +191,53 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                     C_f[i, j] = C_f[i, j] + bias_s[j]
             T.copy(C_f, C[bz, by * bM, bx * bN])
 
-    return gemm_kernel
+    if splits == 1:
+        @T.prim_func
+        def gemm_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
+                        C: T.Tensor((batch, M, N), out_dtype)):
+            body(A, B, Bias, C)
+
+        return gemm_kernel
+
+    @T.prim_func
+    def gemm_splitk_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
+                           W: T.Tensor((splits, batch, M, N), T.float32)):  # Bias: unused, the reduction adds it
+        body(A, B, Bias, W)
+
+    return gemm_splitk_kernel
+
+
+def reduce_tile(M: int, N: int) -> tuple:
+    """(block_M, block_N, threads) of ``gemm_splitk_reduce``: narrow column tiles, so that even a decode
+    problem's reduction (few rows) has a CTA per SM or so (N / 64 of them) reading the partials."""
+    return min(64, max(16, _pow2(M))), 64, 128
+
+
+@tile_ops.jit(out_idx=[-1])
+def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16", out_dtype="float16",
+                       block_M=16, block_N=64, threads=128):
+    """C[b] = sum over s of W[s, b] (+ Bias), cast to ``out_dtype``: the second kernel of a split-K gemm."""
+    bM, bN = block_M, block_N
+
+    @T.prim_func
+    def splitk_reduce(W: T.Tensor((split_k, batch, M, N), T.float32), Bias: T.Tensor((N,), dtype),
+                      C: T.Tensor((batch, M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch, threads=threads) as (bx, by, bz):
+            acc = T.alloc_fragment((bM, bN), "float32")
+            part = T.alloc_fragment((bM, bN), "float32")
+            T.copy(W[0, bz, by * bM, bx * bN], acc)
+            for s in T.unroll(split_k - 1):
+                T.copy(W[s + 1, bz, by * bM, bx * bN], part)
+                for i, j in T.Parallel(bM, bN):
+                    acc[i, j] = acc[i, j] + part[i, j]
+            if has_bias:
+                bias_s = T.alloc_shared((bN,), dtype)
+                T.copy(Bias[bx * bN], bias_s)
+                for i, j in T.Parallel(bM, bN):
+                    acc[i, j] = acc[i, j] + bias_s[j]
+            T.copy(acc, C[bz, by * bM, bx * bN])
+
+    return splitk_reduce
 
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -164,17 +263,64 @@ def _prepare(a, b):
     return a, b, ta, ba, tb, bb
 
 
+class SplitKGemm:
+    """A split-K gemm: the partial kernel (``gemm`` with ``cfg.split_k > 1``), the reduction kernel and the
+    fp32 workspace between them, launched like one gemm kernel: ``launch_ptrs([A, B, Bias, C], device)``.
+
+    The workspace W (split_k, batch, M, N) is a caching-allocator ``torch.empty`` per launch on the
+    current stream, which both kernels run on (so freeing it right after is stream-ordered)."""
+
+    def __init__(self, partial, reduce):
+        self.partial, self.reduce = partial, reduce
+        self.meta = partial.meta  # the main kernel's (grid, smem, arch, ...): what the tuner reports
+        self.workspace_shape = tuple(partial.meta.params[-1][1])
+
+    def __repr__(self) -> str:
+        return f"<tile_ops SplitKGemm {self.partial!r} + {self.reduce!r}>"
+
+    def __getattr__(self, name):  # source, cubin, sass(), instruction_mix(), tir: the partial kernel's
+        if name in ("partial", "reduce"):
+            raise AttributeError(name)
+        return getattr(self.partial, name)
+
+    def launch_ptrs(self, ptrs, device):
+        a_ptr, b_ptr, bias_ptr, c_ptr = ptrs
+        w = torch.empty(self.workspace_shape, dtype=torch.float32, device=device)
+        self.partial.launch_ptrs([a_ptr, b_ptr, bias_ptr, w.data_ptr()], device)
+        self.reduce.launch_ptrs([w.data_ptr(), bias_ptr, c_ptr], device)
+
+
+def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
+               dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None):
+    """The launchable gemm for ``cfg``: the ``gemm`` kernel itself, or a :class:`SplitKGemm` when
+    ``cfg.split_k > 1``.  Either takes ``launch_ptrs([A, B, Bias, C], device)``."""
+    main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg, target=target)
+    if cfg.split_k == 1:
+        return main
+    reduce = gemm_splitk_reduce(M, N, batch, cfg.split_k, has_bias, dtype, out_dtype, *reduce_tile(M, N),
+                                target=target)
+    return SplitKGemm(main, reduce)
+
+
 def get_gemm_kernel(a, b, out, bias=None, cfg=None):
-    """(kernel, a, b): the kernel for these operands and the operand views it reads."""
+    """(kernel, a, b): the kernel for these operands and the operand views it reads.
+
+    A split-K config (``split_k > 1``) chosen by ``config_for`` (tuned or heuristic, both per (M, N, K))
+    is divided by the batch count: a batch already multiplies the CTAs.  An explicit ``cfg`` is used as is."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
-    cfg = cfg or config_for("gemm", M, N, K, _DT[a.dtype], a.device)
-    return gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg), a, b
+    if cfg is None:
+        cfg = config_for("gemm", M, N, K, _DT[a.dtype], a.device)
+        if cfg.split_k > 1 and Bt > 1:
+            cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
+    kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg)
+    return kernel, a, b
 
 
 def gemm_launcher(kernel, device):
-    """``launch(a_ptr, b_ptr, out_ptr, bias_ptr=0)`` for a kernel from ``get_gemm_kernel`` (0: no bias)."""
+    """``launch(a_ptr, b_ptr, out_ptr, bias_ptr=0)`` for a kernel from ``get_gemm_kernel`` (0: no bias);
+    a split-K gemm launches both its kernels (and allocates their workspace) per call."""
 
     def launch(a_ptr, b_ptr, out_ptr, bias_ptr=0):
         # unused bias parameter slot: any valid pointer

@@ -33,6 +33,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses: DTensor, 
 
 class Plan(NamedTuple):
     launch: Callable  # launch(a_ptr, b_ptr, out_ptr[, c_ptr]): the kernel for the recorded signature
+    # (a split-K gemm's launch runs its two kernels and allocates their workspace, like the checked path)
     out_shape: tuple  # of ints, not a torch.Size: torch.empty parses ints ~1.5 µs faster
     out_dtype: torch.dtype
     device: torch.device

@@ -1,0 +1,245 @@
+"""Split-K gemm on the CPU: the two kernels build for both Hopper paths (sm_90a: TMA + wgmma; sm_90:
+cp.async + mma.sync), their grids, parameters and instructions, the launch plumbing (with a fake
+kernel pair), and the heuristic's choice of split.  GPU numerics: tests/test_gemm_splitk_gpu.py."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from tile_ops.compiler import compile_program
+from tile_ops.jit.build import _find_tool
+from tile_ops.kernels import gemm as gemm_kernels
+from tile_ops.kernels.gemm import GemmConfig, SplitKGemm, build_gemm, default_config, gemm, split_k_tiles
+
+needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
+needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
+
+HOPPER_CFG = GemmConfig(64, 128, 64, 6, 128, 0)  # the decode tile of default_config
+AMPERE_CFG = GemmConfig(64, 128, 64, 4, 128, 0, "full_col")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _cfg(arch, split_k):
+    return dataclasses.replace(HOPPER_CFG if arch == "sm_90a" else AMPERE_CFG, split_k=split_k)
+
+
+def test_split_k_tiles_cover_k_and_leave_ragged_splits_short_or_empty():
+    cfg = GemmConfig(64, 128, 64, split_k=3)
+    assert split_k_tiles(8192, cfg) == 43  # 128 k-tiles: 43 + 43 + 42
+    assert split_k_tiles(1000, cfg) == 6  # 16 k-tiles: 6 + 6 + 4
+    cfg4 = dataclasses.replace(cfg, split_k=4)
+    n = split_k_tiles(5 * 64, cfg4)  # 5 k-tiles over 4 splits: 2 + 2 + 1 + 0
+    assert n == 2 and [max(0, min(5 - s * n, n)) for s in range(4)] == [2, 2, 1, 0]
+    with pytest.raises(ValueError, match="split_k=0"):
+        GemmConfig(split_k=0)
+
+
+def test_split_k_1_is_the_plain_kernel():
+    """split_k defaults to 1, and then the program (hence the CUDA source) is the gemm kernel of before."""
+    assert GemmConfig().split_k == 1 and GemmConfig(64, 64, 64, 4, 128, 0) == GemmConfig(64, 64, 64, 4, 128, 0, "square", 1)
+    c = compile_program(gemm.fn(16, 512, 512, 1, 1, 1, False, False, True, "float16", "float16", HOPPER_CFG), "sm_90a")
+    assert c.grid == (4, 1, 1) and [p[0] for p in c.params] == ["A", "B", "Bias", "C"]
+    assert c.params[-1] == ("C", (1, 16, 512), "float16")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_90"])
+@pytest.mark.parametrize("split_k,K", [(2, 4096), (3, 1000)])  # 1000: ragged K (16 k-tiles: 6 + 6 + 4, last partial)
+def test_partial_kernel_has_the_split_grid_dim_and_writes_fp32_partials(arch, split_k, K):
+    c = compile_program(gemm.fn(16, 1024, K, 1, 1, 1, False, False, True, "float16", "bfloat16", _cfg(arch, split_k)),
+                        arch)
+    assert c.grid == (8, 1, split_k)  # N / 128 column tiles x split
+    assert c.params[-1] == ("W", (split_k, 1, 16, 1024), "float32") and "Bias" not in c.kept  # bias: the reduction's
+    src = c.source
+    assert "float* __restrict__ W_ptr" in src and "*(float2*)(W_ptr + " in src  # fp32 partial tiles
+    # the k loop's extent: this split's share of the k-tiles, n (even K: a constant, the compiler knows
+    # blockIdx.z < split_k), or min(n, k-tiles left) clamped at zero (ragged K); it reads no memory
+    n = split_k_tiles(K, _cfg(arch, split_k))
+    loops = re.findall(r"for \(int k\w* = 0; k\w* < ([^;]+);", src)
+    if K % (64 * split_k) == 0:
+        assert loops and set(loops) == {str(n)}, loops
+    else:
+        assert loops and all("blockIdx.z" in e and "max(" in e and f"* {n}" in e for e in loops), (n, loops)
+    assert f"blockIdx.z) * {n * 64})" in src  # the split's first k-tile: split * n * block_K
+    if arch == "sm_90a":
+        assert "cp.async.bulk.tensor" in src and "wgmma.mma_async" in src and c.tensormaps
+    else:
+        assert "cp.async.cg.shared.global" in src and "mma.sync.aligned" in src
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_90"])
+def test_reduce_kernel_sums_splits_adds_bias_and_casts(arch):
+    c = compile_program(gemm_kernels.gemm_splitk_reduce.fn(37, 3000, 1, 3, True, "float16", "bfloat16", 64, 64, 128),
+                        arch)
+    assert c.grid == (47, 1, 1) and c.block == (128, 1, 1)  # no producer warpgroup: nothing pipelined
+    assert [p[0] for p in c.params] == ["W", "Bias", "C"] and c.params[0] == ("W", (3, 1, 37, 3000), "float32")
+    src = c.source
+    assert "*(float4*)(W_ptr + " in src and "nv_bfloat16* __restrict__ C_ptr" in src
+    assert "+ 111000)" in src and "+ 222000)" in src  # splits 1 and 2: 37 * 3000 floats apart
+    assert "wgmma" not in src and "mma.sync" not in src
+
+
+def test_reduce_tile_gives_decode_reductions_many_ctas():
+    assert gemm_kernels.reduce_tile(16, 8192) == (16, 64, 128)  # 128 CTAs for 16 x 8192
+    assert gemm_kernels.reduce_tile(1, 4096) == (16, 64, 128)
+    assert gemm_kernels.reduce_tile(37, 1000) == (64, 64, 128)
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_90"])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_gemm_builds_and_its_sass_has_the_intended_instructions(arch, split_k):
+    K = 4096 if split_k == 2 else 1000
+    k = build_gemm(16, 1024, K, 1, 1, 1, False, False, True, "float16", "float16", _cfg(arch, split_k), target=arch)
+    assert isinstance(k, SplitKGemm) and k.meta is k.partial.meta and k.cubin == k.partial.cubin
+    assert k.meta.grid == (8, 1, split_k) and k.workspace_shape == (split_k, 1, 16, 1024)
+    assert k.reduce.meta.grid == (16, 1, 1) and k.reduce.meta.params[0][1] == (split_k, 1, 16, 1024)
+    mix = k.instruction_mix()
+    if arch == "sm_90a":
+        assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) > 0 and mix.get("SYNCS", 0) > 0
+        assert k.meta.block == (256, 1, 1)  # 128 consumers + the TMA producer warpgroup
+    else:
+        assert mix.get("HMMA", 0) > 0 and mix.get("LDGSTS", 0) > 0 and mix.get("HGMMA", 0) == 0
+    rmix = k.reduce.instruction_mix()
+    assert rmix.get("FADD", 0) > 0 and not any(op in rmix for op in ("HMMA", "HGMMA"))
+    for kern in (k.partial, k.reduce):
+        assert kern.meta.resources["spill_stores"] == 0 and kern.meta.arch == arch
+
+
+@needs_nvcc
+def test_batched_split_gemm_folds_batch_and_split_into_z():
+    cfg = GemmConfig(64, 64, 64, 4, 128, 0, split_k=2)
+    k = build_gemm(20, 192, 300, 3, 3, 1, True, False, False, "float16", "float16", cfg, target="sm_90a")
+    assert k.meta.grid == (3, 1, 6) and k.workspace_shape == (2, 3, 20, 192)
+    assert k.reduce.meta.grid == (3, 1, 3)
+    assert build_gemm(20, 192, 300, 3, 3, 1, True, False, False, "float16", "float16",
+                      dataclasses.replace(cfg, split_k=1), target="sm_90a").meta.grid == (3, 1, 3)
+
+
+# ----------------------------------------------------------------------------- launching both kernels
+
+
+class FakeKernel:
+    def __init__(self, params, log, name):
+        self.meta = type("Meta", (), {"params": params})()
+        self.log, self.name = log, name
+
+    def launch_ptrs(self, ptrs, device):
+        self.log.append((self.name, list(ptrs), device))
+
+
+def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monkeypatch):
+    log, allocs = [], []
+    partial = FakeKernel([("A", (1, 16, 64), "float16"), ("B", (1, 64, 32), "float16"), ("Bias", (32,), "float16"),
+                          ("W", (3, 1, 16, 32), "float32")], log, "partial")
+    reduce = FakeKernel([("W", (3, 1, 16, 32), "float32"), ("Bias", (32,), "float16"),
+                         ("C", (1, 16, 32), "float16")], log, "reduce")
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        allocs.append((tuple(t.shape), t.dtype, t.data_ptr()))
+        return t
+
+    monkeypatch.setattr(gemm_kernels.torch, "empty", empty)
+    k = SplitKGemm(partial, reduce)
+    launch = gemm_kernels.gemm_launcher(k, torch.device("cpu"))
+    launch(0x100, 0x200, 0x300)  # no bias: its slot gets the output pointer (unread)
+    launch(0x100, 0x200, 0x300, 0x400)
+    (shape, dtype, w0), (_, _, w1) = allocs
+    assert shape == (3, 1, 16, 32) and dtype == torch.float32
+    cpu = torch.device("cpu")
+    assert log == [("partial", [0x100, 0x200, 0x300, w0], cpu), ("reduce", [w0, 0x300, 0x300], cpu),
+                   ("partial", [0x100, 0x200, 0x400, w1], cpu), ("reduce", [w1, 0x400, 0x300], cpu)]
+
+
+def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
+    built = []
+    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None: built.append(("gemm", args)) or
+                        FakeKernel([("W", (args[-1].split_k, args[3], args[0], args[1]), "float32")], [], "p"))
+    monkeypatch.setattr(gemm_kernels, "gemm_splitk_reduce", lambda *args, target=None: built.append(("reduce", args))
+                        or FakeKernel([], [], "r"))
+    a, b, out = torch.zeros(1, 16, 4096, dtype=torch.float16), torch.zeros(1, 4096, 256, dtype=torch.float16), \
+        torch.zeros(1, 16, 256, dtype=torch.float16)
+    k, _, _ = gemm_kernels.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
+    assert isinstance(k, SplitKGemm) and k.workspace_shape == (4, 1, 16, 256)
+    assert built[1] == ("reduce", (16, 256, 1, 4, False, "float16", "float16", 16, 64, 128))
+    built.clear()
+    k, _, _ = gemm_kernels.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0))
+    assert isinstance(k, FakeKernel) and [b[0] for b in built] == ["gemm"]
+    # a split chosen per (M, N, K) by config_for is divided by the batch count (the batch fills the grid)
+    monkeypatch.setattr(gemm_kernels, "config_for", lambda *a, **k: GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
+    built.clear()
+    gemm_kernels.get_gemm_kernel(a.expand(2, 16, 4096), b.expand(2, 4096, 256), out.expand(2, 16, 256).contiguous())
+    assert built[0][1][-1].split_k == 2
+    built.clear()
+    gemm_kernels.get_gemm_kernel(a.expand(8, 16, 4096), b.expand(8, 4096, 256), out.expand(8, 16, 256).contiguous())
+    assert built[0][1][-1].split_k == 1 and len(built) == 1
+
+
+# ----------------------------------------------------------------------------- the heuristic and the space
+
+
+@pytest.mark.parametrize("shape,split", [((16, 8192, 8192), 2), ((1, 4096, 4096), 4), ((64, 8192, 8192), 2),
+                                         ((16, 1024, 8192), 16), ((16, 4096, 14336), 4)])
+def test_default_config_splits_long_k_decode_gemms_on_hopper(shape, split):
+    cfg = default_config(*shape, "sm_90a")
+    assert cfg.split_k == split and (cfg.block_M, cfg.block_N, cfg.block_K) == (64, 128, 64)
+    M, N, K = shape
+    ctas = -(-M // 64) * -(-N // 128) * split
+    assert gemm_kernels.SMS * 0.9 <= ctas <= 2 * gemm_kernels.SMS  # about one or two waves
+    k_tiles = -(-K // 64)
+    assert split_k_tiles(K, cfg) * (split - 1) < k_tiles  # no split left without k-tiles
+    assert default_config(*shape, "sm_90").split_k == 1  # the Ampere-class path does not split
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096, 4096), (1000, 1000, 1000), (8192, 1024, 8192), (128, 8192, 8192),
+                                   (16, 8192, 1024), (16, 128256, 4096), (64, 14336, 4096), (1, 64, 8)])
+def test_default_config_does_not_split_square_short_k_or_wide_problems(shape):
+    assert default_config(*shape, "sm_90a").split_k == 1
+
+
+def test_hopper_decode_space_offers_split_k():
+    decode = gemm_kernels.config_space(16, 8192, 8192, arch="sm_90a")
+    assert {c.split_k for c in decode} == {1, 2, 4}
+    assert len({dataclasses.replace(c, split_k=1) for c in decode}) * 3 == len(decode)
+    assert {c.split_k for c in gemm_kernels.config_space(4096, 4096, 4096, arch="sm_90a")} == {1}
+    assert {c.split_k for c in gemm_kernels.config_space(16, 8192, 8192, arch="sm_90")} == {1}
+    assert {c.split_k for c in gemm_kernels.config_space(16, 256, 128, arch="sm_90a")} == {1}  # 1-2 k-tiles
+
+
+def test_a_table_entry_written_before_split_k_loads_unsplit():
+    from tile_ops import autotune
+
+    old = {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 6, "threads": 128, "swizzle": 0,
+           "policy": "square"}
+    assert autotune.config_from_dict("gemm", old) == HOPPER_CFG and HOPPER_CFG.split_k == 1
+    split = dataclasses.replace(HOPPER_CFG, split_k=4)
+    assert autotune.config_from_dict("gemm", autotune.config_to_dict(split)) == split
+
+
+@needs_nvcc
+def test_the_tuner_builds_and_times_split_configs_as_one_launchable(tmp_path):
+    from tile_ops import autotune
+
+    autotune.reload()
+    shape, seen = (16, 1024, 4096), {}
+    split = dataclasses.replace(HOPPER_CFG, split_k=2)
+
+    def fake_measure(kernel, cfg):
+        seen[cfg] = kernel
+        return 1.0 if cfg == split else 2.0
+
+    result = autotune.tune("gemm", shape, "float16", configs=[HOPPER_CFG, split], arch="sm_90a",
+                           measure=fake_measure, gpu="FAKE GPU", show_progress=False)
+    assert isinstance(seen[split], SplitKGemm) and seen[split].meta.grid == (8, 1, 2)
+    assert not isinstance(seen[HOPPER_CFG], SplitKGemm)
+    assert result.best.config == split
+    assert autotune.lookup("gemm", shape, "float16", "FAKE GPU") == split
+    autotune.reload()
