@@ -185,10 +185,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.copy(C_f, C[split, bz, by * bM, bx * bN])
                 return
             if has_bias:
-                bias_s = T.alloc_shared((bN,), dtype)
-                T.copy(Bias[bx * bN], bias_s)
-                for i, j in T.Parallel(bM, bN):
-                    C_f[i, j] = C_f[i, j] + bias_s[j]
+                _add_bias(C_f, Bias, bx * bN, bM, bN, dtype)
             T.copy(C_f, C[bz, by * bM, bx * bN])
 
     if splits == 1:
@@ -205,6 +202,14 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         body(A, B, Bias, W)
 
     return gemm_splitk_kernel
+
+
+def _add_bias(acc, Bias, col0, bM: int, bN: int, dtype: str):
+    """acc[i, j] += Bias[col0 + j], inside a kernel being traced (the epilogue of both gemm kernels)."""
+    bias_s = T.alloc_shared((bN,), dtype)
+    T.copy(Bias[col0], bias_s)
+    for i, j in T.Parallel(bM, bN):
+        acc[i, j] = acc[i, j] + bias_s[j]
 
 
 def reduce_tile(M: int, N: int) -> tuple:
@@ -231,10 +236,7 @@ def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16"
                 for i, j in T.Parallel(bM, bN):
                     acc[i, j] = acc[i, j] + part[i, j]
             if has_bias:
-                bias_s = T.alloc_shared((bN,), dtype)
-                T.copy(Bias[bx * bN], bias_s)
-                for i, j in T.Parallel(bM, bN):
-                    acc[i, j] = acc[i, j] + bias_s[j]
+                _add_bias(acc, Bias, bx * bN, bM, bN, dtype)
             T.copy(acc, C[bz, by * bM, bx * bN])
 
     return splitk_reduce
