@@ -28,7 +28,7 @@ EXTRA_CONFIGS = {
     "sm_90": [GemmConfig(128, 128, 32, 3, 128, 8), GemmConfig(128, 256, 32, 4, 256, 8),
               GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)],
     "sm_90a": [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(256, 128, 64, 4, 256, 8),
-               GemmConfig(128, 128, 64, 3, 128, 8), GemmConfig(128, 128, 32, 5, 128, 8),  # ping-pong
+               GemmConfig(128, 128, 64, 5, 128, 8), GemmConfig(128, 128, 64, 5, 256, 8),
                GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 128, 64, 6, 128, 0),
                # split-K decode (16x8192x8192: 64 tiles of 64x128 -> 128 / 256 CTAs; 128 tiles of 64x64 -> 256)
                GemmConfig(64, 128, 64, 6, 128, 0, split_k=2), GemmConfig(64, 128, 64, 6, 128, 0, split_k=4),

@@ -373,15 +373,3 @@ def test_hopper_gemm_takes_a_from_registers():
     assert "wgmma_f16_rs" in k.source and "wgmma_f16_ss" in k.source
     assert k.instruction_mix().get("HGMMA", 0) > 0 and k.meta.resources["spill_stores"] == 0
     assert k.meta.layouts["P"].startswith("fragment wgmma")
-
-
-@needs_nvcc
-@needs_cuobjdump
-def test_one_warpgroup_programs_become_ping_pong():
-    """A persistent one-warpgroup program whose shared memory fits twice gets two consumer warpgroups
-    with a pipeline each (alternate tiles) and a producer thread per pipeline."""
-    k = _hopper_gemm(4096, 4096, 4096, block_K=64, num_stages=3)
-    assert k.meta.block == (2 * 128 + 128, 1, 1) and k.meta.grid == (132, 1, 1)
-    assert k.meta.smem_bytes >= 2 * 3 * (128 * 64 + 64 * 128) * 2
-    assert k.instruction_mix().get("USETMAXREG", 0) == 2 and k.meta.resources["spill_stores"] == 0
-    assert _hopper_gemm(4096, 4096, 4096, block_K=64, num_stages=4).meta.block == (256, 1, 1)  # too big twice

@@ -20,7 +20,7 @@ from ..lang.ir import Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangEr
 from .exprs import collect_loads, lazy_loads, rewrite, uses_var
 from .infer import LayoutInference, _is_vars, dtype_bits
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
-from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper
+from .sm90 import PRODUCER_THREADS, CONSUMER_BARRIER, Hopper
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
@@ -57,7 +57,6 @@ class Lowerer:
         self.infer = LayoutInference(self.kernel, self.buffers, wgmma=self.sm90).run()
         self.ana = Analyzer()
         self.stages = self._stage_counts()
-        self.consumer_barrier = CONSUMER_BARRIER
         self.hopper = Hopper(self) if self.sm90 else None
         self.ws = self.hopper.ws if self.hopper else None
         self.uses_wgmma = self.hopper is not None and any(
@@ -84,7 +83,7 @@ class Lowerer:
                 else:
                     ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
                     self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
-                block = self.threads * (self.hopper.groups if self.ws else 1) + (PRODUCER_THREADS if self.ws else 0)
+                block = self.threads + (PRODUCER_THREADS if self.ws else 0)
                 self.tid = T.thread_id([block])
                 self.smem_bytes = self._declare_memory()
                 if self.ws:
@@ -138,10 +137,9 @@ class Lowerer:
         a = ALIGN_SM90 if self.sm90 else ALIGN
         return -(-n // a) * a
 
-    def shared_plan(self):
-        """[(buffer, byte offset, elements, stages, layout)] of the shared tiles, then the reduction
-        scratch and mbarrier offsets and the total bytes: one consumer group's shared memory."""
-        offset, tiles = 0, []
+    def _declare_memory(self) -> int:
+        offset, pending = 0, []
+        self.shared, self.frags, self.locals = {}, {}, {}
         for b in self.kernel.allocs:
             if b.scope == "shared":
                 elems = 1
@@ -149,46 +147,32 @@ class Lowerer:
                     elems *= s
                 stages = self.stages.get(b, 1)
                 lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
-                tiles.append((b, offset, elems, stages, lay))
+                pending.append((b, offset, elems, stages, lay))
                 offset += self._align(elems * stages * dtype_bits(b.dtype) // 8)
-        scratch = offset
-        offset += self._align(self._scratch_bytes())
-        barriers = offset
-        offset += self.hopper.barrier_bytes() if self.hopper else 0
-        return tiles, scratch, barriers, self._align(offset) if offset else 0
-
-    def _declare_memory(self) -> int:
-        """Registers for fragments and locals; one shared arena holding a copy of every shared tile per
-        consumer group (ping-pong warpgroups each own a pipeline)."""
-        self.frags, self.locals = {}, {}
-        for b in self.kernel.allocs:
-            if b.scope == "fragment":
+            elif b.scope == "fragment":
                 lay = self.infer.layouts[b]
                 self.frags[b] = T.alloc_local([lay.local_size], b.dtype)
                 IRBuilder.name(b.name, self.frags[b])
-            elif b.scope == "local":
+            else:
                 self.locals[b] = T.alloc_local(list(b.shape), b.dtype)
                 IRBuilder.name(b.name, self.locals[b])
-        tiles, scratch, barriers, group_bytes = self.shared_plan()
-        groups = self.hopper.groups if self.ws else 1
-        offset = group_bytes * groups
-        self.shared_groups = [{} for _ in range(groups)]
+        self.scratch_offset = offset
+        offset += _align(self._scratch_bytes())
+        barrier_offset = offset
+        offset += self.hopper.barrier_bytes() if self.hopper else 0
         if offset:
             arena = T.alloc_buffer((offset,), "uint8", scope="shared.dyn")
             IRBuilder.name("smem", arena)
-            for g, shared in enumerate(self.shared_groups):
-                base = g * group_bytes
-                for b, off, elems, stages, lay in tiles:
-                    view = T.decl_buffer((elems * stages,), b.dtype, data=arena.data, scope="shared.dyn",
-                                         elem_offset=(base + off) * 8 // dtype_bits(b.dtype))
-                    IRBuilder.name(b.name + (f"_g{g}" if g else ""), view)
-                    shared[b] = SharedTile(b, view, lay, stages, elems)
-                if self.ws:
-                    self.hopper.bind_barriers(arena, base + barriers, g)
+            for b, off, elems, stages, lay in pending:
+                view = T.decl_buffer((elems * stages,), b.dtype, data=arena.data, scope="shared.dyn",
+                                     elem_offset=off * 8 // dtype_bits(b.dtype))
+                IRBuilder.name(b.name, view)
+                self.shared[b] = SharedTile(b, view, lay, stages, elems)
             self.scratch = T.decl_buffer((max(1, self._scratch_bytes() // 4),), "float32", data=arena.data,
-                                         scope="shared.dyn", elem_offset=scratch // 4)
+                                         scope="shared.dyn", elem_offset=self.scratch_offset // 4)
             IRBuilder.name("reduce_scratch", self.scratch)
-        self.shared = self.shared_groups[0]
+            if self.ws:
+                self.hopper.bind_barriers(arena, barrier_offset)
         if offset > 227 * 1024:
             raise error(self.kernel.loc, f"the kernel needs {offset} bytes of shared memory; the limit is "
                                          f"{227 * 1024} (reduce block sizes or num_stages)")
@@ -280,8 +264,8 @@ class Lowerer:
     def sync(self):
         if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads
             _ptx("fence.proxy.async.shared::cta")
-        if self.ws:  # the producer warpgroup is not at consumer barriers (nor the other ping-pong group)
-            _ptx("bar.sync", self.consumer_barrier, self.threads)
+        if self.ws:  # the producer warpgroup is not at consumer barriers
+            _ptx("bar.sync", CONSUMER_BARRIER, self.threads)
         else:
             T.evaluate(TS.cuda.cta_sync())
 

@@ -26,7 +26,6 @@ from .infer import dtype_bits
 from .layout import MmaAccumLayout, SharedLayout
 
 PRODUCER_THREADS = 128
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90
 PERSISTENT_CTAS = 132  # SMs of an H100 SXM / H200: warp-specialized kernels with more tiles loop over them
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
@@ -137,19 +136,10 @@ class Hopper:
     def barrier_bytes(self) -> int:
         return 2 * self.ws.stages * 8 if self.ws else 0
 
-    def bind_barriers(self, arena, offset: int, group: int = 0):
+    def bind_barriers(self, arena, offset: int):
         S = self.ws.stages
-        bars = T.decl_buffer((2 * S,), "uint64", data=arena.data, scope="shared.dyn", elem_offset=offset // 8)
-        IRBuilder.name(f"mbarriers{group or ''}", bars)
-        self.bar_groups = getattr(self, "bar_groups", []) + [bars]
-        self.bars = self.bar_groups[0]
-
-    def use_group(self, g: int, tid):
-        """Lower the next code for consumer group ``g``: its shared tiles, mbarriers, named barrier and
-        thread index within the group."""
-        lw = self.lw
-        lw.shared, self.bars = lw.shared_groups[g], self.bar_groups[g]
-        lw.tid, lw.consumer_barrier = (tid - g * lw.threads if g else tid), CONSUMER_BARRIER + g
+        self.bars = T.decl_buffer((2 * S,), "uint64", data=arena.data, scope="shared.dyn", elem_offset=offset // 8)
+        IRBuilder.name("mbarriers", self.bars)
 
     def full(self, s):
         return self.bars.ptr_to([s])
@@ -160,77 +150,57 @@ class Hopper:
     def persistent_grid(self, grid: list):
         """Launch one CTA per SM when there is more than one wave of tiles; each CTA then walks tiles
         cta, cta + CTAs, ...  The producer runs ahead into the next tile while the consumers store this
-        one's results, which hides the epilogue and the pipeline fill.
-
-        A one-warpgroup program whose shared memory fits twice becomes ping-pong: two consumer
-        warpgroups per CTA, each with its own pipeline, take alternate tiles, so one's epilogue and
-        pipeline waits overlap the other's wgmmas."""
+        one's results, which hides the epilogue and the pipeline fill."""
         total = grid[0] * grid[1] * grid[2]
-        self.groups, self.persistent = 1, None
         if not self.ws or total <= PERSISTENT_CTAS:
+            self.persistent = None
             return grid
-        if self.lw.threads == 128 and not self.lw._scratch_bytes() and 2 * self.lw.shared_plan()[3] <= SMEM_LIMIT:
-            self.groups = 2
-        self.ctas = min(PERSISTENT_CTAS, -(-total // self.groups))
         self.persistent = (total, grid)
-        return [self.ctas, 1, 1]
+        return [PERSISTENT_CTAS, 1, 1]
 
     @contextmanager
-    def tiles(self, cta, g: int = 0):
-        """Tiles (cta + i * CTAs) * groups + g of the grid, with the block vars bound to each."""
+    def tiles(self, cta):
         lw = self.lw
         if self.persistent is None:
             yield
             return
         total, (gx, gy, _) = self.persistent
-        step = self.ctas * self.groups
-        first = cta * self.groups + g
-        with T.serial(0, tirx.floordiv(total - first + (step - 1), step)) as it:
+        with T.serial(0, tirx.floordiv(total - cta + (PERSISTENT_CTAS - 1), PERSISTENT_CTAS)) as it:
             IRBuilder.name("tile_iter", it)
-            t = first + it * step
+            t = cta + it * PERSISTENT_CTAS
             ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
             lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
             yield
 
     def warp_specialized(self, body, cta):
-        lw, ws, G = self.lw, self.ws, self.groups
-        tid = lw.tid
-        consumers = lw.threads * G
-        with T.If(tid == 0):
+        lw, ws = self.lw, self.ws
+        consumers = lw.threads
+        with T.If(lw.tid == 0):
             with T.Then():
-                for g in range(G):
-                    self.bars = self.bar_groups[g]
-                    for s in range(ws.stages):
-                        _ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
-                        _ptx("mbarrier.init.shared::cta.b64", self.empty(s), lw.threads)
+                for s in range(ws.stages):
+                    _ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
+                    _ptx("mbarrier.init.shared::cta.b64", self.empty(s), consumers)
                 _ptx("fence.mbarrier_init.release.cluster")
         T.evaluate(TS.cuda.cta_sync())
         n_wg = consumers // 128
-        with T.If(tid >= consumers):
+        with T.If(lw.tid >= consumers):
             with T.Then():
                 if n_wg > 1:
                     _ptx("setmaxnreg.dec.sync.aligned.u32", 40)
-                for g in range(G):  # one producer thread per group, in different warps
-                    with T.If(tid == consumers + 32 * g):
-                        with T.Then():
-                            self.use_group(g, tid)
-                            cnt = self.step_counter()
-                            with self.tiles(cta, g):
-                                self.producer_nest(self.ws.outer, {}, cnt)
+                with T.If(lw.tid == consumers):
+                    with T.Then():
+                        cnt = self.step_counter()
+                        with self.tiles(cta):
+                            self.producer_nest(self.ws.outer, {}, cnt)
             with T.Else():
                 if n_wg > 1:
                     _ptx("setmaxnreg.inc.sync.aligned.u32", min(240, (65536 - 40 * 128) // (128 * n_wg) // 8 * 8))
+                self.consumer_steps = self.step_counter()
                 reuses_shared = any(lw._touches_shared(n) for n in body if not _contains(n, ws.loop))
-                for g in range(G):
-                    with T.If(tirx.floordiv(tid, lw.threads) == g) if G > 1 else _nothing():
-                        with T.Then() if G > 1 else _nothing():
-                            self.use_group(g, tid)
-                            self.consumer_steps = self.step_counter()
-                            with self.tiles(cta, g):
-                                lw.body(body)
-                                if self.persistent and reuses_shared:  # next tile's shared writes wait for readers
-                                    lw.sync()
-        self.use_group(0, tid)
+                with self.tiles(cta):
+                    lw.body(body)
+                    if self.persistent and reuses_shared:  # the next tile's first shared write waits for readers
+                        lw.sync()
 
     def step_counter(self):
         """Pipeline steps taken so far (across the outer loops): stage = step % S, phase = step / S % 2."""
@@ -375,11 +345,6 @@ class Hopper:
 _FENCE_REGISTER = """
 __forceinline__ __device__ void tile_ops_fence_register(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
 """
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def _contains(node, target) -> bool:

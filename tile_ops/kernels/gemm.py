@@ -127,7 +127,7 @@ def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "f
     (each buffer starts on a 1 KiB boundary on sm_90a) and the pipeline's mbarriers."""
     esize = _ESIZE[dtype]
     tiles = [cfg.num_stages * cfg.block_M * cfg.block_K, cfg.num_stages * cfg.block_K * cfg.block_N, cfg.block_N]
-    return _kib(sum(_kib(n * esize) for n in tiles) + 16 * cfg.num_stages)
+    return sum(_kib(n * esize) for n in tiles) + 16 * cfg.num_stages
 
 
 def _kib(nbytes: int) -> int:

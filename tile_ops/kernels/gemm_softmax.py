@@ -58,7 +58,7 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     tiles = _kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize) + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize)
     scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
     rows = _kib(-(-N // cfg.block_N) * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4) + _kib(scratch_cols * cfg.block_M * 4)
-    return _kib(tiles + rows + 16 * cfg.num_stages)
+    return tiles + rows + 16 * cfg.num_stages
 
 
 @tile_ops.jit(out_idx=[-1])
