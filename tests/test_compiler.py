@@ -10,7 +10,7 @@ import pytest
 
 import tile_ops
 import tile_ops.lang as T
-from programs import chained_matmul, column_block_sum, copies, elementwise, matmul
+from programs import column_block_sum, copies, elementwise, matmul
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
 from tile_ops.kernels.gemm import GemmConfig, gemm
@@ -363,13 +363,3 @@ def test_hopper_falls_back_where_tma_cannot_go():
     mix = k.instruction_mix()
     assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) == 0 and not k.meta.tensormaps
     assert k.meta.block == (128, 1, 1)
-
-
-@needs_nvcc
-@needs_cuobjdump
-def test_hopper_gemm_takes_a_from_registers():
-    """(A @ B) @ C with A @ B in registers: the second wgmma is the rs form (A from a fragment)."""
-    k = chained_matmul(256, 64, 64, 128, target="sm_90a")
-    assert "wgmma_f16_rs" in k.source and "wgmma_f16_ss" in k.source
-    assert k.instruction_mix().get("HGMMA", 0) > 0 and k.meta.resources["spill_stores"] == 0
-    assert k.meta.layouts["P"].startswith("fragment wgmma")
