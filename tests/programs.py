@@ -97,29 +97,3 @@ def column_block_sum(M, K, block_M=32, block_K=64, num_stages=3, threads=128):
             T.copy(acc, C[bx * block_M, 0])
 
     return main
-
-
-@tile_ops.jit(out_idx=[3])
-def chained_matmul(M, N, K, L, block_M=64, threads=128, dtype="float16"):
-    """D = (A @ B) @ C with A @ B kept in registers: the second gemm takes its A from a fragment
-    (FlashAttention's P @ V)."""
-
-    @T.prim_func
-    def main(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), C: T.Tensor((N, L), dtype),
-             D: T.Tensor((M, L), dtype)):
-        with T.Kernel(T.ceildiv(M, block_M), threads=threads) as bx:
-            A_s = T.alloc_shared((block_M, K), dtype)
-            B_s = T.alloc_shared((K, N), dtype)
-            C_s = T.alloc_shared((N, L), dtype)
-            S = T.alloc_fragment((block_M, N), "float32")
-            P = T.alloc_fragment((block_M, N), dtype)
-            O = T.alloc_fragment((block_M, L), "float32")
-            T.copy(A[bx * block_M, 0], A_s)
-            T.copy(B[0, 0], B_s)
-            T.copy(C[0, 0], C_s)
-            T.gemm(A_s, B_s, S, clear_accum=True, policy="full_row")  # rows stay in one warp, as P needs
-            T.copy(S, P)
-            T.gemm(P, C_s, O, clear_accum=True)
-            T.copy(O, D[bx * block_M, 0])
-
-    return main

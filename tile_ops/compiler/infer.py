@@ -77,8 +77,6 @@ class LayoutInference:
             raise error(g.loc, f"T.gemm: unknown policy {g.policy!r}; accepted: square, full_row, full_col")
         if self.wgmma and uses_wgmma(g, self.kernel.threads):
             self.assign(g.C, MmaAccumLayout.for_wgmma(M, N, self.kernel.threads), g)
-            if g.A.scope == "fragment":  # the rs form: A in registers laid out like an (M, K) accumulator
-                self.assign(g.A, MmaAccumLayout.for_wgmma(M, g.A.shape[1], self.kernel.threads), g)
             return
         warps = MmaWarps.choose(M, N, self.warps, policy)
         if warps is None:
@@ -168,16 +166,14 @@ class LayoutInference:
 
 
 def uses_wgmma(g: Gemm, threads: int) -> bool:
-    """Whether a gemm can be one wgmma per warpgroup and 64-row slice: 16-bit operands, B a shared
-    tile and A a shared tile or (not transposed) a register fragment, shared tiles in
+    """Whether a gemm can be one wgmma per warpgroup and 64-row slice: shared 16-bit operands in
     descriptor-readable (swizzled panel) layouts, warpgroups stacked along M, N <= 256."""
     M, N = g.C.shape
     Ka = g.A.shape[0] if g.transpose_A else g.A.shape[1]
-    a_ok = g.A.scope == "shared" or g.A.scope == "fragment" and not g.transpose_A
-    ok = (a_ok and g.B.scope == "shared" and g.A.dtype == g.B.dtype and g.A.dtype in ("float16", "bfloat16")
+    ok = (g.A.scope == g.B.scope == "shared" and g.A.dtype == g.B.dtype and g.A.dtype in ("float16", "bfloat16")
           and g.C.dtype == "float32" and g.policy != "full_col" and threads % 128 == 0
           and M % (64 * (threads // 128)) == 0 and N % 8 == 0 and N <= 256 and Ka % 16 == 0)
-    return ok and all(_descriptor_readable(t) for t in (g.A, g.B) if t.scope == "shared")
+    return ok and all(_descriptor_readable(t) for t in (g.A, g.B))
 
 
 def _descriptor_readable(tile) -> bool:

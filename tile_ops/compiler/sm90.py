@@ -305,22 +305,16 @@ class Hopper:
         wg = tirx.floordiv(lw.tid, 128)
         el = {"float16": "f16", "bfloat16": "bf16"}[g.A.dtype]
         acc = lw.frags[g.C]
-        tb = lw.shared[g.B]
-        a_lay = lw.infer.layouts.get(g.A) if g.A.scope == "fragment" else None
-        a_words = lw.frags[g.A].view("uint32") if a_lay is not None else None
+        ta, tb = lw.shared[g.A], lw.shared[g.B]
         for kk in range(K // 16):
             for mi in range(lay.mi):
+                m0 = mi * 64 * n_wg + wg * 64
+                a_desc = self.descriptor(ta, g.A, m0, kk * 16, mn_major=g.transpose_A)
                 b_desc = self.descriptor(tb, g.B, 0, kk * 16, mn_major=not g.transpose_B)
                 d = [acc[mi * lay.ni * 4 + r] for r in range(lay.ni * 4)]
                 scale_d = tirx.const(True, "bool") if not g.clear_accum or kk else tirx.const(False, "bool")
-                name = f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}"
-                if a_words is not None:  # rs form: a0..a7 are the (row, k) pairs of two 8-column pieces
-                    a = [a_words[a_lay.local_index(mi, 2 * kk + h, e, a_lay.ni) // 2] for h in (0, 1) for e in (0, 2)]
-                    _ptx(name, *d, *a, b_desc, scale_d, 1, 1, int(not g.transpose_B))
-                else:
-                    m0 = mi * 64 * n_wg + wg * 64
-                    a_desc = self.descriptor(lw.shared[g.A], g.A, m0, kk * 16, mn_major=g.transpose_A)
-                    _ptx(name, *d, a_desc, b_desc, scale_d, 1, 1, int(g.transpose_A), int(not g.transpose_B))
+                _ptx(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}", *d, a_desc, b_desc, scale_d,
+                     1, 1, int(g.transpose_A), int(not g.transpose_B))
 
     def descriptor(self, t, buf, mn0, k0, mn_major: bool):
         """The 64-bit wgmma matrix descriptor of a shared tile at (mn0, k0) of the stage being read.
