@@ -1,7 +1,6 @@
 """The compiler down to CUDA source, cubin and SASS, on the CPU (no GPU needed)."""
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -10,7 +9,7 @@ import pytest
 
 import tile_ops
 import tile_ops.lang as T
-from programs import column_block_sum, copies, elementwise, matmul
+from programs import matmul
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
 from tile_ops.kernels.gemm import GemmConfig, gemm
@@ -82,102 +81,6 @@ def test_library_gemm_batched_bias_builds():
              target="sm_90a")
     assert k.meta.kept == ["A_tmap", "B_tmap", "Bias", "C"] and k.meta.grid == (2, 4, 3)
     assert k.meta.block == (256, 1, 1)  # 128 consumers + the TMA producer warpgroup
-
-
-# ----------------------------------------------------------------------------- vectorized T.Parallel and copies
-
-
-def _lanes(source: str) -> dict:
-    """Per register vector the kernel moves data through (``<buffer>_vec``: loaded,
-    ``<buffer>_out``: computed, then stored), its lanes; no entry: scalar accesses."""
-    found = re.findall(r"alignas\(\d+\) [\w ]+? (\w+_(?:vec|out))_ptr(?:_\d+)?\[(\d+)\];", source)
-    return {name: int(n) for name, n in found}
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_parallel_and_copies_move_16_byte_vectors(arch):
-    src = compile_program(elementwise.fn(256, 256), arch).source
-    # T.Parallel: swizzled shared and global loads, fp32 math per lane, a shared store; both copies
-    assert _lanes(src) == {"A_s_vec": 8, "B_vec": 8, "bias_s_vec": 8, "C_s_out": 8, "bias_vec": 8, "C_s_vec": 8}
-    assert "*(uint4*)(B_vec_ptr + 0) = *(uint4*)(B_ptr + " in src
-    assert "*(uint4*)(C_ptr + " in src
-    src = compile_program(elementwise.fn(256, 256, dtype="float32"), arch).source
-    assert set(_lanes(src).values()) == {4} and "*(float4*)(B_vec_ptr + 0) = *(float4*)(B_ptr + " in src
-
-
-def test_ragged_shapes_predicate_whole_vectors_or_fall_back():
-    src = compile_program(elementwise.fn(255, 1000), "sm_80").source  # rows of 1000: vectors are wholly in or out
-    assert set(_lanes(src).values()) == {8}
-    assert re.search(r"if \([^\n]*\) \{\n\s*\*\(uint4\*\)\(B_vec_ptr \+ 0\) = \*\(uint4\*\)\(B_ptr", src)
-    assert re.search(r"if \([^\n]*\) \{\n\s*\*\(uint4\*\)\(C_ptr", src)
-    src = compile_program(elementwise.fn(255, 1002), "sm_80").source  # rows of 1002: aligned to 2 halves
-    assert set(_lanes(src).values()) == {2} and "*(half2*)(B_vec_ptr + 0)" in src
-    src = compile_program(elementwise.fn(255, 1001), "sm_80").source  # odd rows: a vector would straddle the edge
-    assert _lanes(src) == {} and "uint4" not in src.split("extern \"C\"")[-1]
-
-
-def test_misaligned_or_strided_accesses_stay_scalar():
-    src = compile_program(elementwise.fn(256, 256, offset=1), "sm_80").source
-    assert _lanes(src) == {"bias_vec": 8, "C_s_vec": 8}  # B[.., j + 1]: the T.Parallel is scalar; copies are not
-
-    def prog(kind):
-        @T.prim_func
-        def f(A: T.Tensor((256, 256), "float16"), C: T.Tensor((256, 256), "float16")):
-            with T.Kernel(4, 8, threads=128) as (bx, by):
-                for i, j in T.Parallel(32, 64):
-                    if kind == "transposed":  # A read down a column
-                        C[by * 32 + i, bx * 64 + j] = A[bx * 64 + j, by * 32 + i]
-                    else:  # a load in an if_then_else branch is read only when the branch is taken
-                        C[by * 32 + i, bx * 64 + j] = T.if_then_else(j > 0, A[by * 32 + i, bx * 64 + j - 8], 0)
-        return f
-
-    for kind in ("transposed", "branch"):
-        assert _lanes(compile_program(prog(kind), "sm_80").source) == {}, kind
-
-
-def test_copies_and_fills_are_vectorized():
-    src = compile_program(copies.fn(256, 256), "sm_80").source
-    # T.clear(S1), S1 -> S2, S2 -> C, A -> D (global -> global)
-    assert _lanes(src) == {"S1_out": 8, "S1_vec": 8, "S2_vec": 8, "A_vec": 8}
-    src = compile_program(copies.fn(256, 256, out_dtype="float32"), "sm_80").source
-    assert _lanes(src)["A_vec"] == 4 and _lanes(src)["D_out"] == 4  # converted per lane, stored as float4
-    src = compile_program(copies.fn(256, 256, dtype="int8"), "sm_80").source
-    assert set(_lanes(src).values()) == {16}
-
-
-def test_swizzle_keeps_aligned_vectors_contiguous():
-    from tile_ops.compiler.layout import SharedLayout
-
-    for bits in (8, 16, 32, 64):
-        chunk = 128 // bits
-        for cols in (chunk, 2 * chunk, 8 * chunk, 16 * chunk):
-            lay = SharedLayout(16, cols, bits)
-            vec = chunk  # the widest vector (16 bytes); narrower ones are aligned runs inside it
-            for i in range(16):
-                for j0 in range(0, cols, vec):
-                    base = lay.offset(i, j0)
-                    assert base % vec == 0 and [lay.offset(i, j0 + lane) for lane in range(vec)] == list(
-                        range(base, base + vec)), (bits, cols, i, j0)
-
-
-def test_parallel_reads_the_pipeline_stage_being_computed():
-    src = compile_program(column_block_sum.fn(64, 512), "sm_80").source
-    loads = [line for line in src.splitlines() if "*(half4*)(A_s_vec_ptr" in line]
-    assert loads and all("(k % 3) * 2048" in line for line in loads)
-
-
-@needs_nvcc
-@needs_cuobjdump
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_vectorized_loops_use_128_bit_memory_instructions(arch):
-    def memory_ops(kernel):
-        return set(re.findall(r"\b((?:LD|ST)[GS](?:\.[A-Z0-9]+)*)\b", kernel.sass()))
-
-    ops = memory_ops(elementwise(256, 256, target=arch))
-    for op in ("LDG.E.128", "STG.E.128", "LDS.128", "STS.128"):
-        assert any(o.startswith(op) for o in ops), (op, ops)
-    ops = memory_ops(elementwise(255, 1001, target=arch))  # odd rows: every access scalar
-    assert not any(".128" in o or ".64" in o for o in ops), ops
 
 
 # ----------------------------------------------------------------------------- errors name the user's line
@@ -259,7 +162,7 @@ def test_second_process_hits_cache_without_importing_tvm(tmp_path):
     script = textwrap.dedent('''
         import sys, time
         t = time.perf_counter()
-        from programs import column_block_sum, copies, elementwise, matmul
+        from programs import matmul
         k = matmul(256, 256, 256, target="sm_90a")
         print("tvm" in sys.modules, len(k.cubin) > 0, round(time.perf_counter() - t, 3))
     ''')
@@ -274,7 +177,7 @@ def test_concurrent_processes_compile_a_key_once(tmp_path):
     env = dict(os.environ, TILE_OPS_CACHE_DIR=str(tmp_path / "c"), PYTHONPATH=os.path.dirname(__file__))
     script = textwrap.dedent('''
         import sys
-        from programs import column_block_sum, copies, elementwise, matmul
+        from programs import matmul
         k = matmul(384, 256, 128, target="sm_80")
         print("built" if "tvm" in sys.modules else "loaded", len(k.cubin) > 0)
     ''')

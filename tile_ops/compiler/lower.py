@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import tirx
-from tvm.ir.expr import TensorLoad
 from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.sym.analyzer import Analyzer
@@ -17,7 +16,7 @@ from tvm.tirx.script import builder as T
 
 from ..lang import ir
 from ..lang.ir import Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
-from .exprs import collect_loads, lazy_loads, rewrite, uses_var
+from .exprs import collect_loads, rewrite
 from .infer import LayoutInference, _is_vars, dtype_bits
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
 from .sm90 import PRODUCER_THREADS, CONSUMER_BARRIER, Hopper
@@ -211,13 +210,9 @@ class Lowerer:
 
         return rewrite(e, vm, on_load) if not isinstance(e, (int, float)) else e
 
-    def load(self, buf, idx, frag_index=None, stage=0, pred=None):
-        """``pred``: a global access's bounds predicate; the load reads 0 where it fails."""
-        if self._lane_moves(idx):
-            return self._lane_load(buf, idx, stage, pred)
+    def load(self, buf, idx, frag_index=None, stage=0):
         if buf.scope == "global":
-            value = tirx.BufferLoad(self.globals[buf], idx)
-            return value if pred is None else tirx.if_then_else(pred, value, tirx.const(0, buf.dtype))
+            return tirx.BufferLoad(self.globals[buf], idx)
         if buf.scope == "shared":
             t = self.shared[buf]
             return tirx.BufferLoad(t.view, [self.shared_offset(t, idx, stage)])
@@ -228,8 +223,6 @@ class Lowerer:
         return tirx.BufferLoad(self.frags[buf], [frag_index(buf, idx)])
 
     def store(self, buf, idx, value, frag_index=None, stage=0):
-        if self._lane_moves(idx):
-            return self._lane_store(buf, idx, value, stage)
         value = _cast(value, buf.dtype)
         if buf.scope == "global":
             T.buffer_store(self.globals[buf], value, idx)
@@ -380,9 +373,8 @@ class Lowerer:
         if s_scope == "global" and d_scope == "shared":
             return self.copy_g2s(node, s_start, d_start, extents,
                                  self.stage(dst.buffer) if stage is None else stage, asynchronous)
-        # generic elementwise copy (shared<->global, shared->shared, global->global, local)
-        self.vector_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx),
-                         self._copy_width(node, s_start, d_start, extents))
+        # generic elementwise copy (shared<->global, shared->shared, local)
+        self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx))
 
     def _copy_extents(self, node: Copy):
         se, de = node.src.extents, node.dst.extents
@@ -396,12 +388,10 @@ class Lowerer:
         return list(ext)
 
     def _in_bounds(self, buf, start, idx):
-        """The bounds predicate of a global access; inside a vector loop that of lane 0, which holds
-        for the whole vector (_vector_width)."""
+        idx = _pad(idx, start)
+        conds = []
         if buf.scope != "global":
             return None
-        idx = _pad(self._lane0(idx), start)
-        conds = []
         for s, i, dim in zip(start, idx, buf.shape):
             c = s + i < dim
             if not self.ana.can_prove(c):
@@ -416,8 +406,12 @@ class Lowerer:
     def _copy_elem(self, node, s_start, d_start, idx, d_stage=None):
         sb, db = node.src.buffer, node.dst.buffer
         d_stage = self.stage(db) if d_stage is None else d_stage
-        s_idx, d_idx = _at(s_start, idx), _at(d_start, idx)
-        value = self.load(sb, s_idx, stage=self.stage(sb), pred=self._in_bounds(sb, s_start, idx))
+        s_idx = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
+        d_idx = [a + b for a, b in zip(d_start, _pad(idx, d_start))]
+        value = self.load(sb, s_idx, stage=self.stage(sb))
+        pred_s = self._in_bounds(sb, s_start, idx)
+        if pred_s is not None:
+            value = tirx.if_then_else(pred_s, value, tirx.const(0, sb.dtype))
         pred_d = self._in_bounds(db, d_start, idx)
         if pred_d is not None:
             with T.If(pred_d):
@@ -451,9 +445,8 @@ class Lowerer:
         sb, db = node.src.buffer, node.dst.buffer
         t = self.shared[db]
         bits = dtype_bits(sb.dtype)
-        def sync_copy():  # vectors or elements, into the stage being filled
-            self.vector_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx, stage),
-                             self._copy_width(node, s_start, d_start, extents))
+        def sync_copy():  # element by element, into the stage being filled
+            self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx, stage))
 
         if sb.dtype != db.dtype or len(extents) != 2 or t.layout is None:
             return sync_copy()
@@ -539,117 +532,18 @@ class Lowerer:
                 return 1
         return vec
 
-    def _vstore(self, buf, idx, value, vec, stage=None):
+    def _vstore(self, buf, idx, value, vec):
         if buf.scope == "global":
             T.buffer_store(self.globals[buf], value, idx[:-1] + [_ramp(idx[-1], vec)])
         else:
             t = self.shared[buf]
-            stage = self.stage(buf) if stage is None else stage
-            T.buffer_store(t.view, value, [_ramp(self.shared_offset(t, idx, stage), vec)])
+            T.buffer_store(t.view, value, [_ramp(self.shared_offset(t, idx, self.stage(buf)), vec)])
 
-    def _vload_buf(self, buf, idx, vec, stage=None):
+    def _vload_buf(self, buf, idx, vec):
         if buf.scope == "global":
             return tirx.BufferLoad(self.globals[buf], idx[:-1] + [_ramp(idx[-1], vec)])
         t = self.shared[buf]
-        stage = self.stage(buf) if stage is None else stage
-        return tirx.BufferLoad(t.view, [_ramp(self.shared_offset(t, idx, stage), vec)])
-
-    # ------------------------------------------------------------------ vectors of lanes
-
-    lane, vec = None, 1  # inside vector_loop: the lane placeholder and the vector width
-
-    def vector_loop(self, extents, body_fn, vec):
-        """flat_loop over runs of ``vec`` consecutive elements along the last extent.  The body is
-        lowered once, for ``idx[-1] + lane``: loads and stores that move with the lane become
-        Ramp-indexed vector accesses through registers, and values are computed per lane in
-        unrolled scalar code (TVM's CUDA codegen cannot print every vector expression, e.g. a
-        float32x8 broadcast).  ``vec`` comes from _vector_width."""
-        if vec == 1:
-            return self.flat_loop(extents, body_fn)
-
-        def lanes(idx):
-            self.lane, self.vec = tirx.Var("lane", "int32"), vec
-            try:
-                body_fn(idx[:-1] + [idx[-1] + self.lane])
-            finally:
-                self.lane, self.vec = None, 1
-
-        self.flat_loop(extents, lanes, vec)
-
-    def _lane_moves(self, idx) -> bool:
-        return self.lane is not None and uses_var(idx[-1], self.lane)
-
-    def _lane0(self, idx):
-        """Indices of lane 0: a lane only ever adds itself to the last index (_vector_width)."""
-        if not self._lane_moves(idx):
-            return idx
-        return idx[:-1] + [rewrite(idx[-1], {self.lane: tirx.const(0, "int32")})]
-
-    def _lane_load(self, buf, idx, stage, pred):
-        """Load the lanes' vector into registers (zeros where ``pred`` fails); read this lane's."""
-        regs = T.alloc_local([self.vec], buf.dtype)
-        IRBuilder.name(f"{buf.name}_vec", regs)
-        load = self._vload_buf(buf, self._lane0(idx), self.vec, stage)
-        if pred is None:
-            T.buffer_store(regs, load, [_ramp(0, self.vec)])
-        else:
-            with T.If(pred):
-                with T.Then():
-                    T.buffer_store(regs, load, [_ramp(0, self.vec)])
-                with T.Else():
-                    with T.unroll(0, self.vec) as l:
-                        T.buffer_store(regs, tirx.const(0, buf.dtype), [l])
-        return tirx.BufferLoad(regs, [self.lane])
-
-    def _lane_store(self, buf, idx, value, stage):
-        """Compute each lane's value into registers, then store them as one vector."""
-        value = _cast(value, buf.dtype)
-        if not _reads_lane(value, self.lane):
-            regs = T.alloc_local([self.vec], buf.dtype)
-            IRBuilder.name(f"{buf.name}_out", regs)
-            with T.unroll(0, self.vec) as l:
-                T.buffer_store(regs, rewrite(value, {self.lane: l}), [l])
-            value = tirx.BufferLoad(regs, [self.lane])
-        vector = tirx.BufferLoad(value.source, [_ramp(0, self.vec)])
-        self._vstore(buf, self._lane0(idx), vector, self.vec, stage)
-
-    def _vector_width(self, accesses, var, extent) -> int:
-        """Elements per thread and access of a loop whose innermost variable ``var`` runs over
-        ``extent``: the widest power of two, up to 16 bytes per access, at which every access
-        ``(buffer, indices, kind)`` (kind: "load", "store", or "lazy" for a load in an if_then_else
-        branch) moves with ``var`` as ``aligned base + var`` along its last dim or, for a load,
-        does not involve ``var`` (a broadcast).  1 when nothing wider is provable."""
-        moving = [b for b, idx, _ in accesses if any(uses_var(i, var) for i in idx)]
-        if not moving:
-            return 1
-        vec = min(128 // dtype_bits(b.dtype) for b in moving)
-        while vec > 1:
-            if extent % vec == 0 and all(self._vectorizes(b, idx, kind, var, vec) for b, idx, kind in accesses):
-                return vec
-            vec //= 2
-        return 1
-
-    def _vectorizes(self, buf, idx, kind, var, vec) -> bool:
-        if not any(uses_var(i, var) for i in idx):
-            return kind != "store"  # a broadcast load; a store that every lane writes is not elementwise
-        if kind == "lazy":
-            return False  # a vector would read it before its branch's condition is known
-        if buf.scope not in ("global", "shared") or any(uses_var(i, var) for i in idx[:-1]):
-            return False
-        base = self.ana.simplify(idx[-1] - var)
-        # rows of `vec`-divisible length keep vectors aligned, and wholly in or out of bounds
-        if uses_var(base, var) or not self._divisible(base, vec) or buf.shape[-1] % vec:
-            return False
-        if buf.scope == "global":
-            return True
-        t = self.shared[buf]
-        # the swizzle permutes whole 16-byte chunks: an aligned vector inside one chunk stays contiguous
-        return t.stage_elems % vec == 0 and (t.layout is None or t.layout.chunk % vec == 0)
-
-    def _copy_width(self, node: Copy, s_start, d_start, extents) -> int:
-        at = [tirx.Var(f"c{d}", "int32") for d in range(len(extents))]
-        accesses = [(node.src.buffer, _at(s_start, at), "load"), (node.dst.buffer, _at(d_start, at), "store")]
-        return self._vector_width(accesses, at[-1], extents[-1])
+        return tirx.BufferLoad(t.view, [_ramp(self.shared_offset(t, idx, self.stage(buf)), vec)])
 
     # ------------------------------------------------------------------ elementwise
 
@@ -666,19 +560,16 @@ class Lowerer:
             with T.unroll(0, n) as r:
                 T.buffer_store(self.locals[b], _cast(value, b.dtype), [r] if len(b.shape) == 1 else _unflat(r, b.shape))
         else:
-            at = [tirx.Var(f"f{d}", "int32") for d in range(len(b.shape))]
-            vec = self._vector_width([(b, at, "store")], at[-1], b.shape[-1])
-            self.vector_loop(list(b.shape), lambda idx: self.store(b, idx, value, stage=self.stage(b)), vec)
+            self.flat_loop(list(b.shape), lambda idx: self.store(b, idx, value, stage=self.stage(b)))
 
     def parallel(self, node: Parallel, vm):
         anchor = self.infer.parallel.get(id(node))
-        if anchor is None:  # no fragment: spread the iteration space (in vectors) over the threads
+        if anchor is None:  # no fragment: spread the iteration space over the threads
             def run(idx):
                 inner = {**vm, **dict(zip(node.vars, idx))}
                 for st in node.body:
                     self._parallel_store(st, inner, None)
-            vec = self._vector_width(self._parallel_accesses(node, vm), node.vars[-1], node.extents[-1])
-            return self.vector_loop(node.extents, run, vec)
+            return self.flat_loop(node.extents, run)
         with T.unroll(0, anchor.local_size) as r:
             coords = anchor.coords(self.tid, r)
             inner = {**vm, **dict(zip(node.vars, coords))}
@@ -694,22 +585,13 @@ class Lowerer:
             for st in node.body:
                 self._parallel_store(st, inner, frag_index, node)
 
-    def _parallel_accesses(self, node: Parallel, vm) -> list:
-        """(buffer, indices, kind) of every access in a T.Parallel body (see _vector_width), outer
-        variables substituted."""
-        vm = {**self.block_vars, **vm}
-        out = []
-        for st in node.body:
-            out.append((st.buffer, [rewrite(i, vm) for i in st.indices], "store"))
-            loads = [(b, i, "load") for e in (st.value, *st.indices) for b, i in collect_loads(e)]
-            for buf_var, idx, kind in loads + [(b, i, "lazy") for b, i in lazy_loads(st.value)]:
-                if buf_var in self.buffers:
-                    out.append((self.buffers[buf_var], [rewrite(i, vm) for i in idx], kind))
-        return out
-
     def _guarded_load(self, buf, idx, frag_index):
-        pred = self._in_bounds(buf, [0] * len(idx), idx)
-        return self.load(buf, idx, frag_index, stage=self.stage(buf), pred=pred)
+        value = self.load(buf, idx, frag_index)
+        if buf.scope == "global":
+            pred = self._in_bounds(buf, [0] * len(idx), idx)
+            if pred is not None:
+                value = tirx.if_then_else(pred, value, tirx.const(0, buf.dtype))
+        return value
 
     def _parallel_store(self, st: Store, vm, frag_index, node=None):
         if node is not None:  # fragment indices must be the loop vars themselves (checked in inference)
@@ -889,16 +771,6 @@ def _squeeze(extents) -> list:
 def _pad(idx, like) -> list:
     """Tile coordinates for a side of higher rank: leading dims at offset 0."""
     return [0] * (len(like) - len(idx)) + list(idx)
-
-
-def _at(start, idx) -> list:
-    """Buffer indices of tile coordinates ``idx`` in a region starting at ``start``."""
-    return [a + b for a, b in zip(start, _pad(idx, start))]
-
-
-def _reads_lane(value, lane) -> bool:
-    """Whether ``value`` is a lane's element of a register vector (nothing to compute)."""
-    return isinstance(value, TensorLoad) and len(value.indices) == 1 and value.indices[0].same_as(lane)
 
 
 def _align(n: int) -> int:
