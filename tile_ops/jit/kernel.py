@@ -92,15 +92,6 @@ class EntryArgs:
         return desc
 
 
-def _raw_stream(device) -> tuple[int, int]:
-    """(device index, the current stream's cudaStream_t) without building a torch.cuda.Stream."""
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch have it
-    return index, raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
-
-
 class Kernel:
     """``kernel(*inputs)`` allocates the outputs named by ``out_idx``, launches, and returns them."""
 
@@ -150,11 +141,12 @@ class Kernel:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def launch_ptrs(self, ptrs, device):
-        """Fast path for callers that validated their tensors: one pointer per parameter, in order.
-        Per-call cost matters here (tiny GEMMs): the raw stream handle, not a torch Stream object."""
-        index, stream = _raw_stream(device)
-        fn = self._function or self._fn()
-        fn.launch(self.meta.grid, self.meta.block, self._entry_args.build(ptrs, index), stream, index)
+        """Fast path for callers that validated their tensors: one pointer per parameter, in order."""
+        import torch
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self._fn().launch(self.meta.grid, self.meta.block, self._entry_args.build(ptrs, index), stream, index)
 
     def launch(self, *tensors, stream=None):
         """Launch on explicit tensors for every parameter (inputs and outputs), checked first."""
