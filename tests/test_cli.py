@@ -101,9 +101,3 @@ def test_console_script(tmp_path):
                           env=dict(os.environ, TILE_OPS_CACHE_DIR=str(tmp_path)))
     assert proc.returncode == 0 and str(tmp_path) in proc.stdout, proc.stderr
 
-
-def test_precompile_a_split_k_decode_shape_builds_both_kernels(tmp_path):
-    cache = tmp_path / "cache"
-    out = run_cli(cache, "precompile", "--arch", "sm_90a", "--gemm", "16x1024x4096", "--dtype", "float16")
-    assert "1 built, 0 already cached, 0 failed" in out, out
-    assert entries(cache) == 2  # default_config splits K: the partial kernel and the reduction

@@ -1,6 +1,6 @@
 """Split-K gemm on the CPU: the two kernels build for both Hopper paths (sm_90a: TMA + wgmma; sm_90:
 cp.async + mma.sync), their grids, parameters and instructions, the launch plumbing (with a fake
-kernel pair), and the heuristic's choice of split.  GPU numerics: tests/test_gemm_splitk_gpu.py."""
+kernel pair), and that the heuristic does not split (the autotuner may).  GPU numerics: tests/test_gemm_splitk_gpu.py."""
 
 import dataclasses
 import re
@@ -186,22 +186,12 @@ def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
 # ----------------------------------------------------------------------------- the heuristic and the space
 
 
-@pytest.mark.parametrize("shape,split", [((16, 8192, 8192), 2), ((1, 4096, 4096), 4), ((64, 8192, 8192), 2),
-                                         ((16, 1024, 8192), 16), ((16, 4096, 14336), 4)])
-def test_default_config_splits_long_k_decode_gemms_on_hopper(shape, split):
-    cfg = default_config(*shape, "sm_90a")
-    assert cfg.split_k == split and (cfg.block_M, cfg.block_N, cfg.block_K) == (64, 128, 64)
-    M, N, K = shape
-    ctas = -(-M // 64) * -(-N // 128) * split
-    assert gemm_kernels.SMS * 0.9 <= ctas <= 2 * gemm_kernels.SMS  # about one or two waves
-    k_tiles = -(-K // 64)
-    assert split_k_tiles(K, cfg) * (split - 1) < k_tiles  # no split left without k-tiles
-    assert default_config(*shape, "sm_90").split_k == 1  # the Ampere-class path does not split
-
-
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (1000, 1000, 1000), (8192, 1024, 8192), (128, 8192, 8192),
-                                   (16, 8192, 1024), (16, 128256, 4096), (64, 14336, 4096), (1, 64, 8)])
-def test_default_config_does_not_split_square_short_k_or_wide_problems(shape):
+                                   (16, 8192, 1024), (16, 128256, 4096), (64, 14336, 4096), (1, 64, 8),
+                                   (16, 8192, 8192), (1, 4096, 4096)])
+def test_default_config_does_not_split(shape):
+    """Split-K is chosen by the autotuner (which checks each candidate's result on the GPU), not by the
+    heuristic, until its kernels have run on the H200."""
     assert default_config(*shape, "sm_90a").split_k == 1
 
 

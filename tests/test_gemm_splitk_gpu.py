@@ -92,8 +92,7 @@ def test_split_k_through_the_op(M, N, K, split_k, bias, dtype, monkeypatch):
         assert rel_err(out, ref) < TOL[dtype]
 
 
-def test_default_decode_config_splits_and_is_correct():
+def test_default_decode_config_is_correct():
     a, b, c, ref = operands(16, 8192, 8192, F16, True)
-    assert gemm_kernels.default_config(16, 8192, 8192, "sm_90a").split_k > 1
     poison()
     assert rel_err(tile_ops.gemm(a, b, c), ref) < TOL[F16]

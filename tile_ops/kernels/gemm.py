@@ -36,9 +36,6 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound, so enough CTAs to stream B from every SM
-            split = _decode_split(M, N, K)
-            if split > 1:  # long K: the best decode tile (bench_gemm.py --configs), K split to fill the SMs
-                return GemmConfig(64, 128, 64, 6, 128, 0, split_k=split)
             return GemmConfig(64, 64, 128, 6, 128, 0)
         for cfg in _HOPPER_TILES:  # the biggest tile that still gives ~one CTA per SM
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= 100:
@@ -49,32 +46,6 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     if M * N <= 1024 * 1024:
         return GemmConfig(128, 128, 64, 3, 256, 8)
     return GemmConfig(128, 128, 32, 3, 128, 8)  # best of bench_gemm.py --configs on the H200 (NOTES.md)
-
-
-SMS = 132  # H100 SXM / H200
-SPLIT_K_MIN_K = 2048  # below this a decode gemm is too short to be worth a second (reduction) kernel
-_MAX_SPLIT = 16
-
-
-def _decode_split(M: int, N: int, K: int, block_N: int = 128, block_K: int = 64) -> int:
-    """split_k for a 64 x ``block_N`` decode tile: the split (up to 16, each split >= 4 k-tiles) whose
-    tiles * split fill 1-2 waves of the SMs best (fewest idle SM slots in the last wave, then the
-    smallest split); 1 when K is short or the tiles alone nearly fill the GPU."""
-    if K < SPLIT_K_MIN_K:
-        return 1
-    tiles = -(-M // 64) * -(-N // block_N)
-    k_tiles = -(-K // block_K)
-    best, best_fill = 1, tiles / (-(-tiles // SMS) * SMS)
-    for split in range(2, _MAX_SPLIT + 1):
-        ctas = tiles * split
-        if ctas > 2 * SMS or k_tiles < 4 * split:
-            break
-        if -(-k_tiles // split) * (split - 1) >= k_tiles:  # the last split would get no k-tiles
-            continue
-        fill = ctas / (-(-ctas // SMS) * SMS)
-        if fill > best_fill + 0.05:  # a clearly fuller last wave; otherwise fewer splits (less reduction)
-            best, best_fill = split, fill
-    return best
 
 
 # (block_M, block_N, threads): at most 128 fp32 accumulators per thread
