@@ -9,7 +9,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/tile_ops_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TILE_OPS_CACHE_DIR=${TILE_OPS_CACHE_DIR:-/tmp/tile_ops_cache}
 [ -d .tvmkit ] && source .tvmkit/install.sh
-pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+# which launcher a process gets: tile_ops._C (built by the install) or tile_ops_C (JIT-built on first use, ~10 s)
+python -c "from tile_ops.jit.launcher import get_launcher as g; print('launcher:', g().__name__)" 2>&1 | tail -1
+grep -A3 "WARNING: building the tile_ops._C" "$OUT/install.log" | head -4
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python -m pytest ${TESTS:-tests} -m gpu -q -n 8 ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
