@@ -266,3 +266,19 @@ def test_hopper_falls_back_where_tma_cannot_go():
     mix = k.instruction_mix()
     assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) == 0 and not k.meta.tensormaps
     assert k.meta.block == (128, 1, 1)
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("shape", [(4096, 4096, 4096), (2048, 2048, 2048), (1000, 1000, 1000), (16, 8192, 8192),
+                                   (704, 704, 4096)])
+def test_library_gemm_default_configs_on_hopper_have_no_spills(shape):
+    """The configs the ops launch by default on sm_90a: TMA + wgmma + mbarriers in SASS, no register spills."""
+    from tile_ops.kernels.gemm import default_config
+
+    cfg = default_config(*shape, "sm_90a")
+    M, N, K = shape
+    k = gemm(M, N, K, 1, 1, 1, False, False, True, "float16", "float16", cfg, target="sm_90a")
+    mix = k.instruction_mix()
+    assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) > 0 and mix.get("SYNCS", 0) > 0, (cfg, mix)
+    assert k.meta.resources["spill_stores"] == 0 and k.meta.resources["spill_loads"] == 0, (cfg, k.meta.resources)
