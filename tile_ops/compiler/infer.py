@@ -173,10 +173,12 @@ def uses_wgmma(g: Gemm, threads: int) -> bool:
     ok = (g.A.scope == g.B.scope == "shared" and g.A.dtype == g.B.dtype and g.A.dtype in ("float16", "bfloat16")
           and g.C.dtype == "float32" and g.policy != "full_col" and threads % 128 == 0
           and M % (64 * (threads // 128)) == 0 and N % 8 == 0 and N <= 256 and Ka % 16 == 0)
-    return ok and all(_descriptor_readable(t) for t in (g.A, g.B))
+    return ok and all(in_swizzled_panels(t) for t in (g.A, g.B))
 
 
-def _descriptor_readable(tile) -> bool:
+def in_swizzled_panels(tile) -> bool:
+    """A 2-D shared tile laid out as whole swizzled panels of 8-row groups: what wgmma descriptors
+    read and TMA boxes write."""
     if len(tile.shape) != 2:
         return False
     rows, cols = tile.shape

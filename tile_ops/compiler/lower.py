@@ -19,7 +19,7 @@ from ..lang.ir import Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangEr
 from .exprs import collect_loads, rewrite
 from .infer import LayoutInference, _is_vars, dtype_bits
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
-from .sm90 import PRODUCER_THREADS, CONSUMER_BARRIER, Hopper
+from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
@@ -133,8 +133,7 @@ class Lowerer:
         return stages
 
     def _align(self, n: int) -> int:
-        a = ALIGN_SM90 if self.sm90 else ALIGN
-        return -(-n // a) * a
+        return _align(n, ALIGN_SM90 if self.sm90 else ALIGN)
 
     def _declare_memory(self) -> int:
         offset, pending = 0, []
@@ -186,8 +185,13 @@ class Lowerer:
                     need = max(need, lay.w.M * lay.w.wn * 4)
         return need
 
+    @staticmethod
+    def stage_base(t: SharedTile, stage):
+        """Element offset of pipeline stage ``stage`` of a (possibly multi-buffered) shared tile."""
+        return stage * t.stage_elems if t.stages > 1 else 0
+
     def shared_offset(self, t: SharedTile, idx, stage=0):
-        base = stage * t.stage_elems if t.stages > 1 else 0
+        base = self.stage_base(t, stage)
         if t.layout is None:
             return base + idx[0]
         return base + t.layout.offset(idx[0], idx[1])
@@ -256,9 +260,9 @@ class Lowerer:
 
     def sync(self):
         if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads
-            _ptx("fence.proxy.async.shared::cta")
+            emit_ptx("fence.proxy.async.shared::cta")
         if self.ws:  # the producer warpgroup is not at consumer barriers
-            _ptx("bar.sync", CONSUMER_BARRIER, self.threads)
+            emit_ptx("bar.sync", CONSUMER_BARRIER, self.threads)
         else:
             T.evaluate(TS.cuda.cta_sync())
 
@@ -335,21 +339,21 @@ class Lowerer:
                 with T.Then():
                     for c in loads:
                         self.copy(c, {**vm, node.var: tirx.const(s, "int32")}, stage=s, asynchronous=True)
-            _ptx("cp.async.commit_group")
+            emit_ptx("cp.async.commit_group")
         with T.serial(0, n) as k:
             IRBuilder.name(node.var.name, k)
-            _ptx("cp.async.wait_group", S - 2)
+            emit_ptx("cp.async.wait_group", S - 2)
             self.sync()
             nxt = k + (S - 1)
             with T.If(nxt < n):
                 with T.Then():
                     for c in loads:
                         self.copy(c, {**vm, node.var: nxt}, stage=tirx.floormod(nxt, S), asynchronous=True)
-            _ptx("cp.async.commit_group")
+            emit_ptx("cp.async.commit_group")
             self.stage_of_iter = tirx.floormod(k, S)
             self.body(compute, {**vm, node.var: k})
             self.stage_of_iter = None
-        _ptx("cp.async.wait_group", 0)
+        emit_ptx("cp.async.wait_group", 0)
         self.sync()
 
     stage_of_iter = None
@@ -479,8 +483,8 @@ class Lowerer:
 
         self.flat_loop(extents, one, vec)
         if not asynchronous:
-            _ptx("cp.async.commit_group")
-            _ptx("cp.async.wait_group", 0)
+            emit_ptx("cp.async.commit_group")
+            emit_ptx("cp.async.wait_group", 0)
 
     def _divisible(self, e, v) -> bool:
         return v == 1 or self.ana.can_prove(tirx.floormod(e, v) == 0) if not isinstance(e, int) else e % v == 0
@@ -738,10 +742,6 @@ class Lowerer:
 # ---------------------------------------------------------------------- helpers
 
 
-def _ptx(name, *args):
-    T.evaluate(TS.ptx[name](*args))
-
-
 def _cast(v, dtype):
     if isinstance(v, (int, float)):
         return tirx.const(v, dtype)
@@ -773,8 +773,8 @@ def _pad(idx, like) -> list:
     return [0] * (len(like) - len(idx)) + list(idx)
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _align(n: int, alignment: int = ALIGN) -> int:
+    return -(-n // alignment) * alignment
 
 
 def _unflat(r, shape):

@@ -22,7 +22,7 @@ from tvm.tirx.script import builder as T
 
 from ..lang.ir import Copy, For, Gemm
 from .exprs import collect_loads
-from .infer import dtype_bits
+from .infer import dtype_bits, in_swizzled_panels
 from .layout import MmaAccumLayout, SharedLayout
 
 PRODUCER_THREADS = 128
@@ -77,14 +77,9 @@ class Hopper:
         full boxes, a window over the global tensor's last two dims, 16-byte aligned strides, and
         start indices that do not read memory (the producer computes them on its own)."""
         g, t = c.src.buffer, c.dst.buffer
-        if g.dtype != t.dtype or len(t.shape) != 2 or dtype_bits(g.dtype) % 8:
+        if g.dtype != t.dtype or dtype_bits(g.dtype) % 8 or not in_swizzled_panels(t) or t.shape[0] > 256:
             return False
-        rows, cols = t.shape
-        lay = SharedLayout(rows, cols, dtype_bits(t.dtype))
-        if not lay.swizzle or rows % 8 or cols % lay.panel or rows > 256:
-            return False
-        ext = [e for e in (c.src.extents if None not in c.src.extents else c.dst.extents)]
-        if [e for e in ext if e != 1][-2:] != [rows, cols] and list(ext[-2:]) != [rows, cols]:
+        if self.lw._copy_extents(c) != list(t.shape):  # the whole tile, from the global's last two dims
             return False
         eb = dtype_bits(g.dtype) // 8
         stride = eb
@@ -178,15 +173,15 @@ class Hopper:
         with T.If(lw.tid == 0):
             with T.Then():
                 for s in range(ws.stages):
-                    _ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
-                    _ptx("mbarrier.init.shared::cta.b64", self.empty(s), consumers)
-                _ptx("fence.mbarrier_init.release.cluster")
+                    emit_ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
+                    emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), consumers)
+                emit_ptx("fence.mbarrier_init.release.cluster")
         T.evaluate(TS.cuda.cta_sync())
         n_wg = consumers // 128
         with T.If(lw.tid >= consumers):
             with T.Then():
                 if n_wg > 1:
-                    _ptx("setmaxnreg.dec.sync.aligned.u32", 40)
+                    emit_ptx("setmaxnreg.dec.sync.aligned.u32", 40)
                 with T.If(lw.tid == consumers):
                     with T.Then():
                         cnt = self.step_counter()
@@ -194,7 +189,7 @@ class Hopper:
                             self.producer_nest(self.ws.outer, {}, cnt)
             with T.Else():
                 if n_wg > 1:
-                    _ptx("setmaxnreg.inc.sync.aligned.u32", min(240, (65536 - 40 * 128) // (128 * n_wg) // 8 * 8))
+                    emit_ptx("setmaxnreg.inc.sync.aligned.u32", min(240, (65536 - 40 * 128) // (128 * n_wg) // 8 * 8))
                 self.consumer_steps = self.step_counter()
                 reuses_shared = any(lw._touches_shared(n) for n in body if not _contains(n, ws.loop))
                 with self.tiles(cta):
@@ -223,7 +218,7 @@ class Hopper:
             s = tirx.floormod(cnt[0], S)
             phase = tirx.floormod(tirx.floordiv(cnt[0], S), 2)
             T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - phase))  # a fresh barrier passes parity 1
-            _ptx("mbarrier.arrive.expect_tx.shared::cta.b64", self.full(s), stage_bytes)
+            emit_ptx("mbarrier.arrive.expect_tx.shared::cta.b64", self.full(s), stage_bytes)
             for c in ws.loads:
                 self.tma_load(c, {**vm, node.var: k}, s)
             T.buffer_store(cnt, cnt[0] + 1, [0])
@@ -236,9 +231,9 @@ class Hopper:
         coords = list(reversed(starts))
         rank = len(coords)
         for p in range(t.layout.cols // t.layout.panel):
-            dst = t.view.ptr_to([stage * t.stage_elems + p * t.layout.panel_elems])
+            dst = t.view.ptr_to([lw.stage_base(t, stage) + p * t.layout.panel_elems])
             cs = [coords[0] + p * t.layout.panel] + coords[1:]
-            _ptx(f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            emit_ptx(f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes",
                  dst, T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage))
 
     def consumer_loop(self, node: For, vm, n):
@@ -254,25 +249,25 @@ class Hopper:
             T.evaluate(TS.cuda.mbarrier_wait(self.full(s), tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
             lw.stage_of_iter = s
             if ws.deferred_wait:
-                _ptx("wgmma.fence.sync.aligned")
+                emit_ptx("wgmma.fence.sync.aligned")
                 for g in compute:
                     self.issue_wgmma(g)
-                _ptx("wgmma.commit_group.sync.aligned")
-                _ptx("wgmma.wait_group.sync.aligned", 1)
+                emit_ptx("wgmma.commit_group.sync.aligned")
+                emit_ptx("wgmma.wait_group.sync.aligned", 1)
                 with T.If(k > 0):  # step k - 1's group retired: its stage can be refilled
                     with T.Then():
-                        _ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
+                        emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
             else:
                 lw.body(compute, {**vm, node.var: k})
-                _ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
+                emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
             lw.stage_of_iter = None
             T.buffer_store(cnt, cnt[0] + 1, [0])
         if ws.deferred_wait:
-            _ptx("wgmma.wait_group.sync.aligned", 0)
+            emit_ptx("wgmma.wait_group.sync.aligned", 0)
             self.fence_accumulators(compute)
             with T.If(n > 0):  # release the last step's stage (an enclosing loop refills it)
                 with T.Then():
-                    _ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
+                    emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
 
     # ------------------------------------------------------------------ wgmma
 
@@ -282,10 +277,10 @@ class Hopper:
         if g.clear_accum:
             with T.unroll(0, lw.infer.layouts[g.C].local_size) as r:
                 T.buffer_store(lw.frags[g.C], tirx.const(0.0, "float32"), [r])
-        _ptx("wgmma.fence.sync.aligned")
+        emit_ptx("wgmma.fence.sync.aligned")
         self.issue_wgmma(g)
-        _ptx("wgmma.commit_group.sync.aligned")
-        _ptx("wgmma.wait_group.sync.aligned", 0)
+        emit_ptx("wgmma.commit_group.sync.aligned")
+        emit_ptx("wgmma.wait_group.sync.aligned", 0)
         self.fence_accumulators([g])
 
     def fence_accumulators(self, gemms):
@@ -313,7 +308,7 @@ class Hopper:
                 b_desc = self.descriptor(tb, g.B, 0, kk * 16, mn_major=not g.transpose_B)
                 d = [acc[mi * lay.ni * 4 + r] for r in range(lay.ni * 4)]
                 scale_d = tirx.const(True, "bool") if not g.clear_accum or kk else tirx.const(False, "bool")
-                _ptx(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}", *d, a_desc, b_desc, scale_d,
+                emit_ptx(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}", *d, a_desc, b_desc, scale_d,
                      1, 1, int(g.transpose_A), int(not g.transpose_B))
 
     def descriptor(self, t, buf, mn0, k0, mn_major: bool):
@@ -327,8 +322,7 @@ class Hopper:
         row_bytes = lay.panel * eb
         i, j = (k0, mn0) if mn_major else (mn0, k0)
         elem = j // lay.panel * lay.panel_elems + i * lay.panel + j % lay.panel  # unswizzled: the panel origin
-        stage = self.lw.stage(buf)
-        elem = stage * t.stage_elems + elem if t.stages > 1 else elem
+        elem = self.lw.stage_base(t, self.lw.stage(buf)) + elem
         addr = tirx.Cast("uint64", TS.cuda.cvta_generic_to_shared(t.view.ptr_to([elem])))
         lbo = lay.panel_elems * eb if mn_major else 16
         const = ((lbo >> 4) << 16) | (((8 * row_bytes) >> 4) << 32) | (_DESC_MODE[lay.swizzle_bytes] << 62)
@@ -370,5 +364,6 @@ def _i32(x):
     return x if isinstance(x, int) else (x if str(x.ty) == "int32" else tirx.Cast("int32", x))
 
 
-def _ptx(name, *args):
+def emit_ptx(name, *args):
+    """One PTX instruction from TVM's table-driven ``T.ptx`` dialect, as a statement."""
     T.evaluate(TS.ptx[name](*args))

@@ -86,10 +86,9 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         if bM > max(64, _pow2(M)) or bN > max(64, _pow2(N)):
             continue
         swizzles = (0, 8) if -(-N // bN) > 8 and -(-M // bM) > 1 else (0,)
-        # decode: split K too (the grid is short); a split gets at least 2 k-tiles
-        splits = [s for s in (1, 2, 4) if s == 1 or decode and -(-K // 64) >= 2 * s]
+        splits = (1, 2, 4) if decode else (1,)  # decode: split K too (the grid is short)
         space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk) for bK, stages in depths
-                  for sw in swizzles for sk in splits if sk == 1 or -(-K // bK) >= 2 * sk]
+                  for sw in swizzles for sk in splits if sk == 1 or -(-K // bK) >= 2 * sk]  # >= 2 k-tiles a split
     return space
 
 
@@ -111,7 +110,8 @@ def _pow2(n: int) -> int:
 
 def split_k_tiles(K: int, cfg: GemmConfig) -> int:
     """k-tiles (of ``block_K``) per split: split s covers k-tiles [s * n, min((s + 1) * n, ceil(K / bK)))."""
-    return -(-(-(-K // cfg.block_K)) // cfg.split_k)
+    k_tiles = -(-K // cfg.block_K)
+    return -(-k_tiles // cfg.split_k)
 
 
 @tile_ops.jit(out_idx=[-1])
