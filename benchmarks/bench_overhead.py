@@ -78,6 +78,28 @@ def host_us(fn, batches=50):
     return statistics.median(runs)
 
 
+def host_stages(a, b):
+    """The fast path's host stages, each timed alone like host_us: where a call's microseconds go."""
+    gemm_mod = importlib.import_module("tile_ops.ops.gemm")
+    plan = gemm_mod._PLANS.find(gemm_mod._plan_key, a, b, None, None)
+    out = torch.empty(*plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+    pa, pb, po = a.data_ptr(), b.data_ptr(), out.data_ptr()
+    index = a.device.index
+    stages = {
+        "skips_dispatcher": lambda: fastpath.skips_dispatcher(a, b, None),
+        "plan key + lookup": lambda: gemm_mod._PLANS.find(gemm_mod._plan_key, a, b, None, None),
+        "3 x data_ptr()": lambda: (a.data_ptr(), b.data_ptr(), out.data_ptr()),
+        "torch.empty (output)": lambda: torch.empty(*plan.out_shape, dtype=plan.out_dtype, device=plan.device),
+        "raw current stream": lambda: torch._C._cuda_getCurrentRawStream(index),
+        "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(a.device).cuda_stream,
+        "plan.launch (kernel launch)": lambda: plan.launch(pa, pb, po),
+        "fastpath.launch (empty + launch)": lambda: fastpath.launch(plan, a, b),
+        "tile_ops.gemm (all)": lambda: tile_ops.gemm(a, b),
+        "torch.matmul (all)": lambda: torch.matmul(a, b),
+    }
+    return [{"stage": name, "host_us": round(host_us(fn, batches=20), 2)} for name, fn in stages.items()]
+
+
 def check_fast_path_taken(a, b, scale):
     """The fast-path rows must not silently measure the dispatcher path."""
     gemm_mod = importlib.import_module("tile_ops.ops.gemm")
@@ -122,7 +144,9 @@ def main():
     overhead = rows[0]["overhead_us"]
     print(f"tile_ops.gemm overhead {overhead} us: {'under' if overhead < BAR_US else 'OVER'} the {BAR_US:g} us bar "
           f"(torch.matmul: {rows[-1]['overhead_us']} us)")
-    save(rows, args.json)
+    stages = host_stages(a, b)
+    print_table(stages, list(stages[0]), "Host time of the fast path's stages (each alone, per call)")
+    save({"paths": rows, "host_stages": stages}, args.json)
 
 
 if __name__ == "__main__":

@@ -260,6 +260,23 @@ def test_hopper_gemm_is_tma_wgmma_warp_specialized(kw):
 
 @needs_nvcc
 @needs_cuobjdump
+@pytest.mark.parametrize("stages, per_sm", [(3, 2), (4, 1)])
+def test_hopper_one_warpgroup_pipeline_runs_two_ctas_per_sm_when_shared_memory_fits_twice(stages, per_sm):
+    """128x128x64 tiles: 3 stages (96 KiB) fit twice in an SM's 228 KiB, 4 stages (128 KiB) do not.  Two
+    resident CTAs cap registers at 128 per thread and move the producer's to the consumers (setmaxnreg)."""
+    k = _hopper_gemm(4096, 4096, 4096, block_M=128, block_N=128, block_K=64, num_stages=stages)
+    mix = k.instruction_mix()
+    bounds = "__launch_bounds__(256, 2)" if per_sm == 2 else "__launch_bounds__(256)"
+    assert bounds in k.source
+    assert k.meta.grid == (132 * per_sm, 1, 1)  # persistent: one CTA per resident slot walks the 1024 tiles
+    assert mix.get("USETMAXREG", 0) == (2 if per_sm == 2 else 0), mix
+    assert k.meta.resources["spill_stores"] == 0 and k.meta.resources["spill_loads"] == 0
+    if per_sm == 2:
+        assert k.meta.resources["registers"] <= 128 and "setmaxnreg.inc.sync.aligned.u32 216" in k.source
+
+
+@needs_nvcc
+@needs_cuobjdump
 def test_hopper_falls_back_where_tma_cannot_go():
     """Rows of 129 halves are not 16-byte aligned: no tensor map, synchronous copies, still wgmma."""
     k = _hopper_gemm(127, 255, 129, block_K=64)

@@ -20,6 +20,8 @@ def emit_cuda(lowered: LoweredKernel, arch: str) -> tuple[str, str, list[str]]:
     (TVM drops parameters the kernel never touches)."""
     mod = tvm.compile(tvm.IRModule({"main": lowered.func}), target=target_for(arch), tir_pipeline="tirx")
     source = mod.mod.imports[0].inspect_source()
+    if lowered.ctas_per_sm > 1:  # cap registers so that many CTAs fit on an SM (setmaxnreg rebalances them)
+        source = re.sub(r"__launch_bounds__\((\d+)\)", rf"__launch_bounds__(\1, {lowered.ctas_per_sm})", source)
     m = _ENTRY.search(source)
     if m is None:
         raise RuntimeError("tile_ops: could not find the kernel entry in TVM's CUDA output")

@@ -23,6 +23,7 @@ from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
+SMEM_LIMIT = 227 * 1024  # per CTA on sm_80 / sm_90
 ALIGN_SM90 = 1024  # TMA and wgmma read 128-byte swizzle atoms of 8 rows from 1024-byte boundaries
 
 
@@ -36,6 +37,7 @@ class LoweredKernel:
     params: list  # [(name, shape, dtype)]
     layouts: dict  # buffer name -> description
     tensormaps: dict  # CUDA parameter name -> tensor-map spec for the launcher
+    ctas_per_sm: int = 1  # CTAs meant to be resident per SM (__launch_bounds__'s minimum blocks)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Lowerer:
             func, self.prog.name, tuple(grid), (block, 1, 1), self.smem_bytes,
             [(p.name, p.shape, p.dtype) for p in self.prog.params],
             {b.name: self._describe(b) for b in k.allocs}, tensormaps,
+            self.hopper.ctas_per_sm if self.hopper else 1,
         )
 
     def _describe(self, b) -> str:
@@ -135,9 +138,10 @@ class Lowerer:
     def _align(self, n: int) -> int:
         return _align(n, ALIGN_SM90 if self.sm90 else ALIGN)
 
-    def _declare_memory(self) -> int:
-        offset, pending = 0, []
-        self.shared, self.frags, self.locals = {}, {}, {}
+    def memory_plan(self):
+        """Shared arena layout: ([(buffer, byte offset, elems per stage, stages, layout)], scratch offset,
+        mbarrier offset, total bytes).  Pure, so the Hopper planner can size CTAs before emitting."""
+        offset, tiles = 0, []
         for b in self.kernel.allocs:
             if b.scope == "shared":
                 elems = 1
@@ -145,23 +149,28 @@ class Lowerer:
                     elems *= s
                 stages = self.stages.get(b, 1)
                 lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
-                pending.append((b, offset, elems, stages, lay))
+                tiles.append((b, offset, elems, stages, lay))
                 offset += self._align(elems * stages * dtype_bits(b.dtype) // 8)
-            elif b.scope == "fragment":
+        scratch_offset = offset
+        barrier_offset = offset + _align(self._scratch_bytes())
+        total = barrier_offset + (self.hopper.barrier_bytes() if self.hopper else 0)
+        return tiles, scratch_offset, barrier_offset, total
+
+    def _declare_memory(self) -> int:
+        self.shared, self.frags, self.locals = {}, {}, {}
+        for b in self.kernel.allocs:
+            if b.scope == "fragment":
                 lay = self.infer.layouts[b]
                 self.frags[b] = T.alloc_local([lay.local_size], b.dtype)
                 IRBuilder.name(b.name, self.frags[b])
-            else:
+            elif b.scope != "shared":
                 self.locals[b] = T.alloc_local(list(b.shape), b.dtype)
                 IRBuilder.name(b.name, self.locals[b])
-        self.scratch_offset = offset
-        offset += _align(self._scratch_bytes())
-        barrier_offset = offset
-        offset += self.hopper.barrier_bytes() if self.hopper else 0
-        if offset:
-            arena = T.alloc_buffer((offset,), "uint8", scope="shared.dyn")
+        tiles, self.scratch_offset, barrier_offset, total = self.memory_plan()
+        if total:
+            arena = T.alloc_buffer((total,), "uint8", scope="shared.dyn")
             IRBuilder.name("smem", arena)
-            for b, off, elems, stages, lay in pending:
+            for b, off, elems, stages, lay in tiles:
                 view = T.decl_buffer((elems * stages,), b.dtype, data=arena.data, scope="shared.dyn",
                                      elem_offset=off * 8 // dtype_bits(b.dtype))
                 IRBuilder.name(b.name, view)
@@ -171,10 +180,10 @@ class Lowerer:
             IRBuilder.name("reduce_scratch", self.scratch)
             if self.ws:
                 self.hopper.bind_barriers(arena, barrier_offset)
-        if offset > 227 * 1024:
-            raise error(self.kernel.loc, f"the kernel needs {offset} bytes of shared memory; the limit is "
-                                         f"{227 * 1024} (reduce block sizes or num_stages)")
-        return offset
+        if total > SMEM_LIMIT:
+            raise error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit is "
+                                         f"{SMEM_LIMIT} (reduce block sizes or num_stages)")
+        return total
 
     def _scratch_bytes(self) -> int:
         need = 0

@@ -26,7 +26,10 @@ from .infer import dtype_bits, in_swizzled_panels
 from .layout import MmaAccumLayout, SharedLayout
 
 PRODUCER_THREADS = 128
-PERSISTENT_CTAS = 132  # SMs of an H100 SXM / H200: warp-specialized kernels with more tiles loop over them
+SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
+SM_SHARED_BYTES = 228 * 1024  # per SM, of which each resident CTA reserves 1 KiB
+REGISTERS = 65536  # per SM
+PRODUCER_REGISTERS = 40  # per producer thread after setmaxnreg.dec: it only issues TMA and waits
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 _DESC_MODE = {128: 1, 64: 2, 32: 3}  # wgmma matrix-descriptor layout type
@@ -128,6 +131,27 @@ class Hopper:
 
     # ------------------------------------------------------------------ device side: warp specialization
 
+    @property
+    def ctas_per_sm(self) -> int:
+        """Two co-resident CTAs per SM for a one-consumer-warpgroup pipeline whose shared memory fits
+        twice: while one CTA stores its tile (or waits on TMA), the other's wgmmas keep the tensor
+        cores busy, which is what ping-pong consumer warpgroups achieve inside one CTA."""
+        if not self.ws or self.lw.threads != 128:
+            return 1
+        return 2 if 2 * (self.lw.memory_plan()[3] + 1024) <= SM_SHARED_BYTES else 1
+
+    def resident_ctas(self) -> int:
+        return SMS * self.ctas_per_sm
+
+    def consumer_registers(self) -> int | None:
+        """setmaxnreg target of the consumer warps, or None when the launch-bound budget already suffices:
+        what the producer warpgroup gives up, shared among the consumer warpgroups."""
+        n_wg, per_sm = self.lw.threads // 128, self.ctas_per_sm
+        if n_wg == 1 and per_sm == 1:
+            return None
+        budget = REGISTERS // per_sm - PRODUCER_REGISTERS * PRODUCER_THREADS
+        return min(240, budget // (128 * n_wg) // 8 * 8)
+
     def barrier_bytes(self) -> int:
         return 2 * self.ws.stages * 8 if self.ws else 0
 
@@ -147,11 +171,11 @@ class Hopper:
         cta, cta + CTAs, ...  The producer runs ahead into the next tile while the consumers store this
         one's results, which hides the epilogue and the pipeline fill."""
         total = grid[0] * grid[1] * grid[2]
-        if not self.ws or total <= PERSISTENT_CTAS:
+        if not self.ws or total <= self.resident_ctas():
             self.persistent = None
             return grid
         self.persistent = (total, grid)
-        return [PERSISTENT_CTAS, 1, 1]
+        return [self.resident_ctas(), 1, 1]
 
     @contextmanager
     def tiles(self, cta):
@@ -160,9 +184,10 @@ class Hopper:
             yield
             return
         total, (gx, gy, _) = self.persistent
-        with T.serial(0, tirx.floordiv(total - cta + (PERSISTENT_CTAS - 1), PERSISTENT_CTAS)) as it:
+        ctas = self.resident_ctas()
+        with T.serial(0, tirx.floordiv(total - cta + (ctas - 1), ctas)) as it:
             IRBuilder.name("tile_iter", it)
-            t = cta + it * PERSISTENT_CTAS
+            t = cta + it * ctas
             ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
             lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
             yield
@@ -174,22 +199,22 @@ class Hopper:
             with T.Then():
                 for s in range(ws.stages):
                     emit_ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
-                    emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), consumers)
+                    emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), consumers // 32)  # see release
                 emit_ptx("fence.mbarrier_init.release.cluster")
         T.evaluate(TS.cuda.cta_sync())
-        n_wg = consumers // 128
+        regs = self.consumer_registers()
         with T.If(lw.tid >= consumers):
             with T.Then():
-                if n_wg > 1:
-                    emit_ptx("setmaxnreg.dec.sync.aligned.u32", 40)
+                if regs:
+                    emit_ptx("setmaxnreg.dec.sync.aligned.u32", PRODUCER_REGISTERS)
                 with T.If(lw.tid == consumers):
                     with T.Then():
                         cnt = self.step_counter()
                         with self.tiles(cta):
                             self.producer_nest(self.ws.outer, {}, cnt)
             with T.Else():
-                if n_wg > 1:
-                    emit_ptx("setmaxnreg.inc.sync.aligned.u32", min(240, (65536 - 40 * 128) // (128 * n_wg) // 8 * 8))
+                if regs:
+                    emit_ptx("setmaxnreg.inc.sync.aligned.u32", regs)
                 self.consumer_steps = self.step_counter()
                 reuses_shared = any(lw._touches_shared(n) for n in body if not _contains(n, ws.loop))
                 with self.tiles(cta):
@@ -256,10 +281,11 @@ class Hopper:
                 emit_ptx("wgmma.wait_group.sync.aligned", 1)
                 with T.If(k > 0):  # step k - 1's group retired: its stage can be refilled
                     with T.Then():
-                        emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
+                        self.release(tirx.floormod(cnt[0] + (S - 1), S))
             else:
                 lw.body(compute, {**vm, node.var: k})
-                emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
+                T.evaluate(TS.cuda.warp_sync())  # every lane of the warp is done reading the stage
+                self.release(s)
             lw.stage_of_iter = None
             T.buffer_store(cnt, cnt[0] + 1, [0])
         if ws.deferred_wait:
@@ -267,7 +293,15 @@ class Hopper:
             self.fence_accumulators(compute)
             with T.If(n > 0):  # release the last step's stage (an enclosing loop refills it)
                 with T.Then():
-                    emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(tirx.floormod(cnt[0] + (S - 1), S)))
+                    self.release(tirx.floormod(cnt[0] + (S - 1), S))
+
+    def release(self, s):
+        """One arrive on empty[s] per consumer warp, from lane 0 once the warp is done with stage s
+        (after a warp-wide wgmma wait or __syncwarp): 1/32 of the shared-memory atomics of a
+        per-thread arrive."""
+        with T.If(tirx.floormod(self.lw.tid, 32) == 0):
+            with T.Then():
+                emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
 
     # ------------------------------------------------------------------ wgmma
 

@@ -92,12 +92,24 @@ class EntryArgs:
         return desc
 
 
+def _current_stream_getter():
+    """``stream(device_index)`` -> the current torch stream's raw handle.  torch's CUDA builds have a
+    C getter; building a ``torch.cuda.Stream`` object per call costs microseconds."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
 class Kernel:
     """``kernel(*inputs)`` allocates the outputs named by ``out_idx``, launches, and returns them."""
 
     def __init__(self, meta: KernelMeta, source: str, cubin: bytes):
         self.meta, self.source, self.cubin = meta, source, cubin
         self._function = None
+        self._bound: dict = {}  # torch.device -> launch(ptrs), see _bind
         self._entry_args = EntryArgs(meta)
         self._in_pos = [i for i in range(len(meta.params)) if i not in meta.out_idx]
 
@@ -142,11 +154,25 @@ class Kernel:
 
     def launch_ptrs(self, ptrs, device):
         """Fast path for callers that validated their tensors: one pointer per parameter, in order."""
+        bound = self._bound.get(device)
+        if bound is None:
+            bound = self._bound[device] = self._bind(device)
+        bound(ptrs)
+
+    def _bind(self, device):
+        """``launch(ptrs)`` on ``device`` with everything fixed per device looked up once: the loaded
+        function, geometry and the stream getter; a call only reads the current stream and launches."""
         import torch
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch.cuda.current_stream(device).cuda_stream
-        self._fn().launch(self.meta.grid, self.meta.block, self._entry_args.build(ptrs, index), stream, index)
+        fn, m = self._fn(), self.meta
+        launch, build, stream = fn.launch, self._entry_args.build, _current_stream_getter()
+        grid, block = m.grid, m.block
+
+        def bound(ptrs):
+            launch(grid, block, build(ptrs, index), stream(index), index)
+
+        return bound
 
     def launch(self, *tensors, stream=None):
         """Launch on explicit tensors for every parameter (inputs and outputs), checked first."""
