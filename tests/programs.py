@@ -33,3 +33,62 @@ def matmul(M, N, K, block_M=128, block_N=128, block_K=32, num_stages=3, threads=
             T.copy(C_f, C[by * block_M, bx * block_N])
 
     return main
+
+
+@tile_ops.jit(out_idx=[3])
+def chained_matmul(M, N, K, L, block_M=64, block_L=64, num_stages=2, threads=128, dtype="float16"):
+    """C = (A @ B) @ D with FlashAttention's structure (Q, K^T, V): per tile of L, S = A @ B[:, tile] in a
+    float32 fragment, cast to a ``dtype`` fragment P of the same layout, C += P @ D[tile, :] with P as
+    the register A operand (wgmma's rs form on sm_90a, mma.sync's A fragment elsewhere).  A's K and N are
+    whole tiles (at most 256)."""
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), B: T.Tensor((K, L), dtype), D: T.Tensor((L, N), dtype),
+             C: T.Tensor((M, N), dtype)):
+        with T.Kernel(T.ceildiv(M, block_M), threads=threads) as bx:
+            A_s = T.alloc_shared((block_M, K), dtype)
+            B_s = T.alloc_shared((K, block_L), dtype)
+            D_s = T.alloc_shared((block_L, N), dtype)
+            S_f = T.alloc_fragment((block_M, block_L), "float32")
+            P_f = T.alloc_fragment((block_M, block_L), dtype)
+            C_f = T.alloc_fragment((block_M, N), "float32")
+            T.copy(A[bx * block_M, 0], A_s)
+            T.clear(C_f)
+            for j in T.Pipelined(T.ceildiv(L, block_L), num_stages=num_stages):
+                T.copy(B[0, j * block_L], B_s)
+                T.copy(D[j * block_L, 0], D_s)
+                T.gemm(A_s, B_s, S_f, clear_accum=True, policy="full_row")  # S's rows per warp are P's
+                T.copy(S_f, P_f)
+                T.gemm(P_f, D_s, C_f)
+            T.copy(C_f, C[bx * block_M, 0])
+
+    return main
+
+
+@tile_ops.jit(out_idx=[3])
+def chained_matmul_sum(M, N, K, L, J, block_M=64, num_stages=2, threads=128, dtype="float16"):
+    """C = (A @ B) @ (D[0] + ... + D[J-1]): P = A @ B is cast once, then the pipelined loop only issues
+    the gemm reading P from registers, so on sm_90a its wgmma groups stay in flight across steps (the
+    deferred wait) all reading P.  K, L and N are whole tiles (at most 256)."""
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), dtype), B: T.Tensor((K, L), dtype), D: T.Tensor((J, L, N), dtype),
+             C: T.Tensor((M, N), dtype)):
+        with T.Kernel(T.ceildiv(M, block_M), threads=threads) as bx:
+            A_s = T.alloc_shared((block_M, K), dtype)
+            B_s = T.alloc_shared((K, L), dtype)
+            D_s = T.alloc_shared((L, N), dtype)
+            S_f = T.alloc_fragment((block_M, L), "float32")
+            P_f = T.alloc_fragment((block_M, L), dtype)
+            C_f = T.alloc_fragment((block_M, N), "float32")
+            T.copy(A[bx * block_M, 0], A_s)
+            T.copy(B[0, 0], B_s)
+            T.gemm(A_s, B_s, S_f, clear_accum=True, policy="full_row")
+            T.copy(S_f, P_f)
+            T.clear(C_f)
+            for j in T.Pipelined(J, num_stages=num_stages):
+                T.copy(D[j, 0, 0], D_s)
+                T.gemm(P_f, D_s, C_f)
+            T.copy(C_f, C[bx * block_M, 0])
+
+    return main

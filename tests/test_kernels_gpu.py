@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from programs import matmul
+from programs import chained_matmul, chained_matmul_sum, matmul
 from tile_ops.kernels.gemm_softmax import gemm_softmax
 
 pytestmark = pytest.mark.gpu
@@ -63,3 +63,29 @@ def test_gemm_softmax(M, N, K, dtype, target):
     kernel.launch(a, b, out)
     ref = torch.softmax(scale * (a.double() @ b.double()), dim=-1)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("tiles", [dict(), dict(block_M=128, threads=256)])
+@pytest.mark.parametrize("M,N,K,L", [(512, 128, 64, 256), (1000, 64, 128, 320), (130, 256, 32, 200)])
+def test_chained_matmul(M, N, K, L, tiles, dtype, target):
+    """(A @ B) @ D with A @ B cast to ``dtype`` in registers and fed back as the A operand (wgmma's rs
+    form on sm_90a, mma.sync A fragments on sm_90); a ragged L tile is zero-filled."""
+    kernel = chained_matmul(M, N, K, L, dtype=dtype, target=target, **tiles)
+    a, b, d = (torch.randn(*s, dtype=getattr(torch, dtype), device="cuda") for s in ((M, K), (K, L), (L, N)))
+    c = poisoned(kernel)
+    kernel.launch(a, b, d, c)
+    assert rel_err(c, (a.double() @ b.double()) @ d.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("tiles", [dict(), dict(block_M=128, threads=256)])
+def test_chained_matmul_sum(tiles, target):
+    """A pipelined loop of register-A gemms only (on sm_90a: wgmma groups in flight across steps)."""
+    M, N, K, L, J = 300, 128, 64, 64, 5
+    kernel = chained_matmul_sum(M, N, K, L, J, target=target, **tiles)
+    a, b, d = (torch.randn(*s, dtype=torch.float16, device="cuda") for s in ((M, K), (K, L), (J, L, N)))
+    c = poisoned(kernel)
+    kernel.launch(a, b, d, c)
+    assert rel_err(c, (a.double() @ b.double()) @ d.double().sum(0)) < TOL["float16"]

@@ -75,8 +75,12 @@ class LayoutInference:
         policy = "full_row" if g.A.scope == "fragment" else g.policy
         if policy not in ("square", "full_row", "full_col"):
             raise error(g.loc, f"T.gemm: unknown policy {g.policy!r}; accepted: square, full_row, full_col")
+        if g.A.scope == "fragment":
+            self.check_fragment_a(g)
         if self.wgmma and uses_wgmma(g, self.kernel.threads):
             self.assign(g.C, MmaAccumLayout.for_wgmma(M, N, self.kernel.threads), g)
+            if g.A.scope == "fragment":  # wgmma's register A: the accumulator layout of (M, K), rows as C's
+                self.assign(g.A, MmaAccumLayout.for_wgmma(M, g.A.shape[1], self.kernel.threads), g)
             return
         warps = MmaWarps.choose(M, N, self.warps, policy)
         if warps is None:
@@ -84,10 +88,22 @@ class LayoutInference:
                                f"mma.sync tiles (policy {policy}); M must be a multiple of 16*warps_m and N of 8*warps_n")
         self.assign(g.C, MmaAccumLayout(warps), g)
         if g.A.scope == "fragment":
-            if g.transpose_A:
-                raise error(g.loc, "T.gemm: a fragment A operand cannot be transposed")
-            K = g.A.shape[1]
-            self.assign(g.A, MmaAccumLayout(MmaWarps(M, K, warps.wm, 1)), g)
+            self.assign(g.A, MmaAccumLayout(MmaWarps(M, g.A.shape[1], warps.wm, 1)), g)
+
+    @staticmethod
+    def check_fragment_a(g: Gemm):
+        """A register A operand is the (M, K) accumulator layout read 16 columns per k step, as
+        16-bit pairs: both mma.sync and wgmma need it untransposed, 16-bit and K a multiple of 16."""
+        A = g.A
+        if g.transpose_A:
+            raise error(g.loc, f"T.gemm: the fragment A operand {A.name} cannot be transposed (transpose_A=True "
+                               f"needs A in shared memory)")
+        if A.dtype not in ("float16", "bfloat16"):
+            raise error(g.loc, f"T.gemm: the fragment A operand {A.name} has dtype {A.dtype}; register A operands "
+                               f"are float16 or bfloat16 (T.copy a float32 fragment into one to cast it)")
+        if len(A.shape) != 2 or A.shape[1] % 16:
+            raise error(g.loc, f"T.gemm: the fragment A operand {A.name}{list(A.shape)} must be (M, K) with K a "
+                               f"multiple of 16 (registers feed the tensor cores 16 columns per k step)")
 
     def propagate(self, node) -> bool:
         changed = False
@@ -166,14 +182,15 @@ class LayoutInference:
 
 
 def uses_wgmma(g: Gemm, threads: int) -> bool:
-    """Whether a gemm can be one wgmma per warpgroup and 64-row slice: shared 16-bit operands in
-    descriptor-readable (swizzled panel) layouts, warpgroups stacked along M, N <= 256."""
+    """Whether a gemm can be one wgmma per warpgroup and 64-row slice: 16-bit operands, B (and A
+    unless it is a register fragment) in descriptor-readable (swizzled panel) shared layouts,
+    warpgroups stacked along M, N <= 256."""
     M, N = g.C.shape
     Ka = g.A.shape[0] if g.transpose_A else g.A.shape[1]
-    ok = (g.A.scope == g.B.scope == "shared" and g.A.dtype == g.B.dtype and g.A.dtype in ("float16", "bfloat16")
-          and g.C.dtype == "float32" and g.policy != "full_col" and threads % 128 == 0
-          and M % (64 * (threads // 128)) == 0 and N % 8 == 0 and N <= 256 and Ka % 16 == 0)
-    return ok and all(in_swizzled_panels(t) for t in (g.A, g.B))
+    ok = (g.A.scope in ("shared", "fragment") and g.B.scope == "shared" and g.A.dtype == g.B.dtype
+          and g.A.dtype in ("float16", "bfloat16") and g.C.dtype == "float32" and g.policy != "full_col"
+          and threads % 128 == 0 and M % (64 * (threads // 128)) == 0 and N % 8 == 0 and N <= 256 and Ka % 16 == 0)
+    return ok and all(in_swizzled_panels(t) for t in (g.A, g.B) if t.scope == "shared")
 
 
 def in_swizzled_panels(tile) -> bool:

@@ -108,6 +108,13 @@ class MmaAccumLayout(FragmentLayout):
     def local_index(mi_idx, ni_idx, e, ni):
         return (mi_idx * ni + ni_idx) * 4 + e
 
+    def a_operand_words(self, mi, kk) -> list:
+        """The four 32-bit words (pairs of 16-bit locals) this thread passes as the A operand of the
+        k16 step ``kk`` on 16-row slice ``mi``: the 16 x 16 block of (M, K) fragment columns
+        kk*16 .. kk*16+15, i.e. its 16 x 8 pieces 2kk and 2kk + 1, rows 0-7 then 8-15 of each.  The
+        same for mma.sync m16n8k16 and for each warp's 16 rows of wgmma m64nNk16."""
+        return [self.local_index(mi, 2 * kk + h, e, self.ni) // 2 for h in (0, 1) for e in (0, 2)]
+
     def coords(self, tid, r):
         # r = ((mi * ni + nj) * 4 + e); e: (row half, column pair element)
         lane = tid % 32

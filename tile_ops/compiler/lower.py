@@ -697,8 +697,7 @@ class Lowerer:
             a_lay = self.infer.layouts.get(A)
             for mi in range(mi_n):
                 if a_words is not None:  # A from registers: the accumulator layout of (M, K) is the A layout
-                    base = [a_lay.local_index(mi, 2 * kk + h, e, a_lay.ni) for h in (0, 1) for e in (0, 2)]
-                    a_ops = [a_words[tirx.floordiv(x, 2)] for x in (base[0], base[1], base[2], base[3])]
+                    a_ops = [a_words[x] for x in a_lay.a_operand_words(mi, kk)]
                 else:
                     a_ops = [a_regs[mi * 4 + q] for q in range(4)]
                 for nj in range(ni_n):

@@ -1,6 +1,6 @@
 """The Hopper (sm_90a) lowering the Lowerer delegates to: TMA copies completing on mbarriers,
-wgmma reading shared tiles through matrix descriptors, and ``T.Pipelined`` as a warp-specialized
-producer/consumer pipeline.
+wgmma reading shared tiles through matrix descriptors (and A from registers when it is a fragment),
+and ``T.Pipelined`` as a warp-specialized producer/consumer pipeline.
 
 Warp specialization: the kernel gets one extra warpgroup (the producer) after the program's
 ``threads`` (the consumers).  One producer thread walks the pipelined loop issuing the loop's
@@ -268,6 +268,8 @@ class Hopper:
         lw, ws = self.lw, self.ws
         S, cnt = ws.stages, self.consumer_steps
         compute = [s for s in node.body if s not in ws.loads]
+        if ws.deferred_wait:  # the loop writes no register A operand: its wgmma.fences cover the writes before it
+            self.fence_operands(compute, accumulators=False)
         with T.serial(0, n) as k:
             IRBuilder.name(node.var.name, k)
             s = tirx.floormod(cnt[0], S)
@@ -290,7 +292,7 @@ class Hopper:
             T.buffer_store(cnt, cnt[0] + 1, [0])
         if ws.deferred_wait:
             emit_ptx("wgmma.wait_group.sync.aligned", 0)
-            self.fence_accumulators(compute)
+            self.fence_operands(compute)
             with T.If(n > 0):  # release the last step's stage (an enclosing loop refills it)
                 with T.Then():
                     self.release(tirx.floormod(cnt[0] + (S - 1), S))
@@ -311,21 +313,33 @@ class Hopper:
         if g.clear_accum:
             with T.unroll(0, lw.infer.layouts[g.C].local_size) as r:
                 T.buffer_store(lw.frags[g.C], tirx.const(0.0, "float32"), [r])
+        self.fence_operands([g], accumulators=False)
         emit_ptx("wgmma.fence.sync.aligned")
         self.issue_wgmma(g)
         emit_ptx("wgmma.commit_group.sync.aligned")
         emit_ptx("wgmma.wait_group.sync.aligned", 0)
-        self.fence_accumulators([g])
+        self.fence_operands([g])
 
-    def fence_accumulators(self, gemms):
-        """Keep nvcc from moving accumulator reads above the wgmma wait (the asm only names them)."""
+    def fence_operands(self, gemms, accumulators=True):
+        """Keep nvcc from moving register accesses across a wgmma fence or wait (the asm only names
+        the registers): wgmma reads a register A operand asynchronously until its group retires, so
+        its writes must stay above the fence and its next writes below the wait, as must the
+        accumulator reads."""
+        lw = self.lw
         for g in gemms:
-            acc = self.lw.frags[g.C]
-            for r in range(self.lw.infer.layouts[g.C].local_size):
-                T.evaluate(TS.cuda.func_call("tile_ops_fence_register", acc[r], source_code=_FENCE_REGISTER))
+            regs = []
+            if accumulators:
+                regs += [lw.frags[g.C][r] for r in range(lw.infer.layouts[g.C].local_size)]
+            if g.A.scope == "fragment":
+                words = lw.frags[g.A].view("uint32")
+                regs += [words[w] for w in range(lw.infer.layouts[g.A].local_size // 2)]
+            for x in regs:
+                T.evaluate(TS.cuda.func_call("tile_ops_fence_register", x, source_code=_FENCE_REGISTER))
 
     def issue_wgmma(self, g: Gemm):
-        """One m64nNk16 wgmma per 64-row slice of this warpgroup and 16-wide k step."""
+        """One m64nNk16 wgmma per 64-row slice of this warpgroup and 16-wide k step.  A comes from shared
+        memory through a descriptor, or from registers (the "rs" form: four 32-bit words per thread, and
+        no transpose-A operand)."""
         lw = self.lw
         lay: MmaAccumLayout = lw.infer.layouts[g.C]
         M, N = g.C.shape
@@ -333,17 +347,22 @@ class Hopper:
         n_wg = lw.threads // 128
         wg = tirx.floordiv(lw.tid, 128)
         el = {"float16": "f16", "bfloat16": "bf16"}[g.A.dtype]
-        acc = lw.frags[g.C]
-        ta, tb = lw.shared[g.A], lw.shared[g.B]
+        acc, tb = lw.frags[g.C], lw.shared[g.B]
+        a_words = lw.frags[g.A].view("uint32") if g.A.scope == "fragment" else None
         for kk in range(K // 16):
             for mi in range(lay.mi):
-                m0 = mi * 64 * n_wg + wg * 64
-                a_desc = self.descriptor(ta, g.A, m0, kk * 16, mn_major=g.transpose_A)
+                if a_words is not None:  # A's layout is C's with K columns: its slice mi has the same rows
+                    a = [a_words[w] for w in lw.infer.layouts[g.A].a_operand_words(mi, kk)]
+                    trans_a = []
+                else:
+                    m0 = mi * 64 * n_wg + wg * 64
+                    a = [self.descriptor(lw.shared[g.A], g.A, m0, kk * 16, mn_major=g.transpose_A)]
+                    trans_a = [int(g.transpose_A)]
                 b_desc = self.descriptor(tb, g.B, 0, kk * 16, mn_major=not g.transpose_B)
                 d = [acc[mi * lay.ni * 4 + r] for r in range(lay.ni * 4)]
                 scale_d = tirx.const(True, "bool") if not g.clear_accum or kk else tirx.const(False, "bool")
-                emit_ptx(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}", *d, a_desc, b_desc, scale_d,
-                     1, 1, int(g.transpose_A), int(not g.transpose_B))
+                emit_ptx(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}", *d, *a, b_desc, scale_d,
+                         1, 1, *trans_a, int(not g.transpose_B))
 
     def descriptor(self, t, buf, mn0, k0, mn_major: bool):
         """The 64-bit wgmma matrix descriptor of a shared tile at (mn0, k0) of the stage being read.
@@ -366,6 +385,7 @@ class Hopper:
 
 _FENCE_REGISTER = """
 __forceinline__ __device__ void tile_ops_fence_register(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+__forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volatile("" : "+r"(r) :: "memory"); }
 """
 
 
