@@ -32,6 +32,10 @@ EXTRA_CONFIGS = {
                GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 128, 64, 6, 128, 0),
                # one consumer warpgroup in <= 113 KiB: two CTAs per SM
                GemmConfig(128, 128, 64, 3, 128, 8), GemmConfig(128, 64, 64, 4, 128, 8),
+               # the output tile staged in shared memory and stored by TMA
+               GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
+               GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared"),
                # split-K decode (16x8192x8192: 64 tiles of 64x128 -> 128 / 256 CTAs; 128 tiles of 64x64 -> 256)
                GemmConfig(64, 128, 64, 6, 128, 0, split_k=2), GemmConfig(64, 128, 64, 6, 128, 0, split_k=4),
                GemmConfig(64, 64, 128, 6, 128, 0, split_k=2), GemmConfig(64, 64, 128, 3, 128, 0, split_k=2)],
@@ -42,7 +46,7 @@ PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.a
 
 def config_name(cfg):
     return (f"{cfg.block_M}x{cfg.block_N}x{cfg.block_K}/s{cfg.num_stages}/t{cfg.threads}"
-            + (f"/k{cfg.split_k}" if cfg.split_k > 1 else ""))
+            + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + ("/tma-store" if cfg.epilogue == "shared" else ""))
 
 
 def kernels_for(M, N, K, dtype, configs, arch):

@@ -299,3 +299,30 @@ def test_library_gemm_default_configs_on_hopper_have_no_spills(shape):
     mix = k.instruction_mix()
     assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) > 0 and mix.get("SYNCS", 0) > 0, (cfg, mix)
     assert k.meta.resources["spill_stores"] == 0 and k.meta.resources["spill_loads"] == 0, (cfg, k.meta.resources)
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("M, N, K, out_dtype, panels", [(4096, 4096, 4096, "float16", 2), (1000, 1000, 1000, "float32", 4)])
+def test_shared_epilogue_is_a_tma_store_on_hopper(M, N, K, out_dtype, panels):
+    """GemmConfig(epilogue="shared"): C_f -> shared tile -> TMA store, one box per 128-byte panel (TMA clips
+    the ragged edge); no global store instructions are left."""
+    from tile_ops.kernels.gemm import GemmConfig
+
+    cfg = GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared")
+    k = gemm(M, N, K, 1, 1, 1, False, False, True, "float16", out_dtype, cfg, target="sm_90a")
+    mix = k.instruction_mix()
+    assert mix.get("UTMASTG", 0) == panels and mix.get("STG", 0) == 0, mix
+    assert "C_tmap" in k.meta.tensormaps and k.meta.resources["spill_stores"] == 0
+    assert "cp.async.bulk.wait_group.read 0" in k.source
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_shared_epilogue_on_the_ampere_path_stores_from_shared():
+    from tile_ops.kernels.gemm import GemmConfig
+
+    cfg = GemmConfig(128, 128, 32, 3, 128, 8, epilogue="shared")
+    k = gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16", cfg, target="sm_80")
+    mix = k.instruction_mix()
+    assert mix.get("UTMASTG", 0) == 0 and mix.get("STG", 0) > 0 and mix.get("HMMA", 0) > 0, mix

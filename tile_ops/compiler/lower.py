@@ -376,6 +376,8 @@ class Lowerer:
     # ------------------------------------------------------------------ copies
 
     def copy(self, node: Copy, vm, stage=None, asynchronous=False):
+        if self.ws and any(node is c for c in self.ws.stores):
+            return self.hopper.tma_store(node, vm)
         src, dst = node.src, node.dst
         s_scope, d_scope = src.buffer.scope, dst.buffer.scope
         extents = self._copy_extents(node)

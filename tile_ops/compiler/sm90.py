@@ -47,6 +47,7 @@ class WarpSpecialization:
     loop: For  # the program's one T.Pipelined loop
     outer: list  # the serial loops around it, outermost first (the producer walks the same nest)
     loads: list  # its global->shared copies, issued by the producer as TMA loads
+    stores: list  # shared->global tile copies outside the loop (the epilogue), issued as TMA stores
     stages: int
     deferred_wait: bool  # the loop only issues gemms: keep one wgmma group in flight across iterations
 
@@ -73,13 +74,15 @@ class Hopper:
             return None
         compute = [s for s in loop.body if s not in loads]
         deferred = bool(compute) and all(isinstance(s, Gemm) and self.is_wgmma(s) for s in compute)
-        return WarpSpecialization(loop, outer, loads, max(loop.num_stages, 1), deferred)
+        stores = [c for c in _copies(k.body, skip=loop) if c.src.buffer.scope == "shared"
+                  and c.dst.buffer.scope == "global" and self._tma_ok(c)]
+        return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred)
 
     def _tma_ok(self, c: Copy) -> bool:
-        """A global->shared tile copy TMA can do: same dtype, a swizzled 2-D tile whose panels are
-        full boxes, a window over the global tensor's last two dims, 16-byte aligned strides, and
-        start indices that do not read memory (the producer computes them on its own)."""
-        g, t = c.src.buffer, c.dst.buffer
+        """A tile copy between global and shared memory TMA can do: same dtype, a swizzled 2-D tile
+        whose panels are full boxes, a window over the global tensor's last two dims, 16-byte aligned
+        strides, and start indices that do not read memory (the producer computes them on its own)."""
+        g, t, starts = _global_side(c)
         if g.dtype != t.dtype or dtype_bits(g.dtype) % 8 or not in_swizzled_panels(t) or t.shape[0] > 256:
             return False
         if self.lw._copy_extents(c) != list(t.shape):  # the whole tile, from the global's last two dims
@@ -90,7 +93,7 @@ class Hopper:
             stride *= d
             if stride % 16:
                 return False
-        return all(_pure(s) for s in c.src.starts)
+        return all(_pure(s) for s in starts)
 
     def is_wgmma(self, g: Gemm) -> bool:
         lay = self.lw.infer.layouts.get(g.C)
@@ -101,11 +104,11 @@ class Hopper:
     def declare_tensormaps(self):
         """Encode one tensor map per (tensor, box) on the host; TVM passes each to the kernel as a
         ``const __grid_constant__ CUtensorMap`` parameter, which our launcher encodes at launch."""
-        for c in self.ws.loads:
+        for c in self.ws.loads + self.ws.stores:
             self._tensormap(c)
 
     def _tensormap(self, c: Copy) -> TensorMap:
-        g, t = c.src.buffer, c.dst.buffer
+        g, t, _ = _global_side(c)
         lay = SharedLayout(t.shape[0], t.shape[1], dtype_bits(t.dtype))
         rank = len(g.shape)
         box = [lay.panel, lay.rows] + [1] * (rank - 2)
@@ -261,6 +264,25 @@ class Hopper:
             emit_ptx(f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes",
                  dst, T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage))
 
+    def tma_store(self, c: Copy, vm):
+        """The epilogue's shared->global tile copy through TMA.  The body's barrier before it already
+        fenced the consumers' shared writes for the async proxy; one thread issues a box per panel and
+        waits until TMA has read the tile (so the tile may be rewritten after the next barrier).  The
+        global writes complete on their own: the consumers go on to the next tile."""
+        lw = self.lw
+        t = lw.shared[c.src.buffer]
+        tm = self._tensormap(c)
+        coords = list(reversed([lw.expr(x, vm) for x in c.dst.starts]))
+        with T.If(lw.tid == 0):
+            with T.Then():
+                for p in range(t.layout.cols // t.layout.panel):
+                    src = t.view.ptr_to([lw.stage_base(t, lw.stage(c.src.buffer)) + p * t.layout.panel_elems])
+                    cs = [coords[0] + p * t.layout.panel] + coords[1:]
+                    emit_ptx(f"cp.async.bulk.tensor.{len(cs)}d.global.shared::cta.bulk_group",
+                             T.address_of(tm.var), *[_i32(x) for x in cs], src)
+                emit_ptx("cp.async.bulk.commit_group")
+                emit_ptx("cp.async.bulk.wait_group.read", 0)
+
     def consumer_loop(self, node: For, vm, n):
         """Wait for stage k, compute on it, release it.  With ``deferred_wait`` the gemms of step k stay
         in flight while step k + 1 waits for its data; step k - 1's stage is released once its
@@ -391,6 +413,22 @@ __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volat
 
 def _contains(node, target) -> bool:
     return node is target or isinstance(node, For) and any(_contains(n, target) for n in node.body)
+
+
+def _global_side(c: Copy):
+    """(global buffer, shared tile, global start indices) of a copy between the two."""
+    if c.src.buffer.scope == "global":
+        return c.src.buffer, c.dst.buffer, c.src.starts
+    return c.dst.buffer, c.src.buffer, c.dst.starts
+
+
+def _copies(body, skip):
+    """Every T.copy in ``body``, outside loop ``skip``."""
+    for n in body:
+        if isinstance(n, Copy):
+            yield n
+        elif isinstance(n, For) and n is not skip:
+            yield from _copies(n.body, skip)
 
 
 def _pipelined_loops(body, outer):

@@ -22,10 +22,13 @@ class GemmConfig:
     swizzle: int = 8
     policy: str = "square"  # T.gemm warp policy: "square" | "full_row" | "full_col"
     split_k: int = 1  # > 1: K split over this many CTAs per tile, fp32 partials reduced by a second kernel
+    epilogue: str = "direct"  # "direct": registers -> global; "shared": through a shared tile (TMA store on sm_90a)
 
     def __post_init__(self):
         if self.split_k < 1:
             raise ValueError(f"GemmConfig.split_k={self.split_k}: must be >= 1")
+        if self.epilogue not in ("direct", "shared"):
+            raise ValueError(f"GemmConfig.epilogue={self.epilogue!r}: must be 'direct' or 'shared'")
 
 
 _HOPPER_TILES = [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(128, 128, 64, 5, 256, 8),
@@ -93,10 +96,13 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
 
 
 def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
-    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the bias tile
-    (each buffer starts on a 1 KiB boundary on sm_90a) and the pipeline's mbarriers."""
+    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the bias tile,
+    the output tile of a shared epilogue (in the input dtype) (each buffer starts on a 1 KiB boundary on
+    sm_90a) and the pipeline's mbarriers."""
     esize = _ESIZE[dtype]
     tiles = [cfg.num_stages * cfg.block_M * cfg.block_K, cfg.num_stages * cfg.block_K * cfg.block_N, cfg.block_N]
+    if cfg.epilogue == "shared":
+        tiles.append(cfg.block_M * cfg.block_N)
     return sum(_kib(n * esize) for n in tiles) + 16 * cfg.num_stages
 
 
@@ -157,7 +163,12 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 return
             if has_bias:
                 _add_bias(C_f, Bias, bx * bN, bM, bN, dtype)
-            T.copy(C_f, C[bz, by * bM, bx * bN])
+            if cfg.epilogue == "shared":  # coalesced (TMA) stores of a tile staged in shared memory
+                C_s = T.alloc_shared((bM, bN), out_dtype)
+                T.copy(C_f, C_s)
+                T.copy(C_s, C[bz, by * bM, bx * bN])
+            else:
+                T.copy(C_f, C[bz, by * bM, bx * bN])
 
     if splits == 1:
         @T.prim_func

@@ -1,0 +1,67 @@
+"""Every GEMM config a default, the autotuner's Hopper space or bench_gemm.py can pick, on the GPU against
+float64: fresh random inputs, outputs poisoned with NaN, ragged and transposed operands, bias, batched
+and fp32 output.  Covers the two-CTAs-per-SM pipelines and the shared-memory (TMA store) epilogue."""
+
+import pytest
+import torch
+
+from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+TOL = {torch.float16: 5e-3, torch.bfloat16: 1e-2, torch.float32: 5e-3}
+CONFIGS = [
+    GemmConfig(128, 256, 64, 4, 256, 8),  # cooperative: two consumer warpgroups
+    GemmConfig(128, 128, 64, 3, 128, 8),  # two CTAs per SM
+    GemmConfig(128, 64, 64, 4, 128, 8),  # two CTAs per SM
+    GemmConfig(64, 64, 128, 6, 128, 0),  # decode default
+    GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
+    GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared"),  # TMA store, two CTAs per SM
+    GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
+]
+# (M, N, K): more tiles than resident CTAs (persistent), ragged everything, rows not 16-byte aligned
+# (no TMA: synchronous copies), decode
+SHAPES = [(2048, 2048, 1024), (1000, 1000, 1000), (127, 255, 129), (16, 4096, 4096)]
+VARIANTS = {  # name: (batch, trans_A, trans_B, bias, dtype, out_dtype)
+    "plain": (1, False, False, False, torch.float16, torch.float16),
+    "transposed+bias bf16": (1, True, True, True, torch.bfloat16, torch.bfloat16),
+    "batched fp32 out": (3, False, True, False, torch.float16, torch.float32),
+}
+
+
+def _dt(t):
+    return str(t)[6:]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_gemm_config_on_hopper(cfg, shape, variant):
+    check(cfg, shape, variant, "sm_90a")
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("target", ["sm_90a", "sm_90"] if HOPPER else [None])
+def test_default_configs_and_shared_epilogue_everywhere(shape, target):
+    """The default config for the shape, and the shared epilogue on a non-TMA path (generic stores)."""
+    check(default_config(*shape, target), shape, "plain", target)
+    check(GemmConfig(128, 128, 32, 3, 128, 8, epilogue="shared"), shape, "transposed+bias bf16", target)
+
+
+def check(cfg, shape, variant, target):
+    M, N, K = shape
+    batch, ta, tb, has_bias, dtype, out_dtype = VARIANTS[variant]
+    kernel = build_gemm(M, N, K, batch, batch, batch, ta, tb, has_bias, _dt(dtype), _dt(out_dtype), cfg,
+                        target=target)
+    a = torch.randn(batch, *((K, M) if ta else (M, K)), device="cuda").to(dtype)
+    b = torch.randn(batch, *((N, K) if tb else (K, N)), device="cuda").to(dtype)
+    bias = (torch.randn(N, device="cuda") * K ** 0.5).to(dtype)  # as large as a @ b: a missing bias fails
+    out = torch.full((batch, M, N), float("nan"), dtype=out_dtype, device="cuda")
+    kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), bias.data_ptr(), out.data_ptr()], a.device)
+    torch.cuda.synchronize()
+    a64, b64 = a.double(), b.double()
+    ref = (a64.mT if ta else a64) @ (b64.mT if tb else b64) + (bias.double() if has_bias else 0)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], (cfg, shape, variant, err)
