@@ -29,6 +29,9 @@ PRODUCER_THREADS = 128
 SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
 SM_SHARED_BYTES = 228 * 1024  # per SM, of which each resident CTA reserves 1 KiB
 REGISTERS = 65536  # per SM
+# Two resident CTAs of 256 threads cap ptxas at 128 registers per thread everywhere (setmaxnreg moves
+# physical registers, it does not lift the compile-time cap): only programs whose fragments fit co-reside.
+CORESIDENT_FRAGMENT_WORDS = 128
 PRODUCER_REGISTERS = 40  # per producer thread after setmaxnreg.dec: it only issues TMA and waits
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
@@ -139,9 +142,15 @@ class Hopper:
         """Two co-resident CTAs per SM for a one-consumer-warpgroup pipeline whose shared memory fits
         twice: while one CTA stores its tile (or waits on TMA), the other's wgmmas keep the tensor
         cores busy, which is what ping-pong consumer warpgroups achieve inside one CTA."""
-        if not self.ws or self.lw.threads != 128:
+        if not self.ws or self.lw.threads != 128 or self._fragment_words() > CORESIDENT_FRAGMENT_WORDS:
             return 1
         return 2 if 2 * (self.lw.memory_plan()[3] + 1024) <= SM_SHARED_BYTES else 1
+
+    def _fragment_words(self) -> int:
+        """32-bit registers per consumer thread that the program's fragments hold."""
+        lw = self.lw
+        return sum(-(-lw.infer.layouts[b].local_size * dtype_bits(b.dtype) // 32)
+                   for b in lw.kernel.allocs if b.scope == "fragment")
 
     def resident_ctas(self) -> int:
         return SMS * self.ctas_per_sm

@@ -109,7 +109,7 @@ class Kernel:
     def __init__(self, meta: KernelMeta, source: str, cubin: bytes):
         self.meta, self.source, self.cubin = meta, source, cubin
         self._function = None
-        self._bound: dict = {}  # torch.device -> launch(ptrs), see _bind
+        self._bound: dict = {}  # torch.device -> launch(ptrs), see launcher
         self._entry_args = EntryArgs(meta)
         self._in_pos = [i for i in range(len(meta.params)) if i not in meta.out_idx]
 
@@ -154,23 +154,28 @@ class Kernel:
 
     def launch_ptrs(self, ptrs, device):
         """Fast path for callers that validated their tensors: one pointer per parameter, in order."""
+        self.launcher(device)(ptrs)
+
+    def launcher(self, device):
+        """``launch(ptrs)`` on ``device`` (a torch.device), with everything fixed per device bound once:
+        the loaded function, the geometry and the stream getter.  A call reads the current stream,
+        builds the argument list and enters the extension's launch: the ops' per-call path."""
         bound = self._bound.get(device)
         if bound is None:
             bound = self._bound[device] = self._bind(device)
-        bound(ptrs)
+        return bound
 
     def _bind(self, device):
-        """``launch(ptrs)`` on ``device`` with everything fixed per device looked up once: the loaded
-        function, geometry and the stream getter; a call only reads the current stream and launches."""
         import torch
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         fn, m = self._fn(), self.meta
-        launch, build, stream = fn.launch, self._entry_args.build, _current_stream_getter()
-        grid, block = m.grid, m.block
+        launch, handle = fn.bind(index)
+        build, stream = self._entry_args.build, _current_stream_getter()
+        grid, block, smem, name = m.grid, m.block, fn.smem_bytes, fn.name
 
         def bound(ptrs):
-            launch(grid, block, build(ptrs, index), stream(index), index)
+            launch(handle, grid, block, smem, stream(index), build(ptrs, index), name)
 
         return bound
 

@@ -121,6 +121,13 @@ class CudaFunction:
         self._launch = lib.launch
         return function
 
+    def bind(self, device: int):
+        """``(launch, handle)`` for callers that launch often: ``launch(handle, grid, block, smem_bytes,
+        stream, args, name)`` is the extension's launch, with the function loaded on ``device``."""
+        entry = self._per_device.get(device)
+        function = entry[1] if entry is not None else self._load(device)
+        return self._launch, function
+
     def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[int | bytes],
                stream: int, device: int) -> None:
         entry = self._per_device.get(device)

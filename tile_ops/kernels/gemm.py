@@ -31,7 +31,9 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.epilogue={self.epilogue!r}: must be 'direct' or 'shared'")
 
 
-_HOPPER_TILES = [GemmConfig(128, 256, 64, 4, 256, 8), GemmConfig(128, 128, 64, 5, 256, 8),
+# Fastest first (bench_gemm.py --configs on the H200, NOTES.md v3): the TMA-store epilogue wins everywhere
+_HOPPER_TILES = [GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
+                 GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
                  GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 64, 64, 8, 128, 8)]
 
 
@@ -39,9 +41,9 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound, so enough CTAs to stream B from every SM
-            return GemmConfig(64, 64, 128, 6, 128, 0)
-        for cfg in _HOPPER_TILES:  # the biggest tile that still gives ~one CTA per SM
-            if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= 100:
+            return GemmConfig(64, 128, 64, 6, 128, 0)
+        for cfg, min_tiles in zip(_HOPPER_TILES, (128, 48, 100)):  # the biggest tile that fills the GPU
+            if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
                 return cfg
         return _HOPPER_TILES[-1]
     if M <= 64:
@@ -90,8 +92,10 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
             continue
         swizzles = (0, 8) if -(-N // bN) > 8 and -(-M // bM) > 1 else (0,)
         splits = (1, 2, 4) if decode else (1,)  # decode: split K too (the grid is short)
-        space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk) for bK, stages in depths
-                  for sw in swizzles for sk in splits if sk == 1 or -(-K // bK) >= 2 * sk]  # >= 2 k-tiles a split
+        epilogues = ("direct",) if decode else ("direct", "shared")
+        space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk, epilogue=ep) for bK, stages in depths
+                  for sw in swizzles for sk in splits for ep in epilogues
+                  if sk == 1 or -(-K // bK) >= 2 * sk]  # >= 2 k-tiles a split
     return space
 
 
@@ -163,7 +167,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 return
             if has_bias:
                 _add_bias(C_f, Bias, bx * bN, bM, bN, dtype)
-            if cfg.epilogue == "shared":  # coalesced (TMA) stores of a tile staged in shared memory
+            if _shared_epilogue_fits(cfg, dtype, out_dtype):  # coalesced (TMA) stores of a staged tile
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 T.copy(C_f, C_s)
                 T.copy(C_s, C[bz, by * bM, bx * bN])
@@ -184,6 +188,15 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         body(A, B, Bias, W)
 
     return gemm_splitk_kernel
+
+
+def _shared_epilogue_fits(cfg: GemmConfig, dtype: str, out_dtype: str) -> bool:
+    """``cfg.epilogue == "shared"`` unless the output tile in ``out_dtype`` would overflow shared memory
+    (e.g. 128x256 fp32 beside three stages): then the direct epilogue, rather than a compile error."""
+    if cfg.epilogue != "shared":
+        return False
+    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N
+    return shared_memory_bytes(cfg, 0, 0, 0, dtype) + max(0, extra) <= 227 * 1024
 
 
 def _add_bias(acc, Bias, col0, bM: int, bN: int, dtype: str):
@@ -267,6 +280,9 @@ class SplitKGemm:
             raise AttributeError(name)
         return getattr(self.partial, name)
 
+    def launcher(self, device):
+        return lambda ptrs: self.launch_ptrs(ptrs, device)
+
     def launch_ptrs(self, ptrs, device):
         a_ptr, b_ptr, bias_ptr, c_ptr = ptrs
         w = torch.empty(self.workspace_shape, dtype=torch.float32, device=device)
@@ -306,9 +322,10 @@ def gemm_launcher(kernel, device):
     """``launch(a_ptr, b_ptr, out_ptr, bias_ptr=0)`` for a kernel from ``get_gemm_kernel`` (0: no bias);
     a split-K gemm launches both its kernels (and allocates their workspace) per call."""
 
+    run = kernel.launcher(device)
+
     def launch(a_ptr, b_ptr, out_ptr, bias_ptr=0):
-        # unused bias parameter slot: any valid pointer
-        kernel.launch_ptrs([a_ptr, b_ptr, bias_ptr or out_ptr, out_ptr], device)
+        run([a_ptr, b_ptr, bias_ptr or out_ptr, out_ptr])  # unused bias parameter slot: any valid pointer
 
     return launch
 

@@ -131,8 +131,10 @@ def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
 def gemm_softmax_launcher(kernel, device):
     """``launch(a_ptr, b_ptr, out_ptr)`` for a kernel from ``get_gemm_softmax_kernel``."""
 
+    run = kernel.launcher(device)
+
     def launch(a_ptr, b_ptr, out_ptr):
-        kernel.launch_ptrs([a_ptr, b_ptr, out_ptr], device)
+        run([a_ptr, b_ptr, out_ptr])
 
     return launch
 
