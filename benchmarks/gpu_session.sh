@@ -3,7 +3,7 @@
 #   TESTS="tests/test_kernels_gpu.py"  narrows the tests;  BENCHES="softmax overhead"  picks benchmarks
 #   (gemm gemm80 softmax overhead compile; also sanitize, not in the default list);  BENCH_ARGS  goes to
 #   bench_gemm.py (default --configs).  gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path
-#   (sm_90) on the same GPU.  profile: ncu counters of the default 4096^3 kernel (and PROFILE_CONFIGS) vs cuBLAS.  sanitize: compute-sanitizer memcheck/racecheck/synccheck over every kernel,
+#   (sm_90) on the same GPU.  profile: ncu counters of the default kernel vs cuBLAS at PROFILE_SHAPES (default 4096x4096x4096).  sanitize: compute-sanitizer memcheck/racecheck/synccheck over every kernel,
 #   both paths, small and ragged shapes (benchmarks/sanitize.py; SANITIZE_ARGS), logs in $OUT/sanitize/.
 set -uo pipefail
 OUT=${OUT:-/tmp/tile_ops_out}; mkdir -p "$OUT"
@@ -22,7 +22,7 @@ for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
     softmax) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm_softmax.py --json "$OUT/gemm_softmax.json" 2>&1 | tee "$OUT/bench_softmax.log" | tail -8 ;;
     overhead) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/bench_overhead.log" | tail -24 ;;
     sanitize) timeout ${BENCH_TIMEOUT:-400} python benchmarks/sanitize.py --out "$OUT" --budget $(( ${BENCH_TIMEOUT:-400} - 20 )) ${SANITIZE_ARGS:-} 2>&1 | tee "$OUT/sanitize.log" | tail -24 ;;
-    profile) for c in "" ${PROFILE_CONFIGS:-}; do timeout 120 python benchmarks/profile_gemm.py ${c:+--config $c} 2>&1 | tee -a "$OUT/profile.log" | tail -4; done ;;
+    profile) for s in ${PROFILE_SHAPES:-4096x4096x4096}; do timeout 120 python benchmarks/profile_gemm.py --shape $s 2>&1 | tee -a "$OUT/profile.log" | tail -4; done ;;
     compile) python benchmarks/compile_time.py --json "$OUT/compile_time.json" 2>&1 | tee "$OUT/compile_time.log" | tail -6 ;;
   esac
 done

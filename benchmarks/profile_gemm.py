@@ -75,9 +75,12 @@ def main():
     rows = {}
     for r in csv.DictReader(io.StringIO(lines)):
         name = r["Kernel Name"][:40]
-        value = float(r["Metric Value"].replace(",", ""))
         col = METRICS[r["Metric Name"]]
-        rows.setdefault((r["ID"], name), {})[col] = round(value * SCALE.get(col, 1), 3)
+        try:
+            value = round(float(r["Metric Value"].replace(",", "")) * SCALE.get(col, 1), 3)
+        except ValueError:  # "n/a": the counter is not available for this kernel
+            value = r["Metric Value"]
+        rows.setdefault((r["ID"], name), {})[col] = value
     cols = list(METRICS.values())
     print(f"ncu, {args.shape} {args.dtype}, launches after the first two")
     print("kernel".ljust(42) + "  ".join(c.rjust(max(8, len(c))) for c in cols))

@@ -221,6 +221,8 @@ class Hopper:
                     emit_ptx("setmaxnreg.dec.sync.aligned.u32", PRODUCER_REGISTERS)
                 with T.If(lw.tid == consumers):
                     with T.Then():
+                        for tm in self.tensormaps.values():  # descriptor fetch off the first load's path
+                            emit_ptx("prefetch.tensormap", T.address_of(tm.var))
                         cnt = self.step_counter()
                         with self.tiles(cta):
                             self.producer_nest(self.ws.outer, {}, cnt)
