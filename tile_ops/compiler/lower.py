@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tvm.ir.prim.expr as px
 from tvm import tirx
+from tvm.ir.expr import TensorLoad
 from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.sym.analyzer import Analyzer
 from tvm.tirx import op as top
+from tvm.tirx.analysis import undefined_vars
 from tvm.tirx.script import builder as T
 
 from ..lang import ir
@@ -199,8 +202,8 @@ class Lowerer:
         """Element offset of pipeline stage ``stage`` of a (possibly multi-buffered) shared tile."""
         return stage * t.stage_elems if t.stages > 1 else 0
 
-    def shared_offset(self, t: SharedTile, idx, stage=0):
-        base = self.stage_base(t, stage)
+    def shared_offset(self, t: SharedTile, idx, stage=None):
+        base = self.stage_base(t, self.stage(t.buf) if stage is None else stage)
         if t.layout is None:
             return base + idx[0]
         return base + t.layout.offset(idx[0], idx[1])
@@ -217,37 +220,44 @@ class Lowerer:
             buf = self.buffers.get(buf_var)
             if buf is None:
                 return None
-            if guard:
-                return self._guarded_load(buf, idx, frag_index)
-            return self.load(buf, idx, frag_index, stage=self.stage(buf))
+            return self._guarded_load(buf, idx, frag_index) if guard else self.load(buf, idx, frag_index)
 
         return rewrite(e, vm, on_load) if not isinstance(e, (int, float)) else e
 
-    def load(self, buf, idx, frag_index=None, stage=0):
-        if buf.scope == "global":
-            return tirx.BufferLoad(self.globals[buf], idx)
+    def _storage(self, buf, idx, frag_index, stage, vec):
+        """(tirx buffer, indices) of ``buf[idx]``, or of ``vec`` elements from it along the last dim
+        (the caller has checked they are contiguous); ``stage`` defaults to the one being computed on."""
         if buf.scope == "shared":
             t = self.shared[buf]
-            return tirx.BufferLoad(t.view, [self.shared_offset(t, idx, stage)])
-        if buf.scope == "local":
-            return tirx.BufferLoad(self.locals[buf], idx)
-        if frag_index is None:
-            raise TileLangError(f"fragment {buf.name} can only be read elementwise inside T.Parallel (or by tile ops)")
-        return tirx.BufferLoad(self.frags[buf], [frag_index(buf, idx)])
-
-    def store(self, buf, idx, value, frag_index=None, stage=0):
-        value = _cast(value, buf.dtype)
-        if buf.scope == "global":
-            T.buffer_store(self.globals[buf], value, idx)
-        elif buf.scope == "shared":
-            t = self.shared[buf]
-            T.buffer_store(t.view, value, [self.shared_offset(t, idx, stage)])
-        elif buf.scope == "local":
-            T.buffer_store(self.locals[buf], value, idx)
-        else:
+            return t.view, [_ramp(self.shared_offset(t, idx, stage), vec)]
+        if buf.scope == "fragment":
             if frag_index is None:
-                raise TileLangError(f"fragment {buf.name} can only be written inside T.Parallel or by tile ops")
-            T.buffer_store(self.frags[buf], value, [frag_index(buf, idx)])
+                raise TileLangError(f"fragment {buf.name} can only be accessed elementwise inside T.Parallel "
+                                    f"(or by tile ops)")
+            return self.frags[buf], [frag_index(buf, idx)]
+        storage = self.globals[buf] if buf.scope == "global" else self.locals[buf]
+        return storage, list(idx[:-1]) + [_ramp(idx[-1], vec)]
+
+    def load(self, buf, idx, frag_index=None, stage=None, vec=1):
+        return tirx.BufferLoad(*self._storage(buf, idx, frag_index, stage, vec))
+
+    def store(self, buf, idx, value, frag_index=None, stage=None, vec=1):
+        storage, at = self._storage(buf, idx, frag_index, stage, vec)
+        T.buffer_store(storage, _broadcast(_cast(value, buf.dtype), vec), at)
+
+    def _guarded_load(self, buf, idx, frag_index=None, vec=1):
+        """A load that reads 0 outside a global tensor (whole vectors are in or out: see _vector_ok)."""
+        value = self.load(buf, idx, frag_index, vec=vec)
+        pred = self._in_bounds(buf, [0] * len(idx), idx)
+        return value if pred is None else tirx.if_then_else(pred, value, _broadcast(tirx.const(0, buf.dtype), vec))
+
+    def _guarded_store(self, buf, idx, value, frag_index=None, stage=None, vec=1):
+        pred = self._in_bounds(buf, [0] * len(idx), idx)
+        if pred is None:
+            return self.store(buf, idx, value, frag_index, stage, vec)
+        with T.If(pred):
+            with T.Then():
+                self.store(buf, idx, value, frag_index, stage, vec)
 
     # ------------------------------------------------------------------ statements
 
@@ -388,8 +398,7 @@ class Lowerer:
         if s_scope == "global" and d_scope == "shared":
             return self.copy_g2s(node, s_start, d_start, extents,
                                  self.stage(dst.buffer) if stage is None else stage, asynchronous)
-        # generic elementwise copy (shared<->global, shared->shared, local)
-        self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx))
+        self.sync_copy(node, s_start, d_start, extents)
 
     def _copy_extents(self, node: Copy):
         se, de = node.src.extents, node.dst.extents
@@ -418,22 +427,22 @@ class Lowerer:
             out = tirx.And(out, c)
         return out
 
-    def _copy_elem(self, node, s_start, d_start, idx, d_stage=None):
+    def sync_copy(self, node, s_start, d_start, extents, d_stage=None):
+        """Elementwise copy (any scopes but fragments), ``vec`` consecutive elements per thread and access."""
         sb, db = node.src.buffer, node.dst.buffer
-        d_stage = self.stage(db) if d_stage is None else d_stage
-        s_idx = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
-        d_idx = [a + b for a, b in zip(d_start, _pad(idx, d_start))]
-        value = self.load(sb, s_idx, stage=self.stage(sb))
-        pred_s = self._in_bounds(sb, s_start, idx)
-        if pred_s is not None:
-            value = tirx.if_then_else(pred_s, value, tirx.const(0, sb.dtype))
-        pred_d = self._in_bounds(db, d_start, idx)
-        if pred_d is not None:
-            with T.If(pred_d):
-                with T.Then():
-                    self.store(db, d_idx, value, stage=d_stage)
-        else:
-            self.store(db, d_idx, value, stage=d_stage)
+        vec = self._copy_vector_width(node, s_start, d_start, extents)
+
+        def one(idx):
+            value = self._guarded_load(sb, [a + b for a, b in zip(s_start, _pad(idx, s_start))], vec=vec)
+            self._guarded_store(db, [a + b for a, b in zip(d_start, _pad(idx, d_start))], value, stage=d_stage,
+                                vec=vec)
+
+        self.flat_loop(extents, one, vec)
+
+    def _copy_vector_width(self, node, s_start, d_start, extents) -> int:
+        sb, db = node.src.buffer, node.dst.buffer
+        return _widest(max(dtype_bits(sb.dtype), dtype_bits(db.dtype)), lambda v: extents[-1] % v == 0 and
+                       self._vector_ok(sb, s_start[-1], v) and self._vector_ok(db, d_start[-1], v))
 
     def flat_loop(self, extents, body_fn, vec=1):
         """Distribute a row-major iteration space over the block's threads."""
@@ -460,23 +469,13 @@ class Lowerer:
         sb, db = node.src.buffer, node.dst.buffer
         t = self.shared[db]
         bits = dtype_bits(sb.dtype)
-        def sync_copy():  # element by element, into the stage being filled
-            self.flat_loop(extents, lambda idx: self._copy_elem(node, s_start, d_start, idx, stage))
-
         if sb.dtype != db.dtype or len(extents) != 2 or t.layout is None:
-            return sync_copy()
-        rows, cols = extents
-        vec = 1
-        for v in (128 // bits, 64 // bits, 32 // bits):
-            if v >= 1 and cols % v == 0 and sb.shape[-1] % v == 0 and self._divisible(s_start[-1], v) and \
-                    self._divisible(d_start[-1], v) and t.layout.chunk % v == 0:
-                vec = v
-                break
-        if vec * bits < 32:  # cp.async moves 4, 8 or 16 bytes; narrower rows take the synchronous path
-            return sync_copy()
+            return self.sync_copy(node, s_start, d_start, extents, stage)  # into the stage being filled
+        vec = self._copy_vector_width(node, s_start, d_start, extents)
+        if vec == 1:  # cp.async moves 4, 8 or 16 bytes; narrower rows take the synchronous path
+            return self.sync_copy(node, s_start, d_start, extents, stage)
 
         def one(idx):
-            r, c = idx
             g = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
             pred = self._in_bounds(sb, s_start, idx)
             if pred is not None:  # out of bounds: copy 0 bytes (zero-fill) from a safe address
@@ -517,48 +516,27 @@ class Lowerer:
             r = rv * vec
             idx = list(lay.coords(self.tid, r))
             o_idx = [a + b for a, b in zip(start, _pad(idx, start))]
-            pred = self._in_bounds(other, start, idx)  # whole vectors are in or out (see the width)
             if sb.scope == "fragment":
-                value = _cast(_vload(self.frags[sb], [r], vec), _vtype(db.dtype, vec))
-                if pred is not None:
-                    with T.If(pred):
-                        with T.Then():
-                            self._vstore(db, o_idx, value, vec)
-                else:
-                    self._vstore(db, o_idx, value, vec)
+                self._guarded_store(db, o_idx, _vload(self.frags[sb], [r], vec), vec=vec)
             else:
-                value = self._vload_buf(sb, o_idx, vec)
-                if pred is not None:
-                    value = tirx.if_then_else(pred, value, tirx.Broadcast(tirx.const(0, sb.dtype), vec)
-                                              if vec > 1 else tirx.const(0, sb.dtype))
-                T.buffer_store(self.frags[db], _cast(value, _vtype(db.dtype, vec)), [_ramp(r, vec)])
+                value = self._guarded_load(sb, o_idx, vec=vec)
+                T.buffer_store(self.frags[db], _cast(value, db.dtype), [_ramp(r, vec)])
 
     def _fragment_vector_width(self, lay, other, start) -> int:
         """Elements a thread moves per access: the layout's run of consecutive columns, if the other
-        side keeps them contiguous and aligned (and, in global memory, all in or all out of bounds)."""
+        side allows them as one access."""
         vec = lay.vec
-        if vec <= 1 or lay.local_size % vec:
-            return 1
-        if not self._divisible(start[-1], vec) or other.shape[-1] % vec:
-            return 1
-        if other.scope == "shared":
-            t = self.shared[other]
-            if t.layout is not None and t.layout.chunk % vec:
-                return 1
-        return vec
+        return vec if vec > 1 and lay.local_size % vec == 0 and self._vector_ok(other, start[-1], vec) else 1
 
-    def _vstore(self, buf, idx, value, vec):
-        if buf.scope == "global":
-            T.buffer_store(self.globals[buf], value, idx[:-1] + [_ramp(idx[-1], vec)])
-        else:
-            t = self.shared[buf]
-            T.buffer_store(t.view, value, [_ramp(self.shared_offset(t, idx, self.stage(buf)), vec)])
-
-    def _vload_buf(self, buf, idx, vec):
-        if buf.scope == "global":
-            return tirx.BufferLoad(self.globals[buf], idx[:-1] + [_ramp(idx[-1], vec)])
-        t = self.shared[buf]
-        return tirx.BufferLoad(t.view, [_ramp(self.shared_offset(t, idx, self.stage(buf)), vec)])
+    def _vector_ok(self, buf, start, vec) -> bool:
+        """Can elements ``start + k*vec .. + vec - 1`` of ``buf``'s last dim be one aligned access?  They
+        must be contiguous (in a shared tile: within one swizzle chunk) and start on a multiple of ``vec``;
+        in a global tensor, a last dim divisible by ``vec`` also aligns every row and puts whole
+        vectors in or out of bounds, so one predicate (on the first element) guards a vector."""
+        if buf.scope not in ("global", "shared") or buf.shape[-1] % vec or not self._divisible(start, vec):
+            return False
+        lay = self.shared[buf].layout if buf.scope == "shared" else None
+        return lay is None or lay.chunk % vec == 0
 
     # ------------------------------------------------------------------ elementwise
 
@@ -575,16 +553,19 @@ class Lowerer:
             with T.unroll(0, n) as r:
                 T.buffer_store(self.locals[b], _cast(value, b.dtype), [r] if len(b.shape) == 1 else _unflat(r, b.shape))
         else:
-            self.flat_loop(list(b.shape), lambda idx: self.store(b, idx, value, stage=self.stage(b)))
+            vec = _widest(dtype_bits(b.dtype), lambda v: self._vector_ok(b, 0, v))
+            self.flat_loop(list(b.shape), lambda idx: self.store(b, idx, value, vec=vec), vec)
 
     def parallel(self, node: Parallel, vm):
         anchor = self.infer.parallel.get(id(node))
-        if anchor is None:  # no fragment: spread the iteration space over the threads
+        if anchor is None:  # no fragment: spread the iteration space over the threads, vec columns each
+            vec = self._parallel_vector_width(node)
+
             def run(idx):
                 inner = {**vm, **dict(zip(node.vars, idx))}
                 for st in node.body:
-                    self._parallel_store(st, inner, None)
-            return self.flat_loop(node.extents, run)
+                    self._parallel_store(st, inner, None, node, vec)
+            return self.flat_loop(node.extents, run, vec)
         with T.unroll(0, anchor.local_size) as r:
             coords = anchor.coords(self.tid, r)
             inner = {**vm, **dict(zip(node.vars, coords))}
@@ -600,29 +581,57 @@ class Lowerer:
             for st in node.body:
                 self._parallel_store(st, inner, frag_index, node)
 
-    def _guarded_load(self, buf, idx, frag_index):
-        value = self.load(buf, idx, frag_index)
-        if buf.scope == "global":
-            pred = self._in_bounds(buf, [0] * len(idx), idx)
-            if pred is not None:
-                value = tirx.if_then_else(pred, value, tirx.const(0, buf.dtype))
-        return value
-
-    def _parallel_store(self, st: Store, vm, frag_index, node=None):
-        if node is not None:  # fragment indices must be the loop vars themselves (checked in inference)
+    def _parallel_store(self, st: Store, vm, frag_index, node, vec=1):
+        if frag_index is not None:  # fragment indices must be the loop vars themselves (checked in inference)
             for buf_var, idx in collect_loads(st.value):
                 buf = self.buffers.get(buf_var)
                 if buf is not None and buf.scope == "fragment" and not (
                         _is_vars(idx, node.vars) or _is_vars(idx, node.vars[:1])):
                     raise error(st.loc, f"fragment {buf.name} must be indexed by the T.Parallel loop variables")
-        value = self.expr(st.value, vm, frag_index, guard=True)
-        idx = [self.expr(i, vm) for i in st.indices]
-        pred = self._in_bounds(st.buffer, [0] * len(idx), idx) if st.buffer.scope == "global" else None
-        if pred is None:
-            return self.store(st.buffer, idx, value, frag_index, stage=self.stage(st.buffer))
-        with T.If(pred):
-            with T.Then():
-                self.store(st.buffer, idx, value, frag_index)
+        if vec > 1:
+            value = self._lanes(st.value, vm, node.vars[-1], vec)
+        else:
+            value = self.expr(st.value, vm, frag_index, guard=True)
+        self._guarded_store(st.buffer, [self.expr(i, vm) for i in st.indices], value, frag_index, vec=vec)
+
+    def _parallel_vector_width(self, node: Parallel) -> int:
+        """The widest vector along the innermost var j such that every statement is a lane-wise
+        function of accesses contiguous in j (see _lanes)."""
+        j = node.vars[-1]
+        bits = max(dtype_bits(b.dtype) for b in _buffers_in(node, self.buffers))
+        return _widest(bits, lambda v: node.extents[-1] % v == 0 and all(
+            self._contiguous(st.buffer, st.indices, j, v) and self._lanes(st.value, {}, j, v) is not None
+            for st in node.body))
+
+    def _lanes(self, e, vm, j, vec):
+        """``e`` at ``vec`` consecutive values of j, from the one ``vm`` gives: a vector where ``e``
+        depends on j, the scalar where not; None where ``e`` is more than arithmetic and casts of
+        contiguous loads, or has a value wider than 16 bytes (CUDA has no such vector types): the
+        caller then takes a narrower vector or stays scalar."""
+        if not _uses(e, j):
+            return self.expr(e, vm, guard=True)
+        if vec * dtype_bits(str(e.ty)) > 128:
+            return None
+        if isinstance(e, TensorLoad):
+            buf = self.buffers.get(e.source)
+            if buf is None or not self._contiguous(buf, e.indices, j, vec):
+                return None
+            return self._guarded_load(buf, [self.expr(i, vm) for i in e.indices], vec=vec)
+        if isinstance(e, px.BinaryOpExpr):
+            a, b = self._lanes(e.a, vm, j, vec), self._lanes(e.b, vm, j, vec)
+            return None if a is None or b is None else type(e)(_broadcast(a, vec), _broadcast(b, vec))
+        if isinstance(e, px.Cast):
+            v = self._lanes(e.value, vm, j, vec)
+            return None if v is None else _cast(v, str(e.ty))
+        return None
+
+    def _contiguous(self, buf, idx, j, vec) -> bool:
+        """``buf[..., base + j]`` with j nowhere else, and ``vec`` elements from ``base + j`` (j a multiple
+        of vec) one aligned access."""
+        base = self.ana.simplify(idx[-1] - j)
+        if any(_uses(i, j) for i in [base, *idx[:-1]]):
+            return False
+        return self._vector_ok(buf, self.expr(base), vec)
 
     # ------------------------------------------------------------------ gemm (mma.sync)
 
@@ -753,9 +762,24 @@ class Lowerer:
 
 
 def _cast(v, dtype):
+    """``v`` as ``dtype`` (per lane, for a vector)."""
     if isinstance(v, (int, float)):
         return tirx.const(v, dtype)
+    dtype = _vtype(dtype, v.ty.dtype.lanes)
     return v if str(v.ty) == dtype else tirx.Cast(dtype, v)
+
+
+def _uses(e, var) -> bool:
+    return not isinstance(e, (int, float)) and any(v.same_as(var) for v in undefined_vars(e))
+
+
+def _broadcast(v, vec):
+    return tirx.Broadcast(v, vec) if vec > 1 and v.ty.dtype.lanes == 1 else v
+
+
+def _widest(bits: int, fits) -> int:
+    """Elements per access: the widest of 16, 8 and 4 bytes that ``fits(vec)``, else 1."""
+    return next((v for v in (128 // bits, 64 // bits, 32 // bits) if v > 1 and fits(v)), 1)
 
 
 def _ramp(base, vec):

@@ -1,0 +1,185 @@
+"""16-byte vector accesses for T.Parallel without fragments, synchronous copies and fills; scalar
+fallbacks where a vector could be misaligned, non-contiguous or straddle a ragged bound; and pipeline
+stages read by T.Parallel and copies.  Correctness runs the lowered TIR on a CPU emulator."""
+
+import re
+
+import numpy as np
+import pytest
+
+import tile_ops
+import tile_ops.lang as T
+from tile_ops.compiler import compile_program
+from tile_ops.compiler.lower import lower
+from tile_ops.jit.build import _find_tool
+from tir_emulator import Emulator
+
+needs_sass = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None or
+                                _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no nvcc/cuobjdump")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def scale(M, N, shift=0, bm=16, bn=128, dtype="float16"):
+    """B = A * 2 through a shared tile: clear, T.Parallel global -> shared, copy shared -> global."""
+    @T.prim_func
+    def main(A: T.Tensor((M, N + shift), dtype), B: T.Tensor((M, N), dtype)):
+        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=128) as (bx, by):
+            A_s = T.alloc_shared((bm, bn), dtype)
+            T.clear(A_s)
+            for i, j in T.Parallel(bm, bn):
+                A_s[i, j] = A[by * bm + i, bx * bn + j + shift] * 2
+            T.copy(A_s, B[by * bm, bx * bn])
+    return main
+
+
+def emulate(prog, **arrays):
+    lk = lower(prog, "sm_80")
+    Emulator(lk.func, arrays).run(lk.grid)
+
+
+def vector_accesses(src: str, buf: str) -> set:
+    """The vector types TVM accesses ``buf`` through (uint4: 8 halves, half4, half2, float4 ...)."""
+    return set(re.findall(r"\*\((\w+)\*\)\(" + buf + r"_ptr", src))
+
+
+@pytest.mark.parametrize("M,N", [(32, 256), (17, 136), (17, 129), (20, 60)])
+def test_parallel_copy_and_clear_compute_correctly(M, N):
+    A = np.random.default_rng(0).uniform(-4, 4, (M, N)).astype(np.float16)
+    B = np.zeros((M, N), np.float16)
+    emulate(scale(M, N), A=A, B=B)
+    np.testing.assert_array_equal(B, A * np.float16(2))
+
+
+def test_aligned_rows_use_16_byte_accesses():
+    src = compile_program(scale(64, 256), "sm_80").source
+    assert vector_accesses(src, "A") == {"uint4"} and vector_accesses(src, "B") == {"uint4"}
+    assert "*(uint4*)(((half*)smem_ptr)" in src  # the shared stores of T.Parallel, T.clear and the copy's loads
+
+
+def test_ragged_rows_of_whole_vectors_stay_vectorized():
+    """N = 136 = 17 vectors: a vector is all in or all out of bounds, so one predicate guards it."""
+    c = compile_program(scale(17, 136), "sm_80")
+    assert vector_accesses(c.source, "A") == {"uint4"} and vector_accesses(c.source, "B") == {"uint4"}
+
+
+@pytest.mark.parametrize("M,N,shift,width", [(17, 129, 0, set()),  # rows not a multiple of 2 elements
+                                             (16, 130, 0, {"half2"}),  # 4-byte vectors fit 130
+                                             (16, 256, 4, {"half4"}),  # start 4 elements in: 8 bytes
+                                             (16, 256, 1, set())])  # start 1 element in: scalar
+def test_misaligned_or_ragged_global_falls_back(M, N, shift, width):
+    src = compile_program(scale(M, N, shift), "sm_80").source
+    assert vector_accesses(src, "A") == width
+    A = np.random.default_rng(1).uniform(-4, 4, (M, N + shift)).astype(np.float16)
+    B = np.zeros((M, N), np.float16)
+    emulate(scale(M, N, shift), A=A, B=B)
+    np.testing.assert_array_equal(B, A[:, shift:] * np.float16(2))
+
+
+def _elementwise(body, M=64, N=128, a_dtype="float16", b_dtype="float16"):
+    @T.prim_func
+    def main(A: T.Tensor((M, N), a_dtype), B: T.Tensor((M, N), b_dtype)):
+        with T.Kernel(1, threads=128) as bx:
+            body(A, B)
+    return main
+
+
+def test_non_contiguous_bodies_stay_scalar():
+    def transposed(A, B):
+        for i, j in T.Parallel(64, 64):
+            B[i, j] = A[j, i]
+
+    def call(A, B):
+        for i, j in T.Parallel(64, 128):
+            B[i, j] = T.exp2(A[i, j])
+
+    for body, N in ((transposed, 64), (call, 128)):
+        c = compile_program(_elementwise(body, N=N), "sm_80")
+        assert not vector_accesses(c.source, "A") and not vector_accesses(c.source, "B")
+    A = np.random.default_rng(2).uniform(-4, 4, (64, 64)).astype(np.float16)
+    B = np.zeros((64, 64), np.float16)
+    emulate(_elementwise(transposed, N=64), A=A, B=B)
+    np.testing.assert_array_equal(B, A.T)
+
+
+def test_casts_and_broadcasts_vectorize_at_the_wider_dtype():
+    """float32 -> float16 with a per-row scalar: 4 lanes (16 bytes of float32, 8 of float16)."""
+    def body(A, B):
+        for i, j in T.Parallel(64, 128):
+            B[i, j] = T.cast(A[i, j] * T.cast(i, "float32") + 1.0, "float16")
+
+    prog = _elementwise(body, a_dtype="float32")
+    src = compile_program(prog, "sm_80").source
+    assert vector_accesses(src, "A") == {"float4"} and vector_accesses(src, "B") == {"half4"}
+    A = np.random.default_rng(3).uniform(-4, 4, (64, 128)).astype(np.float32)
+    B = np.zeros((64, 128), np.float16)
+    emulate(prog, A=A, B=B)
+    np.testing.assert_array_equal(B, (A * np.arange(64, dtype=np.float32)[:, None] + 1).astype(np.float16))
+
+
+@needs_sass
+def test_float32_math_on_halves_takes_vectors_of_4():
+    """float16 tensors, float32 arithmetic: float32x8 has no CUDA vector type, so 4 lanes (8-byte accesses)."""
+    def body(A, B):
+        for i, j in T.Parallel(64, 128):
+            B[i, j] = T.cast(T.cast(A[i, j], "float32") * 3.0, "float16")
+
+    k = tile_ops.compile(_elementwise(body), target="sm_80")
+    assert vector_accesses(k.source, "A") == {"half4"} and vector_accesses(k.source, "B") == {"half4"}
+    assert re.search(r"LDG\.E\.64", k.sass()) and re.search(r"STG\.E\.64", k.sass())
+
+
+def test_copies_between_any_memories_are_vectorized():
+    def body(A, B):
+        X_s = T.alloc_shared((64, 128), "float16")
+        Y_s = T.alloc_shared((64, 128), "float16")
+        T.copy(A, B)  # global -> global
+        T.copy(A, X_s)  # global -> shared (cp.async)
+        T.copy(X_s, Y_s)  # shared -> shared
+        T.copy(Y_s[0:32, 0:128], B[32, 0])  # shared -> global
+
+    prog = _elementwise(body)
+    c = compile_program(prog, "sm_80")
+    assert vector_accesses(c.source, "A") == {"uint4"} and vector_accesses(c.source, "B") == {"uint4"}
+    assert not re.search(r"\n\s*\(\(half\*\)smem_ptr\)\[", c.source)  # no scalar shared store
+
+
+def test_pipelined_parallel_and_copy_read_the_stage_being_computed():
+    """A float32 -> float16 copy into a 2-stage tile is synchronous, so the emulator can run the pipeline;
+    T.Parallel (vector and scalar) and T.copy must read stage k % 2, not stage 0."""
+    K, N = 128, 64
+
+    @T.prim_func
+    def main(A: T.Tensor((K, N), "float32"), B: T.Tensor((K, N), "float16"), C: T.Tensor((K, N), "float16"),
+             D: T.Tensor((N, K), "float16")):
+        with T.Kernel(1, threads=128) as bx:
+            A_s = T.alloc_shared((16, N), "float16")
+            for k in T.Pipelined(K // 16, num_stages=2):
+                T.copy(A[k * 16, 0], A_s)
+                for i, j in T.Parallel(16, N):
+                    B[k * 16 + i, j] = A_s[i, j] + 1
+                for i, j in T.Parallel(16, N):
+                    D[j, k * 16 + i] = A_s[i, j]  # transposed: the scalar path
+                T.copy(A_s, C[k * 16, 0])
+
+    c = compile_program(main, "sm_80")
+    assert "cp.async.wait_group" in c.source and c.smem_bytes == 2 * 16 * N * 2
+    A = np.random.default_rng(4).uniform(-4, 4, (K, N)).astype(np.float32)
+    B, C, D = (np.zeros(s, np.float16) for s in ((K, N), (K, N), (N, K)))
+    emulate(main, A=A, B=B, C=C, D=D)
+    A16 = A.astype(np.float16)
+    np.testing.assert_array_equal(B, A16 + np.float16(1))
+    np.testing.assert_array_equal(C, A16)
+    np.testing.assert_array_equal(D, A16.T)
+
+
+@needs_sass
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_sass_has_128_bit_global_and_shared_accesses(arch):
+    sass = tile_ops.compile(scale(256, 256), target=arch).sass()
+    for op in (r"LDG\.E\.128", r"STG\.E\.128", r"STS\.128", r"LDS\.128"):
+        assert re.search(op, sass), op
+    assert not re.search(r"\b(LDG|STG)\.E\.U16\b|\bSTS\.U16\b|\bLDS\.U16\b", sass)  # no 2-byte accesses left
