@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 import tile_ops
 import tile_ops.lang as T
@@ -183,3 +184,57 @@ def test_sass_has_128_bit_global_and_shared_accesses(arch):
     for op in (r"LDG\.E\.128", r"STG\.E\.128", r"STS\.128", r"LDS\.128"):
         assert re.search(op, sass), op
     assert not re.search(r"\b(LDG|STG)\.E\.U16\b|\bSTS\.U16\b|\bLDS\.U16\b", sass)  # no 2-byte accesses left
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+GPU_TARGETS = ["sm_90a", "sm_90"] if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) \
+    else [None]
+
+
+def _run(prog, target, *tensors):
+    tile_ops.compile(prog, target=target).launch(*tensors)
+    torch.cuda.synchronize()
+
+
+def _nan(*shape, dtype=torch.float16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("target", GPU_TARGETS)
+@pytest.mark.parametrize("M,N,shift", [(64, 256, 0), (17, 136, 0), (17, 129, 0), (20, 60, 0), (33, 256, 4)])
+def test_vectorized_parallel_clear_and_copy_on_the_gpu(M, N, shift, target):
+    A = torch.randn(M, N + shift, dtype=torch.float16, device="cuda")
+    B = _nan(M, N)
+    _run(scale(M, N, shift), target, A, B)
+    assert torch.equal(B, A[:, shift:] * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("target", GPU_TARGETS)
+def test_vectorized_casts_copies_and_pipelined_stages_on_the_gpu(target):
+    def cast_body(A, B):
+        for i, j in T.Parallel(64, 128):
+            B[i, j] = T.cast(A[i, j] * T.cast(i, "float32") + 1.0, "float16")
+
+    A = torch.randn(64, 128, device="cuda")
+    B = _nan(64, 128)
+    _run(_elementwise(cast_body, a_dtype="float32"), target, A, B)
+    rows = torch.arange(64, device="cuda", dtype=torch.float32)[:, None]
+    assert torch.equal(B, (A * rows + 1).half())
+
+    def copy_body(A, B):
+        X_s = T.alloc_shared((64, 128), "float16")
+        Y_s = T.alloc_shared((64, 128), "float16")
+        T.copy(A, B)
+        T.copy(A, X_s)
+        T.copy(X_s, Y_s)
+        T.copy(Y_s[0:32, 0:128], B[32, 0])
+
+    A = torch.randn(64, 128, dtype=torch.float16, device="cuda")
+    B = _nan(64, 128)
+    _run(_elementwise(copy_body), target, A, B)
+    assert torch.equal(B, torch.cat([A[:32], A[:32]]))
