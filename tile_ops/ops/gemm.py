@@ -140,7 +140,7 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
 _PLANS = fastpath.PlanCache()
 
 
-def _plan_key(a, b, bias, out_dtype):  # everything the checks and layout decisions read; inline: one Python frame less per call
+def _plan_key(a, b, bias, out_dtype):  # what the checks and layouts read; inline: a frame less per call
     if bias is None:
         return a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, (out_dtype,)
     return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,

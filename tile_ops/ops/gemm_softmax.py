@@ -135,7 +135,7 @@ def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cu
 _PLANS = fastpath.PlanCache()
 
 
-def _plan_key(a, b, scale, out_dtype):  # everything the checks and layout decisions read; inline: one Python frame less per call
+def _plan_key(a, b, scale, out_dtype):  # what the checks and layouts read; inline: a frame less per call
     return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
             (out_dtype, type(scale), scale))  # the type: 1 == 1.0 == True
 
