@@ -1,6 +1,7 @@
 """GEMM TFLOP/s: tile_ops beside torch.matmul (cuBLAS) and an autotuned Triton matmul, one run.
 
-    python benchmarks/bench_gemm.py [--arch sm_90a|sm_90] [--configs] [--no-triton] [--json out.json] [--png out.png]
+    python benchmarks/bench_gemm.py [--arch sm_90a|sm_90] [--configs] [--shapes MxNxK,...] [--no-triton]
+                                    [--json out.json] [--png out.png]
 
 ``--arch sm_90a`` (the default on Hopper) is the TMA + wgmma warp-specialized path; ``--arch sm_90``
 compiles the same programs through the Ampere-class path (cp.async + mma.sync) for the same GPU.
@@ -36,6 +37,10 @@ EXTRA_CONFIGS = {
                GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
                GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
                GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared"),
+               # short grids (1000^3: 64 tiles of 128x128): deeper K steps, narrower tiles, split K
+               GemmConfig(128, 128, 128, 3, 128, 8, epilogue="shared"),
+               GemmConfig(128, 64, 64, 4, 128, 8, epilogue="shared"),
+               GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared"), GemmConfig(128, 128, 64, 4, 128, 8, split_k=2),
                # split-K decode (16x8192x8192: 64 tiles of 64x128 -> 128 / 256 CTAs; 128 tiles of 64x64 -> 256)
                GemmConfig(64, 128, 64, 6, 128, 0, split_k=2), GemmConfig(64, 128, 64, 6, 128, 0, split_k=4),
                GemmConfig(64, 64, 128, 6, 128, 0, split_k=2), GemmConfig(64, 64, 128, 3, 128, 0, split_k=2)],
@@ -59,14 +64,16 @@ def main():
     p.add_argument("--arch", default=default_arch(), choices=sorted(PATHS))
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time a few block configs, report the best")
+    p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
-    jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes]
+    jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes
+            if not args.shapes or f"{M}x{N}x{K}" in args.shapes.split(",")]
     extra = EXTRA_CONFIGS[args.arch] if args.configs else []
     configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + [
-        c for c in extra if c.split_k == 1 or job[0] <= 64])) for job in jobs}  # split K: decode shapes only
+        c for c in extra if c.split_k == 1 or job[0] * job[1] <= 1024 * 1024])) for job in jobs}  # split K: short grids
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
         built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j], args.arch), jobs)))
     rows = []
