@@ -85,6 +85,10 @@ def host_stages(a, b):
     out = torch.empty(*plan.out_shape, dtype=plan.out_dtype, device=plan.device)
     pa, pb, po = a.data_ptr(), b.data_ptr(), out.data_ptr()
     index = a.device.index
+    kernel = importlib.import_module("tile_ops.kernels.gemm").get_gemm_kernel(a[None], b[None], out[None])[0]
+    lib_launch, handle = kernel._fn().bind(index)
+    grid, block, smem, name = kernel.meta.grid, kernel.meta.block, kernel._fn().smem_bytes, kernel._fn().name
+    stream, args = torch._C._cuda_getCurrentRawStream(index), kernel._entry_args.build([pa, pb, po, po], index)
     stages = {
         "skips_dispatcher": lambda: fastpath.skips_dispatcher(a, b, None),
         "plan key + lookup": lambda: gemm_mod._PLANS.find(gemm_mod._plan_key, a, b, None, None),
@@ -93,6 +97,8 @@ def host_stages(a, b):
         "raw current stream": lambda: torch._C._cuda_getCurrentRawStream(index),
         "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(a.device).cuda_stream,
         "plan.launch (kernel launch)": lambda: plan.launch(pa, pb, po),
+        "  of which building the argument list": lambda: kernel._entry_args.build([pa, pb, po, po], index),
+        "  of which the extension's launch": lambda: lib_launch(handle, grid, block, smem, stream, args, name),
         "fastpath.launch (empty + launch)": lambda: fastpath.launch(plan, a, b),
         "tile_ops.gemm (all)": lambda: tile_ops.gemm(a, b),
         "torch.matmul (all)": lambda: torch.matmul(a, b),

@@ -42,7 +42,7 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound, so enough CTAs to stream B from every SM
             return GemmConfig(64, 128, 64, 6, 128, 0)
-        for cfg, min_tiles in zip(_HOPPER_TILES, (128, 48, 100)):  # the biggest tile that fills the GPU
+        for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
                 return cfg
         return _HOPPER_TILES[-1]
