@@ -1,7 +1,7 @@
 """GEMM TFLOP/s: tile_ops beside torch.matmul (cuBLAS) and an autotuned Triton matmul, one run.
 
     python benchmarks/bench_gemm.py [--arch sm_90a|sm_90] [--configs] [--shapes MxNxK,...] [--no-triton]
-                                    [--json out.json] [--png out.png]
+                                    [--tilelang] [--compile-only] [--json out.json] [--png out.png]
 
 ``--arch sm_90a`` (the default on Hopper) is the TMA + wgmma warp-specialized path; ``--arch sm_90``
 compiles the same programs through the Ampere-class path (cp.async + mma.sync) for the same GPU.
@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import bench_ms, png_path_or_none, print_table, save  # noqa: E402
+import tilelang_matmul  # noqa: E402
 
 from tile_ops.jit import default_arch  # noqa: E402
 from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa: E402
@@ -61,12 +62,30 @@ def kernels_for(M, N, K, dtype, configs, arch):
     return {cfg: build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch) for cfg in configs}
 
 
+def tilelang_best(a, b, ref, dt, tflops):
+    """TFLOP/s of TileLang's best correct config for this problem, or "-" when none builds or is correct."""
+    M, K = a.shape
+    best = "-"
+    for cfg, kernel in tilelang_matmul.kernels(M, b.shape[1], K, dt).items():
+        e = ((kernel(a, b).double() - ref).norm() / ref.norm()).item()
+        if not e < TOLERANCE[dt]:
+            print(f"WRONG tilelang {dt} {M}x{b.shape[1]}x{K} {cfg}: relative error {e:.1e}", file=sys.stderr)
+            continue
+        t = round(tflops(bench_ms(lambda: kernel(a, b))), 1)
+        best = t if best == "-" else max(best, t)
+    return best
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default=default_arch(), choices=sorted(PATHS))
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time a few block configs, report the best")
     p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
+    p.add_argument("--tilelang", action="store_true", help="add TileLang's 20-line GEMM (needs tilelang)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="build the kernels into the tile_ops cache and stop (no GPU needed): with "
+                        "TILE_OPS_CACHE_DIR carried to the GPU, a run there needs no TVM")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
@@ -78,6 +97,12 @@ def main():
         c for c in extra if c.split_k == 1 or job[0] * job[1] <= 1024 * 1024])) for job in jobs}  # split K: short grids
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
         built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j], args.arch), jobs)))
+    if args.compile_only:
+        print(f"built {sum(map(len, built.values()))} kernels for {args.arch}")
+        return
+    if args.tilelang and tilelang_matmul.available():
+        print(f"--tilelang: no TileLang column ({tilelang_matmul.available()})", file=sys.stderr)
+        args.tilelang = False
     rows = []
     for (M, N, K, dt) in jobs:
         torch_dt = getattr(torch, dt)
@@ -113,12 +138,16 @@ def main():
             from triton_matmul import matmul as triton_matmul
 
             row["triton"] = round(tflops(bench_ms(lambda: triton_matmul(a, b))), 1)
+        if args.tilelang:
+            row["tilelang"] = tilelang_best(a, b, ref, dt, tflops)
         rows.append(row)
         del a, b, c, ref
-    cols = ["dtype", "shape", "tile_ops", "cuBLAS"] + ([] if args.no_triton else ["triton"]) + [
+    cols = ["dtype", "shape", "tile_ops", "cuBLAS"] + ([] if args.no_triton else ["triton"]) + (
+        ["tilelang"] if args.tilelang else []) + [
         "vs_cuBLAS", "rel_err", "config"]
     print_table(rows, cols, f"GEMM TFLOP/s on {torch.cuda.get_device_name()} (tile_ops {args.arch}: {PATHS[args.arch]})")
-    save(rows, args.json, args.png, x=("dtype", "shape"), ys=("tile_ops", "cuBLAS", "triton"), ylabel="TFLOP/s")
+    save(rows, args.json, args.png, x=("dtype", "shape"), ys=("tile_ops", "cuBLAS", "triton", "tilelang"),
+         ylabel="TFLOP/s")
 
 
 if __name__ == "__main__":

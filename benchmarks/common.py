@@ -50,12 +50,21 @@ def save(rows, json_path=None, png_path=None, x="shape", ys=(), ylabel=""):
 
         keys = x if isinstance(x, tuple) else (x,)
         fig, ax = plt.subplots(figsize=(max(6, len(rows)), 4))
+        ys = [y for y in ys if any(y in r for r in rows)]  # columns this run has
         width = 0.8 / max(1, len(ys))
         for i, y in enumerate(ys):
-            ax.bar([j + i * width for j in range(len(rows))], [float(r.get(y) or 0) for r in rows], width, label=y)
+            ax.bar([j + i * width for j in range(len(rows))], [_number(r.get(y)) for r in rows], width, label=y)
         labels = [" ".join(str(r[k]) for k in keys) for r in rows]
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, rotation=30, ha="right")
         ax.set_ylabel(ylabel)
         ax.legend()
         fig.tight_layout()
         fig.savefig(png_path)
+
+
+def _number(v) -> float:
+    """A table cell as a bar height: "-" (not measured) and missing cells are 0."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return 0.0

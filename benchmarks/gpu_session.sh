@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
 # One device call: install (TVM from the carried kit), GPU tests, then the benchmarks; logs under $OUT.
-#   TESTS="tests/test_kernels_gpu.py"  narrows the tests;  BENCHES="softmax overhead"  picks benchmarks
-#   (gemm gemm80 softmax overhead compile; also sanitize, not in the default list);  BENCH_ARGS  goes to
-#   bench_gemm.py (default --configs).  gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path
-#   (sm_90) on the same GPU.  profile: ncu counters of the default kernel vs cuBLAS at PROFILE_SHAPES (default 4096x4096x4096).  sanitize: compute-sanitizer memcheck/racecheck/synccheck over every kernel,
-#   both paths, small and ragged shapes (benchmarks/sanitize.py; SANITIZE_ARGS), logs in $OUT/sanitize/.
+#   TESTS="tests/test_kernels_gpu.py"  narrows the tests (TESTS=none: none, e.g. without TVM);
+#   BENCHES="softmax overhead"  picks benchmarks: gemm gemm80 softmax overhead compile (the default list),
+#     also sanitize and profile;  BENCH_ARGS  goes to bench_gemm.py (default --configs).
+#   gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path (sm_90) on the same GPU.
+#   profile: ncu counters of the default kernel vs cuBLAS at PROFILE_SHAPES (default 4096x4096x4096).
+#   sanitize: compute-sanitizer memcheck/racecheck/synccheck over every kernel, both paths, small and
+#     ragged shapes (benchmarks/sanitize.py; SANITIZE_ARGS), logs in $OUT/sanitize/.
+#   TileLang beside us: ../shared/device/make-tilelang-kit.sh, then (no GPU needed)
+#     TILE_OPS_CACHE_DIR=.tile_ops_cache python benchmarks/bench_gemm.py --compile-only;  carry .tlkit
+#     and .tile_ops_cache (not .tvmkit: both do not fit) and run TESTS=none BENCHES=gemm BENCH_ARGS=--tilelang.
 set -uo pipefail
 OUT=${OUT:-/tmp/tile_ops_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TILE_OPS_CACHE_DIR=${TILE_OPS_CACHE_DIR:-/tmp/tile_ops_cache}
 [ -d .tvmkit ] && source .tvmkit/install.sh
+[ -d .tlkit ] && source .tlkit/install.sh  # TileLang, beside a precompiled cache instead of TVM (GPU.md)
+[ -d .tile_ops_cache ] && export TILE_OPS_CACHE_DIR=$PWD/.tile_ops_cache  # bench_gemm.py --compile-only
 pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 # which launcher a process gets: tile_ops._C (built by the install) or tile_ops_C (JIT-built on first use, ~10 s)
 python -c "from tile_ops.jit.launcher import get_launcher as g; print('launcher:', g().__name__)" 2>&1 | tail -1
 grep -A3 "WARNING: building the tile_ops._C" "$OUT/install.log" | head -4
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python -m pytest ${TESTS:-tests} -m gpu -q -n 8 ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+[ "${TESTS:-}" = none ] || python -m pytest ${TESTS:-tests} -m gpu -q -n 8 ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
   case $b in
     gemm) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py ${BENCH_ARGS:---configs} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" | tail -14 ;;

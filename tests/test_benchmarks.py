@@ -131,3 +131,24 @@ def test_sanitize_runs_tables_and_exit_status_with_a_stand_in_sanitizer(tmp_path
     assert "3/9 clean" in out
     table = out[out.index("compute-sanitizer on stand-in GPU"):].splitlines()
     assert len(table) == 5 and "memcheck" in table[1] and "timeout" in table[-1]
+
+
+def test_bench_gemm_compile_only_fills_the_cache_a_gpu_run_reuses(tmp_path):
+    """`bench_gemm.py --compile-only` builds the benchmark's kernels on a machine without a GPU; with that
+    cache carried to the GPU (TILE_OPS_CACHE_DIR), the run there needs no TVM (e.g. beside .tlkit)."""
+    from tile_ops.jit.build import _find_tool
+
+    if _find_tool("nvcc", "TILE_OPS_NVCC") is None:
+        pytest.skip("no nvcc")
+    env = {**os.environ, "TILE_OPS_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_gemm.py"), "--compile-only", "--arch", "sm_90a",
+                          "--shapes", "1000x1000x1000"], env=env, capture_output=True, text=True, check=True)
+    assert "built 1 kernels for sm_90a" in out.stdout
+    assert any(p.suffix == ".cubin" for p in tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))[:10]
+
+
+def test_tilelang_anchor_reports_why_it_is_missing():
+    import tilelang_matmul
+
+    reason = tilelang_matmul.available()
+    assert reason is None or "tilelang" in reason
