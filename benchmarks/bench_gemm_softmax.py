@@ -1,6 +1,9 @@
 """Fused GEMM+softmax vs torch's softmax(a @ b) (fp16, and with an fp32 softmax), microseconds, one run.
 
-    python benchmarks/bench_gemm_softmax.py [--json out.json] [--png out.png]
+    python benchmarks/bench_gemm_softmax.py [--configs] [--json out.json] [--png out.png]
+
+``--configs`` also times a few other configs of the fused kernel (each checked against float64 first) and
+reports the fastest; the table's ``config`` column names it.
 """
 
 import argparse
@@ -14,31 +17,63 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import bench_ms, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.kernels.gemm import default_config as gemm_config, gemm  # noqa: E402
-from tile_ops.kernels.gemm_softmax import default_config, gemm_softmax  # noqa: E402
+from tile_ops.kernels.gemm_softmax import SoftmaxConfig, default_config, gemm_softmax  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 2048, 1024), (16384, 1024, 512), (4096, 64, 512), (2048, 8192, 256)]
 SCALE = 0.125
+TOLERANCE = 5e-3
+EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), two consumer warpgroups, deeper or longer K steps
+    SoftmaxConfig(64, 256, 64, 3, 128), SoftmaxConfig(64, 256, 64, 2, 128), SoftmaxConfig(128, 128, 64, 3, 256),
+    SoftmaxConfig(128, 256, 64, 2, 256), SoftmaxConfig(64, 128, 64, 6, 128), SoftmaxConfig(64, 128, 128, 3, 128),
+]
+
+
+def config_name(c):
+    return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}" + (
+        f"/{c.policy}" if c.policy != "square" else "")
+
+
+def build(shape, configs):
+    """{config: kernel} for the configs that compile for this shape (a failure is said, not fatal)."""
+    out = {}
+    for c in configs:
+        try:
+            out[c] = gemm_softmax(*shape, SCALE, "float16", "float16", c)
+        except Exception as e:  # noqa: BLE001 - e.g. too much shared memory for this N
+            print(f"{shape} {config_name(c)}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    return out
 
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--configs", action="store_true", help="also time a few other fused configs, report the best")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:
-        fused = list(pool.map(lambda s: gemm_softmax(*s, SCALE, "float16", "float16", default_config(*s)), SHAPES))
+        fused = list(pool.map(lambda s: build(s, list(dict.fromkeys([default_config(*s)] + (
+            EXTRA_CONFIGS if args.configs else [])))), SHAPES))
         plain = list(pool.map(lambda s: gemm(*s, 1, 1, 1, False, False, False, "float16", "float16",
                                              gemm_config(*s)), SHAPES))
     rows = []
-    for (M, N, K), kf, kg in zip(SHAPES, fused, plain):
+    for (M, N, K), kernels, kg in zip(SHAPES, fused, plain):
         a = torch.randn(M, K, dtype=torch.float16, device="cuda")
         b = torch.randn(K, N, dtype=torch.float16, device="cuda")
         out = torch.empty(M, N, dtype=torch.float16, device="cuda")
-        kf.launch(a, b, out)
         ref = torch.softmax(SCALE * (a.double() @ b.double()), -1)
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        t_fused = bench_ms(lambda: kf.launch(a, b, out)) * 1e3
+        t_fused, err, best = float("inf"), None, None
+        for cfg, kf in kernels.items():
+            out.fill_(float("nan"))
+            kf.launch(a, b, out)
+            e = ((out.double() - ref).norm() / ref.norm()).item()
+            if not e < TOLERANCE:  # a wrong kernel never wins
+                print(f"WRONG {M}x{N}x{K} {config_name(cfg)}: relative error {e:.1e}", file=sys.stderr)
+                continue
+            t = bench_ms(lambda: kf.launch(a, b, out)) * 1e3
+            print(f"{M}x{N}x{K} {config_name(cfg)}: {t:.1f} us", file=sys.stderr)
+            if t < t_fused:
+                t_fused, err, best = t, e, cfg
         t_gemm = bench_ms(lambda: kg.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)) * 1e3
         t_torch = bench_ms(lambda: torch.softmax(SCALE * (a @ b), -1)) * 1e3
         t_torch32 = bench_ms(lambda: torch.softmax(SCALE * (a @ b).float(), -1).half()) * 1e3
@@ -46,7 +81,8 @@ def main():
         rows.append({"shape": f"{M}x{N}x{K}", "fused_us": round(t_fused, 1), "our_gemm_us": round(t_gemm, 1),
                      "torch_us": round(t_torch, 1), "torch_fp32sm_us": round(t_torch32, 1),
                      "cublas_mm_us": round(t_mm, 1), "speedup_vs_torch": round(t_torch / t_fused, 2),
-                     "fused/our_gemm": round(t_fused / t_gemm, 2), "rel_err": f"{err:.1e}"})
+                     "fused/our_gemm": round(t_fused / t_gemm, 2), "rel_err": "-" if err is None else f"{err:.1e}",
+                     "config": "NONE CORRECT" if best is None else config_name(best)})
         del a, b, out, ref
     print_table(rows, list(rows[0]), f"GEMM+softmax (fp16) on {torch.cuda.get_device_name()}")
     save(rows, args.json, args.png, ys=("fused_us", "torch_us", "torch_fp32sm_us"), ylabel="microseconds")
