@@ -39,6 +39,7 @@ EXTRA_CONFIGS = {
                GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
                GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
                GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared"),
+               GemmConfig(128, 256, 64, 3, 256, 8, "full_col", epilogue="shared"),  # warpgroups split N
                # short grids (1000^3: 64 tiles of 128x128): deeper K steps, narrower tiles, split K
                GemmConfig(128, 128, 128, 3, 128, 8, epilogue="shared"),
                GemmConfig(128, 64, 64, 4, 128, 8, epilogue="shared"),

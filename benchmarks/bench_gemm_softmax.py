@@ -22,9 +22,11 @@ from tile_ops.kernels.gemm_softmax import SoftmaxConfig, default_config, gemm_so
 SHAPES = [(4096, 4096, 4096), (8192, 2048, 1024), (16384, 1024, 512), (4096, 64, 512), (2048, 8192, 256)]
 SCALE = 0.125
 TOLERANCE = 5e-3
-EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), two consumer warpgroups, deeper or longer K steps
+EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper or longer K steps
     SoftmaxConfig(64, 256, 64, 3, 128), SoftmaxConfig(64, 256, 64, 2, 128), SoftmaxConfig(128, 128, 64, 3, 256),
     SoftmaxConfig(128, 256, 64, 2, 256), SoftmaxConfig(64, 128, 64, 6, 128), SoftmaxConfig(64, 128, 128, 3, 128),
+    # two consumer warpgroups splitting each 64-row tile's columns (wgmma along N)
+    SoftmaxConfig(64, 256, 64, 3, 256, "full_col"), SoftmaxConfig(64, 128, 64, 4, 256, "full_col"),
 ]
 
 

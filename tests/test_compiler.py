@@ -326,3 +326,40 @@ def test_shared_epilogue_on_the_ampere_path_stores_from_shared():
     k = gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16", cfg, target="sm_80")
     mix = k.instruction_mix()
     assert mix.get("UTMASTG", 0) == 0 and mix.get("STG", 0) > 0 and mix.get("HMMA", 0) > 0, mix
+
+
+@pytest.mark.parametrize("M, N, threads, split_n", [(64, 256, 256, True), (128, 256, 256, True),
+                                                    (64, 192, 384, True), (128, 128, 256, False)])
+def test_wgmma_accumulator_layouts_cover_the_tile_once(M, N, threads, split_n):
+    """Every (row, col) of the accumulator is held by exactly one (thread, register), with warpgroups
+    stacked along M or splitting N; each warpgroup's 4 warps are consecutive."""
+    from tile_ops.compiler.layout import MmaAccumLayout
+
+    lay = MmaAccumLayout.for_wgmma(M, N, threads, split_n)
+    held = [lay.coords(t, r) for t in range(threads) for r in range(lay.local_size)]
+    assert sorted(held) == [(i, j) for i in range(M) for j in range(N)]
+    for t in range(0, threads, 128):  # a warpgroup's columns are one block of N / warpgroups (or all of N)
+        cols = {lay.coords(t + u, r)[1] for u in range(128) for r in range(lay.local_size)}
+        width = N // (threads // 128) if split_n else N
+        assert cols == set(range(min(cols), min(cols) + width))
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_full_col_policy_splits_wgmma_along_n_between_warpgroups():
+    """64-row tiles with two consumer warpgroups: each issues m64n128 on its half of N (the fused softmax's
+    two-warpgroup config), the row reductions combine the halves through shared memory; N blocks that
+    would start inside a B swizzle panel keep warpgroups along M (or fall back to mma.sync)."""
+    import re
+
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+
+    k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", SoftmaxConfig(64, 256, 64, 3, 256, "full_col"),
+                     target="sm_90a")
+    assert set(re.findall(r"HGMMA\.\w+", k.sass())) == {"HGMMA.64x128x16"}
+    assert k.meta.resources["spill_stores"] == 0
+    assert k.meta.layouts["S"] == "fragment wgmma, 64 regs/thread", k.meta.layouts  # a 64 x 128 half per warpgroup
+    odd = gemm(1024, 1024, 1024, 1, 1, 1, False, False, False, "float16", "float16",
+               GemmConfig(64, 192, 64, 3, 256, 8, "full_col"), target="sm_90a")  # 96-column halves, 64-wide panels
+    assert "HGMMA.64x96x16" not in odd.sass()
+

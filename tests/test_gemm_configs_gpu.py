@@ -17,6 +17,8 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 3, 128, 8),  # two CTAs per SM
     GemmConfig(128, 64, 64, 4, 128, 8),  # two CTAs per SM
     GemmConfig(64, 64, 128, 6, 128, 0),  # decode default
+    GemmConfig(64, 256, 64, 4, 256, 8, "full_col"),  # two warpgroups split N (wgmma m64n128 each)
+    GemmConfig(128, 256, 64, 3, 256, 8, "full_col", epilogue="shared"),
     GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
     GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared"),  # TMA store, two CTAs per SM
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),

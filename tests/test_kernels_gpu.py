@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from programs import chained_matmul, chained_matmul_sum, matmul
-from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
 
 pytestmark = pytest.mark.gpu
 TOL = {"float16": 5e-3, "bfloat16": 1e-2}
@@ -54,9 +54,13 @@ def test_matmul_transposed_fp32_out(ta, tb, M, N, K, target):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("M,N,K", [(256, 64, 64), (1000, 200, 96), (512, 1024, 256), (300, 4096, 128),
                                    (128, 8192, 64), (8192, 2048, 1024)])
-def test_gemm_softmax(M, N, K, dtype, target):
+@pytest.mark.parametrize("cfg", [None, SoftmaxConfig(64, 256, 64, 3, 256, "full_col")], ids=["default", "split_n"])
+def test_gemm_softmax(M, N, K, dtype, target, cfg):
+    """Default configs, and two consumer warpgroups splitting each 64-row tile's columns (wgmma along N on
+    sm_90a, so row max/sum combine across warpgroups through shared memory)."""
     scale = 0.125
-    kernel = gemm_softmax(M, N, K, scale, dtype, dtype, target=target)
+    kernel = gemm_softmax(M, N, K, scale, dtype, dtype, cfg, target=target) if cfg else \
+        gemm_softmax(M, N, K, scale, dtype, dtype, target=target)
     a = torch.randn(M, K, dtype=getattr(torch, dtype), device="cuda")
     b = torch.randn(K, N, dtype=getattr(torch, dtype), device="cuda")
     out = poisoned(kernel)

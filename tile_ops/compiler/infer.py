@@ -78,7 +78,7 @@ class LayoutInference:
         if g.A.scope == "fragment":
             self.check_fragment_a(g)
         if self.wgmma and uses_wgmma(g, self.kernel.threads):
-            self.assign(g.C, MmaAccumLayout.for_wgmma(M, N, self.kernel.threads), g)
+            self.assign(g.C, MmaAccumLayout.for_wgmma(M, N, self.kernel.threads, splits_n(g, self.kernel.threads)), g)
             if g.A.scope == "fragment":  # wgmma's register A: the accumulator layout of (M, K), rows as C's
                 self.assign(g.A, MmaAccumLayout.for_wgmma(M, g.A.shape[1], self.kernel.threads), g)
             return
@@ -181,16 +181,32 @@ class LayoutInference:
         return first
 
 
+def splits_n(g: Gemm, threads: int) -> bool:
+    """policy="full_col" with several warpgroups: each takes N / warpgroups columns of all M rows
+    (e.g. a 64-row tile, too short to stack warpgroups along M).  A register A operand would have to
+    be whole in every warpgroup, so those stack along M."""
+    return g.policy == "full_col" and threads >= 256 and g.A.scope == "shared"
+
+
 def uses_wgmma(g: Gemm, threads: int) -> bool:
     """Whether a gemm can be one wgmma per warpgroup and 64-row slice: 16-bit operands, B (and A
     unless it is a register fragment) in descriptor-readable (swizzled panel) shared layouts,
-    warpgroups stacked along M, N <= 256."""
+    warpgroups stacked along M with N <= 256, or split along N (``splits_n``) into column blocks of
+    at most 256 that start on a B descriptor boundary (a whole swizzle panel when N is B's
+    contiguous dim, any 8 rows when K is)."""
     M, N = g.C.shape
     Ka = g.A.shape[0] if g.transpose_A else g.A.shape[1]
+    n_wg = threads // 128
     ok = (g.A.scope in ("shared", "fragment") and g.B.scope == "shared" and g.A.dtype == g.B.dtype
-          and g.A.dtype in ("float16", "bfloat16") and g.C.dtype == "float32" and g.policy != "full_col"
-          and threads % 128 == 0 and M % (64 * (threads // 128)) == 0 and N % 8 == 0 and N <= 256 and Ka % 16 == 0)
-    return ok and all(in_swizzled_panels(t) for t in (g.A, g.B) if t.scope == "shared")
+          and g.A.dtype in ("float16", "bfloat16") and g.C.dtype == "float32" and threads % 128 == 0
+          and N % 8 == 0 and Ka % 16 == 0 and all(in_swizzled_panels(t) for t in (g.A, g.B) if t.scope == "shared"))
+    if not ok:
+        return False
+    if not splits_n(g, threads):
+        return g.policy != "full_col" and M % (64 * n_wg) == 0 and N <= 256
+    wn = N // n_wg
+    b_panel = SharedLayout(*g.B.shape, dtype_bits(g.B.dtype)).panel
+    return M % 64 == 0 and N % (8 * n_wg) == 0 and wn <= 256 and (g.transpose_B or wn % b_panel == 0)
 
 
 def in_swizzled_panels(tile) -> bool:

@@ -70,10 +70,12 @@ class MmaAccumLayout(FragmentLayout):
     """The m16n8 mma.sync accumulator layout over a warp grid (also the A-operand register layout
     of m16n8k16, which is what lets a gemm take its A from a fragment).
 
-    ``wgmma=True`` is the Hopper warpgroup variant: every warp spans all N columns, and a warp's
-    16-row slices are 64 * warpgroups rows apart (one m64 wgmma per warpgroup and slice) instead
-    of adjacent.  Within a 16 x 8 piece the register order is the same, so reductions and copies
-    work on either."""
+    ``wgmma=True`` is the Hopper warpgroup variant: a warpgroup's 4 warps hold 16-row slices of
+    each 64-row block (one m64 wgmma per warpgroup and block), and warps are numbered down the
+    warp grid's columns.  Warpgroups stack along M (``wn == 1``: every warp spans all N columns,
+    a warp's slices are 64 * warpgroups rows apart) or, split along N (``wm == 4``), each holds
+    all M rows of its ``N / warpgroups`` columns.  Within a 16 x 8 piece the register order is the
+    same as mma.sync's, so reductions and copies work on either."""
 
     vec = 2
 
@@ -85,8 +87,9 @@ class MmaAccumLayout(FragmentLayout):
         self.shape = (warps.M, warps.N)
 
     @staticmethod
-    def for_wgmma(M: int, N: int, threads: int) -> "MmaAccumLayout":
-        return MmaAccumLayout(MmaWarps(M, N, threads // 32, 1), wgmma=True)
+    def for_wgmma(M: int, N: int, threads: int, split_n: bool = False) -> "MmaAccumLayout":
+        warps = MmaWarps(M, N, 4, threads // 128) if split_n else MmaWarps(M, N, threads // 32, 1)
+        return MmaAccumLayout(warps, wgmma=True)
 
     def __eq__(self, other):
         return isinstance(other, MmaAccumLayout) and (other.w, other.wgmma) == (self.w, self.wgmma)
@@ -102,6 +105,8 @@ class MmaAccumLayout(FragmentLayout):
 
     def warp_rc(self, tid):
         warp = tid // 32
+        if self.wgmma:  # column-major: a warpgroup's 4 consecutive warps share its columns
+            return warp % self.w.wm, warp // self.w.wm
         return warp // self.w.wn, warp % self.w.wn
 
     @staticmethod

@@ -375,10 +375,9 @@ class Hopper:
         no transpose-A operand)."""
         lw = self.lw
         lay: MmaAccumLayout = lw.infer.layouts[g.C]
-        M, N = g.C.shape
         K = g.A.shape[0] if g.transpose_A else g.A.shape[1]
-        n_wg = lw.threads // 128
-        wg = tirx.floordiv(lw.tid, 128)
+        wr, wc = lay.warp_rc(tirx.floordiv(lw.tid, 128) * 128)  # this warpgroup's first warp
+        N, n0 = lay.w.WN, wc * lay.w.WN  # the warpgroup's columns
         el = {"float16": "f16", "bfloat16": "bf16"}[g.A.dtype]
         acc, tb = lw.frags[g.C], lw.shared[g.B]
         a_words = lw.frags[g.A].view("uint32") if g.A.scope == "fragment" else None
@@ -388,10 +387,9 @@ class Hopper:
                     a = [a_words[w] for w in lw.infer.layouts[g.A].a_operand_words(mi, kk)]
                     trans_a = []
                 else:
-                    m0 = mi * 64 * n_wg + wg * 64
-                    a = [self.descriptor(lw.shared[g.A], g.A, m0, kk * 16, mn_major=g.transpose_A)]
+                    a = [self.descriptor(lw.shared[g.A], g.A, lay.row0(wr, mi), kk * 16, mn_major=g.transpose_A)]
                     trans_a = [int(g.transpose_A)]
-                b_desc = self.descriptor(tb, g.B, 0, kk * 16, mn_major=not g.transpose_B)
+                b_desc = self.descriptor(tb, g.B, n0, kk * 16, mn_major=not g.transpose_B)
                 d = [acc[mi * lay.ni * 4 + r] for r in range(lay.ni * 4)]
                 scale_d = tirx.const(True, "bool") if not g.clear_accum or kk else tirx.const(False, "bool")
                 emit_ptx(f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{el}.{el}", *d, *a, b_desc, scale_d,

@@ -47,6 +47,9 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
                 continue
             space += [SoftmaxConfig(bM, bN, bK, stages, threads, policy)
                       for bK, stages in depths for policy in ("square", "full_row")]
+    if arch == "sm_90a":  # 64-row tiles, two warpgroups splitting the columns (wgmma along N)
+        space += [SoftmaxConfig(64, bN, 64, stages, 256, "full_col") for bN in (128, 256)
+                  if bN <= max(128, _pow2(N)) for stages in (2, 3)]
     return space
 
 
