@@ -144,6 +144,8 @@ class Hopper:
         cores busy, which is what ping-pong consumer warpgroups achieve inside one CTA."""
         if not self.ws or self.lw.threads != 128 or self._fragment_words() > CORESIDENT_FRAGMENT_WORDS:
             return 1
+        if _product(self.lw.kernel.grid) <= SMS:  # every CTA has an SM of its own anyway
+            return 1
         return 2 if 2 * (self.lw.memory_plan()[3] + 1024) <= SM_SHARED_BYTES else 1
 
     def _fragment_words(self) -> int:
@@ -422,6 +424,13 @@ __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volat
 
 def _contains(node, target) -> bool:
     return node is target or isinstance(node, For) and any(_contains(n, target) for n in node.body)
+
+
+def _product(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
 
 
 def _global_side(c: Copy):
