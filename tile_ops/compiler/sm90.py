@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 from tvm import tirx
 from tvm.script import tirx as TS
@@ -137,7 +138,7 @@ class Hopper:
 
     # ------------------------------------------------------------------ device side: warp specialization
 
-    @property
+    @cached_property
     def ctas_per_sm(self) -> int:
         """Two co-resident CTAs per SM for a one-consumer-warpgroup pipeline whose shared memory fits
         twice: while one CTA stores its tile (or waits on TMA), the other's wgmmas keep the tensor
