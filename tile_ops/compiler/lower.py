@@ -20,7 +20,7 @@ from tvm.tirx.script import builder as T
 from ..lang import ir
 from ..lang.ir import Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
 from .exprs import collect_loads, rewrite
-from .infer import LayoutInference, _is_vars, dtype_bits
+from .infer import LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
 from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx
 
@@ -64,7 +64,7 @@ class Lowerer:
         self.hopper = Hopper(self) if self.sm90 else None
         self.ws = self.hopper.ws if self.hopper else None
         self.uses_wgmma = self.hopper is not None and any(
-            isinstance(n, Gemm) and self.hopper.is_wgmma(n) for n in _walk(self.kernel.body))
+            isinstance(n, Gemm) and self.hopper.is_wgmma(n) for n in walk(self.kernel.body))
 
     # ------------------------------------------------------------------ entry
 
@@ -190,7 +190,7 @@ class Lowerer:
 
     def _scratch_bytes(self) -> int:
         need = 0
-        for node in _walk(self.kernel.body):
+        for node in walk(self.kernel.body):
             if isinstance(node, Reduce):
                 lay = self.infer.layouts.get(node.src)
                 if isinstance(lay, MmaAccumLayout) and lay.w.wn > 1:
@@ -294,7 +294,7 @@ class Lowerer:
             lay = self.infer.layouts.get(node.src)
             return isinstance(lay, MmaAccumLayout) and lay.w.wn > 1
         if isinstance(node, (For, Parallel)):
-            return any(self._touches_shared(n) for n in _walk(node.body)) or any(
+            return any(self._touches_shared(n) for n in walk(node.body)) or any(
                 b.scope == "shared" for b in _buffers_in(node, self.buffers))
         if isinstance(node, Store):
             return any(b.scope == "shared" for b in _buffers_in(node, self.buffers))
@@ -819,13 +819,6 @@ def _unflat(r, shape):
     return list(reversed(idx))
 
 
-def _walk(body):
-    for node in body:
-        yield node
-        if isinstance(node, (For, Parallel)):
-            yield from _walk(node.body)
-
-
 def _walk_pipelined(node):
     if isinstance(node, For):
         if node.kind == "pipelined":
@@ -836,7 +829,7 @@ def _walk_pipelined(node):
 
 def _buffers_in(node, buffers):
     out = []
-    stores = [node] if isinstance(node, Store) else [n for n in _walk(node.body) if isinstance(n, Store)]
+    stores = [node] if isinstance(node, Store) else [n for n in walk(node.body) if isinstance(n, Store)]
     for st in stores:
         out.append(st.buffer)
         for buf_var, _ in collect_loads(st.value):

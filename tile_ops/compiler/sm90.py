@@ -12,6 +12,7 @@ producer.  ``setmaxnreg`` moves registers from the producer to the consumers' ac
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,7 +24,7 @@ from tvm.tirx.script import builder as T
 
 from ..lang.ir import Copy, For, Gemm
 from .exprs import collect_loads
-from .infer import dtype_bits, in_swizzled_panels
+from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
 
 PRODUCER_THREADS = 128
@@ -78,8 +79,8 @@ class Hopper:
             return None
         compute = [s for s in loop.body if s not in loads]
         deferred = bool(compute) and all(isinstance(s, Gemm) and self.is_wgmma(s) for s in compute)
-        stores = [c for c in _copies(k.body, skip=loop) if c.src.buffer.scope == "shared"
-                  and c.dst.buffer.scope == "global" and self._tma_ok(c)]
+        stores = [c for c in walk(k.body) if isinstance(c, Copy) and not _contains(loop, c)
+                  and c.src.buffer.scope == "shared" and c.dst.buffer.scope == "global" and self._tma_ok(c)]
         return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred)
 
     def _tma_ok(self, c: Copy) -> bool:
@@ -145,7 +146,7 @@ class Hopper:
         cores busy, which is what ping-pong consumer warpgroups achieve inside one CTA."""
         if not self.ws or self.lw.threads != 128 or self._fragment_words() > CORESIDENT_FRAGMENT_WORDS:
             return 1
-        if _product(self.lw.kernel.grid) <= SMS:  # every CTA has an SM of its own anyway
+        if math.prod(self.lw.kernel.grid) <= SMS:  # every CTA has an SM of its own anyway
             return 1
         return 2 if 2 * (self.lw.memory_plan()[3] + 1024) <= SM_SHARED_BYTES else 1
 
@@ -185,7 +186,7 @@ class Hopper:
         """Launch one CTA per SM when there is more than one wave of tiles; each CTA then walks tiles
         cta, cta + CTAs, ...  The producer runs ahead into the next tile while the consumers store this
         one's results, which hides the epilogue and the pipeline fill."""
-        total = grid[0] * grid[1] * grid[2]
+        total = math.prod(grid)
         if not self.ws or total <= self.resident_ctas():
             self.persistent = None
             return grid
@@ -427,27 +428,11 @@ def _contains(node, target) -> bool:
     return node is target or isinstance(node, For) and any(_contains(n, target) for n in node.body)
 
 
-def _product(dims) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
-
-
 def _global_side(c: Copy):
     """(global buffer, shared tile, global start indices) of a copy between the two."""
     if c.src.buffer.scope == "global":
         return c.src.buffer, c.dst.buffer, c.src.starts
     return c.dst.buffer, c.src.buffer, c.dst.starts
-
-
-def _copies(body, skip):
-    """Every T.copy in ``body``, outside loop ``skip``."""
-    for n in body:
-        if isinstance(n, Copy):
-            yield n
-        elif isinstance(n, For) and n is not skip:
-            yield from _copies(n.body, skip)
 
 
 def _pipelined_loops(body, outer):
