@@ -200,7 +200,7 @@ class Kernel:
                 raise ValueError(f"{m.name}: parameter {name} must be contiguous (row-major)")
             if t.data_ptr() % 16:
                 raise ValueError(f"{m.name}: parameter {name} must be 16-byte aligned (data_ptr % 16 == 0)")
-        args = self._entry_args.build([t.data_ptr() for t in tensors], device.index)
+        ptrs = [t.data_ptr() for t in tensors]
         if stream is None:
-            stream = torch.cuda.current_stream(device).cuda_stream
-        self._fn().launch(m.grid, m.block, args, stream, device.index)
+            return self.launcher(device)(ptrs)
+        self._fn().launch(m.grid, m.block, self._entry_args.build(ptrs, device.index), stream, device.index)

@@ -130,9 +130,8 @@ class CudaFunction:
 
     def launch(self, grid: Sequence[int], block: Sequence[int], args: Sequence[int | bytes],
                stream: int, device: int) -> None:
-        entry = self._per_device.get(device)
-        function = entry[1] if entry is not None else self._load(device)
-        self._launch(function, grid, block, self.smem_bytes, stream, args, self.name)
+        launch, function = self.bind(device)
+        launch(function, grid, block, self.smem_bytes, stream, args, self.name)
 
     def unload(self) -> None:
         """Unload the cubin from every device it was loaded on (it reloads on the next launch)."""
