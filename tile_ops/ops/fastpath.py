@@ -58,6 +58,11 @@ class PlanCache(dict):
             return None
 
 
+def plan_key(a: torch.Tensor, b: torch.Tensor, flags: tuple) -> tuple:
+    """Everything the checks and the layout decisions read, for operands ``a``, ``b`` and the op's ``flags``."""
+    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, flags)
+
+
 def skips_dispatcher(a, b, c=None) -> bool:
     """True when calling the op on these tensors would add nothing to launching its kernel.
 

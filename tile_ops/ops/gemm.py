@@ -140,11 +140,9 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
 _PLANS = fastpath.PlanCache()
 
 
-def _plan_key(a, b, bias, out_dtype):  # what the checks and layouts read; inline: a frame less per call
-    if bias is None:
-        return a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, (out_dtype,)
-    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            (out_dtype, bias.shape, bias.stride(), bias.dtype, bias.device))
+def _plan_key(a, b, bias, out_dtype):
+    flags = (out_dtype,) if bias is None else (out_dtype, bias.shape, bias.stride(), bias.dtype, bias.device)
+    return fastpath.plan_key(a, b, flags)
 
 
 def _gemm_cuda_checked(a, b, bias, out_dtype, key):

@@ -135,9 +135,8 @@ def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cu
 _PLANS = fastpath.PlanCache()
 
 
-def _plan_key(a, b, scale, out_dtype):  # what the checks and layouts read; inline: a frame less per call
-    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            (out_dtype, type(scale), scale))  # the type: 1 == 1.0 == True
+def _plan_key(a, b, scale, out_dtype):
+    return fastpath.plan_key(a, b, (out_dtype, type(scale), scale))  # the type: 1 == 1.0 == True
 
 
 def _gemm_softmax_cuda_checked(a, b, scale, out_dtype, key):
