@@ -1,10 +1,10 @@
 """Build script for tile_ops.
 
-The package is pure Python except for ``tile_ops._C`` (csrc/launcher.cpp), a small pybind11
-extension that dlopens libcuda at run time, so it builds with no GPU and no CUDA toolkit.
-It is built with ninja through torch's BuildExtension.  If that build fails the install still
-succeeds (with a warning): tile_ops JIT-builds the same source on first use
-(tile_ops/jit/launcher.py).
+The package is pure Python except for ``tile_ops._C`` (csrc/: the launcher, and the ops' plans
+against libtorch), a small pybind11 extension that dlopens libcuda at run time, so it builds with
+no GPU and no CUDA toolkit.  It is built with ninja through torch's BuildExtension.  If that
+build fails the install still succeeds (with a warning): tile_ops JIT-builds the same sources on
+first use (tile_ops/jit/launcher.py).
 
 Install for development:  pip install --no-build-isolation --no-deps -e .
 """
@@ -15,11 +15,11 @@ import shutil
 import sys
 import traceback
 
-from setuptools import Extension, find_packages, setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-LAUNCHER_SRC = os.path.join("csrc", "launcher.cpp")
+CSRC = ("launcher.cpp", "plans.cpp", "driver.h")  # the extension's sources, in csrc/
 
 
 def read_version():
@@ -30,12 +30,14 @@ def read_version():
     return m.group(1)
 
 
-try:  # torch's BuildExtension compiles with ninja; fall back to plain setuptools without torch
-    from torch.utils.cpp_extension import BuildExtension
+try:  # the extension is built against libtorch, with ninja, by torch's BuildExtension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     _BuildExtBase = BuildExtension.with_options(use_ninja=True)
-except Exception:  # noqa: BLE001
+except Exception:  # noqa: BLE001  (no torch at build time: tile_ops JIT-builds _C on first use)
     from setuptools.command.build_ext import build_ext as _BuildExtBase
+
+    CppExtension = None
 
 
 class OptionalBuildExt(_BuildExtBase):
@@ -51,7 +53,7 @@ class OptionalBuildExt(_BuildExtBase):
             sys.stderr.write(
                 "\n" + "*" * 78 + "\n"
                 "WARNING: building the tile_ops._C launcher extension failed; tile_ops will be\n"
-                "installed without it and will JIT-build csrc/launcher.cpp on first use.\n"
+                "installed without it and will JIT-build it from csrc/ on first use.\n"
                 + traceback.format_exc() + "*" * 78 + "\n\n")
 
     def get_outputs(self):
@@ -62,7 +64,7 @@ class OptionalBuildExt(_BuildExtBase):
 
 
 class BuildPyWithCsrc(build_py):
-    """Also ship csrc/launcher.cpp as tile_ops/_csrc/launcher.cpp (for the JIT fallback in wheels)."""
+    """Also ship csrc/ as tile_ops/_csrc/ (for the JIT fallback in wheels)."""
 
     def run(self):
         super().run()
@@ -70,29 +72,26 @@ class BuildPyWithCsrc(build_py):
             return  # editable installs find csrc/ next to the package
         dst = os.path.join(self.build_lib, "tile_ops", "_csrc")
         os.makedirs(dst, exist_ok=True)
-        shutil.copy2(os.path.join(ROOT, LAUNCHER_SRC), dst)
+        for name in CSRC:
+            shutil.copy2(os.path.join(ROOT, "csrc", name), dst)
 
     def get_outputs(self, include_bytecode=True):
         outputs = list(super().get_outputs(include_bytecode))
         if not getattr(self, "editable_mode", False):
-            outputs.append(os.path.join(self.build_lib, "tile_ops", "_csrc", "launcher.cpp"))
+            outputs += [os.path.join(self.build_lib, "tile_ops", "_csrc", name) for name in CSRC]
         return outputs
 
 
 def extensions():
-    try:
-        import pybind11
-    except ImportError:
-        sys.stderr.write("WARNING: pybind11 not found; tile_ops._C will be JIT-built on first use\n")
+    if CppExtension is None:
+        sys.stderr.write("WARNING: torch not found at build time; tile_ops._C will be JIT-built on first use\n")
         return []
     return [
-        Extension(
+        CppExtension(  # torch's headers bring pybind11 (the same copy torch_python was built with)
             "tile_ops._C",
-            sources=[LAUNCHER_SRC],
-            include_dirs=[pybind11.get_include()],
-            extra_compile_args=["-O3", "-std=c++17", "-g0"],
+            sources=[os.path.join("csrc", name) for name in CSRC if name.endswith(".cpp")],
+            extra_compile_args=["-O3", "-g0"],
             libraries=["dl"],
-            language="c++",
         )
     ]
 

@@ -1,9 +1,10 @@
 // tile_ops._C: load cubins and launch kernels through the CUDA driver API.
 //
 // The driver (libcuda.so.1) is dlopen'ed lazily on first use and the few types
-// and functions we need are declared here, so this file builds with no CUDA
+// and functions we need are declared in driver.h, so this file builds with no CUDA
 // toolkit and no GPU (CI machines, CPU-only installs).  Every CUDA error turns
-// into a Python RuntimeError; nothing here aborts the process.
+// into a Python RuntimeError; nothing here aborts the process.  The ops' plans
+// (plans_*, the eager fast path) are in plans.cpp.
 //
 // Python API (see tile_ops/jit/INTERFACES.md):
 //   load_module(cubin: bytes, device: int) -> int
@@ -18,6 +19,8 @@
 #include <pybind11/stl.h>
 
 #include <dlfcn.h>
+
+#include "driver.h"
 
 #include <cstdint>
 #include <cstring>
@@ -36,39 +39,10 @@
 
 namespace py = pybind11;
 
+namespace tile_ops {
 namespace {
 
-// ---- the subset of cuda.h we use -------------------------------------------
-using CUresult = int;
-using CUdevice = int;
-using CUcontext = struct CUctx_st*;
-using CUmodule = struct CUmod_st*;
-using CUfunction = struct CUfunc_st*;
-using CUstream = struct CUstream_st*;
-constexpr CUresult CUDA_SUCCESS = 0;
-constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
-constexpr int kStaticSmemLimit = 48 * 1024;
-constexpr int kApiVersion = 2;  // bump when the Python-visible API changes
-
-// TMA descriptor.  The driver docs ask for 64-byte alignment; cuda.h 13 declares it alignas(128),
-// so we take the stricter one (it satisfies both).
-constexpr size_t kTensorMapAlign = 128;
-struct alignas(kTensorMapAlign) CUtensorMap { uint64_t opaque[16]; };
-static_assert(sizeof(CUtensorMap) == 128, "CUtensorMap is 128 bytes");
-enum CUtensorMapDataType : int {
-  CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0,
-  CU_TENSOR_MAP_DATA_TYPE_INT32 = 3,
-  CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6,
-  CU_TENSOR_MAP_DATA_TYPE_FLOAT32 = 7,
-  CU_TENSOR_MAP_DATA_TYPE_FLOAT64 = 8,
-  CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9,
-};
-// CUtensorMapInterleave / Swizzle / L2promotion / FloatOOBfill are plain ints 0..N here.
-constexpr int CU_TENSOR_MAP_INTERLEAVE_NONE = 0;
-constexpr int CU_TENSOR_MAP_INTERLEAVE_32B = 2;
-constexpr int CU_TENSOR_MAP_SWIZZLE_NONE = 0;
-constexpr int CU_TENSOR_MAP_SWIZZLE_32B = 1;
-constexpr int CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA = 1;
+constexpr int kApiVersion = 3;  // bump when the Python-visible API changes
 
 struct Driver {
   CUresult (*cuInit)(unsigned int);
@@ -184,12 +158,6 @@ void try_load_driver_locked() {
     return;
   }
   g_ok = true;
-}
-
-// Caller holds g_mutex.  Throws RuntimeError if the driver is unusable.
-void require_driver_locked() {
-  try_load_driver_locked();
-  if (!g_ok) throw std::runtime_error(g_load_error);
 }
 
 CUcontext primary_context_locked(int device) {
@@ -382,28 +350,13 @@ void launch(uint64_t function_handle, py::handle grid, py::handle block, unsigne
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_ok) require_driver_locked();
   CUfunction fn = reinterpret_cast<CUfunction>(function_handle);
-  auto it = g_functions.find(fn);
-  if (it == g_functions.end())
+  if (!known_function_locked(fn))
     throw py::value_error(std::string("tile_ops: launch: unknown function handle for kernel '") +
                           kname + "' (not from get_function, or its module was unloaded)");
-  const CUcontext ctx = it->second.ctx;
-  CUcontext cur = nullptr;
-  TILE_OPS_CHECK(g_drv.cuCtxGetCurrent(&cur), "cuCtxGetCurrent", kname);
-  if (cur != ctx) TILE_OPS_CHECK(g_drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", kname);
-  CUresult rc = g_drv.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], smem,
-                                     reinterpret_cast<CUstream>(stream), params.get(), nullptr);
-  if (cur != nullptr && cur != ctx) g_drv.cuCtxSetCurrent(cur);  // leave the caller's context alone
-  if (rc != CUDA_SUCCESS) throw_cuda(rc, "cuLaunchKernel", kname);
+  launch_locked(fn, g, b, smem, reinterpret_cast<CUstream>(stream), params.get(), kname);
 }
 
 // ---- TMA descriptors (cuTensorMapEncodeTiled) ---------------------------------
-
-struct TensorMapDtype {
-  const char* name;
-  CUtensorMapDataType cu;
-  int64_t bytes;
-  bool is_float;
-};
 
 constexpr TensorMapDtype kTensorMapDtypes[] = {
     {"float16", CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, true},
@@ -413,13 +366,6 @@ constexpr TensorMapDtype kTensorMapDtypes[] = {
     {"int8", CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, false},  // TMA only moves bytes; there is no INT8 type
     {"uint8", CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, false},
     {"int32", CU_TENSOR_MAP_DATA_TYPE_INT32, 4, false},
-};
-
-struct TensorMapArgs {
-  const TensorMapDtype* dtype;
-  uint64_t address;
-  std::vector<int64_t> dims, strides, box, element_strides;  // dims innermost first
-  int swizzle, interleave, l2_promotion, oob_fill;
 };
 
 std::string join(const std::vector<int64_t>& v) {
@@ -443,6 +389,8 @@ std::string describe(const TensorMapArgs& a) {
   throw py::value_error("tile_ops: encode_tensor_map: " + what);
 }
 
+}  // namespace
+
 const TensorMapDtype* tensor_map_dtype(const std::string& name) {
   std::string accepted;
   for (const TensorMapDtype& d : kTensorMapDtypes) {
@@ -451,6 +399,8 @@ const TensorMapDtype* tensor_map_dtype(const std::string& name) {
   }
   invalid_tensor_map("dtype '" + name + "' is not supported (accepted: " + accepted + ")");
 }
+
+namespace {
 
 void check_count(const char* what, const std::vector<int64_t>& v, size_t want, const char* meaning) {
   if (v.size() != want)
@@ -469,6 +419,8 @@ void check_enum(const char* what, int v, int max, const char* accepted) {
   if (v < 0 || v > max)
     invalid_tensor_map(std::string(what) + " = " + std::to_string(v) + " is not accepted: use " + accepted);
 }
+
+}  // namespace
 
 // The requirements documented for cuTensorMapEncodeTiled, checked here so that a bad spec is a
 // ValueError naming the rule instead of a bare CUDA_ERROR_INVALID_VALUE (and needs no driver).
@@ -516,10 +468,55 @@ void validate(const TensorMapArgs& a) {
                        " bytes (swizzle = " + std::to_string(a.swizzle) + ")");
 }
 
+namespace {
+
 template <typename Out>
 std::vector<Out> narrow(const std::vector<int64_t>& v) {  // validated ranges fit in Out
   return std::vector<Out>(v.begin(), v.end());
 }
+
+}  // namespace
+
+CUtensorMap encode_tensor_map_locked(const TensorMapArgs& a, std::optional<int> device) {
+  require_driver_locked();
+  if (g_drv.cuTensorMapEncodeTiled == nullptr)
+    throw std::runtime_error("tile_ops: encode_tensor_map: the CUDA driver has no cuTensorMapEncodeTiled; "
+                             "TMA descriptors need a CUDA 12.0 or newer driver");
+  const auto dims64 = narrow<uint64_t>(a.dims), strides64 = narrow<uint64_t>(a.strides);
+  const auto box32 = narrow<uint32_t>(a.box), element_strides32 = narrow<uint32_t>(a.element_strides);
+  std::optional<ContextScope> scope;  // the driver may want a context; a device picks its primary one
+  if (device) scope.emplace(primary_context_locked(*device), nullptr);
+  CUtensorMap map{};
+  CUresult rc = g_drv.cuTensorMapEncodeTiled(
+      &map, a.dtype->cu, static_cast<uint32_t>(a.dims.size()), reinterpret_cast<void*>(a.address),
+      dims64.data(), strides64.data(), box32.data(), element_strides32.data(), a.interleave, a.swizzle,
+      a.l2_promotion, a.oob_fill);
+  if (rc != CUDA_SUCCESS)
+    throw std::runtime_error(error_text(rc, "cuTensorMapEncodeTiled", nullptr) + " for " + describe(a));
+  return map;
+}
+
+std::mutex& driver_mutex() { return g_mutex; }
+
+void require_driver_locked() {
+  try_load_driver_locked();
+  if (!g_ok) throw std::runtime_error(g_load_error);
+}
+
+bool known_function_locked(CUfunction fn) { return g_functions.count(fn) != 0; }
+
+void launch_locked(CUfunction fn, const unsigned g[3], const unsigned b[3], unsigned smem, CUstream stream,
+                   void** params, const char* kernel) {
+  const CUcontext ctx = g_functions.at(fn).ctx;
+  CUcontext cur = nullptr;
+  TILE_OPS_CHECK(g_drv.cuCtxGetCurrent(&cur), "cuCtxGetCurrent", kernel);
+  if (cur != ctx) TILE_OPS_CHECK(g_drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", kernel);
+  CUresult rc = g_drv.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream, params, nullptr);
+  if (cur != nullptr && cur != ctx) g_drv.cuCtxSetCurrent(cur);  // leave the caller's context alone
+  if (rc != CUDA_SUCCESS) throw_cuda(rc, "cuLaunchKernel", kernel);
+}
+
+namespace {
 
 py::bytes encode_tensor_map(const std::string& dtype, uint64_t global_address, std::vector<int64_t> dims,
                             std::vector<int64_t> strides_bytes, std::vector<int64_t> box,
@@ -530,23 +527,8 @@ py::bytes encode_tensor_map(const std::string& dtype, uint64_t global_address, s
                         oob_fill};
   validate(a);
   if (device && *device < 0) invalid_tensor_map("device must be >= 0 (or None for the current context)");
-  const auto dims64 = narrow<uint64_t>(a.dims), strides64 = narrow<uint64_t>(a.strides);
-  const auto box32 = narrow<uint32_t>(a.box), element_strides32 = narrow<uint32_t>(a.element_strides);
-
   std::lock_guard<std::mutex> lock(g_mutex);
-  require_driver_locked();
-  if (g_drv.cuTensorMapEncodeTiled == nullptr)
-    throw std::runtime_error("tile_ops: encode_tensor_map: the CUDA driver has no cuTensorMapEncodeTiled; "
-                             "TMA descriptors need a CUDA 12.0 or newer driver");
-  std::optional<ContextScope> scope;  // the driver may want a context; a device picks its primary one
-  if (device) scope.emplace(primary_context_locked(*device), nullptr);
-  CUtensorMap map{};
-  CUresult rc = g_drv.cuTensorMapEncodeTiled(
-      &map, a.dtype->cu, static_cast<uint32_t>(a.dims.size()), reinterpret_cast<void*>(a.address),
-      dims64.data(), strides64.data(), box32.data(), element_strides32.data(), a.interleave, a.swizzle,
-      a.l2_promotion, a.oob_fill);
-  if (rc != CUDA_SUCCESS)
-    throw std::runtime_error(error_text(rc, "cuTensorMapEncodeTiled", nullptr) + " for " + describe(a));
+  const CUtensorMap map = encode_tensor_map_locked(a, device);
   return py::bytes(reinterpret_cast<const char*>(&map), sizeof(map));
 }
 
@@ -557,8 +539,10 @@ bool driver_available() {
 }
 
 }  // namespace
+}  // namespace tile_ops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace tile_ops;
   m.doc() = "tile_ops CUDA driver launcher (libcuda is dlopen'ed on first use)";
   m.attr("API_VERSION") = kApiVersion;
   m.def("load_module", &load_module, py::arg("cubin"), py::arg("device"),
@@ -580,4 +564,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Encode a tiled TMA descriptor (cuTensorMapEncodeTiled); returns its 128 bytes, to pass\n"
         "to launch() by value.  dims are innermost first; strides_bytes are the byte strides of\n"
         "dims 1..rank-1.  device (optional) makes that device's primary context current for the call.");
+  register_plans(m);
 }

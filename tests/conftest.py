@@ -25,4 +25,7 @@ def stand_in_kernels(monkeypatch):
     """The ops' CUDA code paths on CPU tensors (tests/stand_in_kernels.py): (gemm, gemm_softmax) stand-ins."""
     import stand_in_kernels
 
-    return stand_in_kernels.install(monkeypatch)
+    from tile_ops.ops import fastpath
+
+    yield stand_in_kernels.install(monkeypatch)
+    fastpath.clear()  # the stand-ins' plans must not outlive them

@@ -9,7 +9,6 @@ wrong pointers, or a plan reused for operands of another layout, gives wrong res
 
 import contextlib
 import ctypes
-import importlib
 import sys
 import types
 from typing import NamedTuple
@@ -77,6 +76,11 @@ class StandInGemm(types.ModuleType):
 
         return launch
 
+    def gemm_plan(self, kernel, device, a, b, out, bias=None, scratch=None):
+        """A host-code plan (fastpath.record takes a callable launch(a, b, out, c)) on the fast path's buffers."""
+        assert (a, b, out, bias) == (fastpath.A, fastpath.B, fastpath.OUT, None if kernel[3] is None else fastpath.C)
+        return self.gemm_launcher(kernel, device)
+
 
 class StandInGemmSoftmax(types.ModuleType):
     """``tile_ops.kernels.gemm_softmax`` on the CPU, through raw pointers like ``StandInGemm``."""
@@ -103,13 +107,17 @@ class StandInGemmSoftmax(types.ModuleType):
 
         return launch
 
+    def gemm_softmax_plan(self, kernel, device, a, b, out):
+        assert (a, b, out) == (fastpath.A, fastpath.B, fastpath.OUT)
+        launch = self.gemm_softmax_launcher(kernel, device)
+        return lambda a_ptr, b_ptr, out_ptr, c_ptr: launch(a_ptr, b_ptr, out_ptr)
+
 
 def install(monkeypatch):
-    """Stand-in kernel modules, no CUDA device switch, and empty plan caches; returns the two modules."""
+    """Stand-in kernel modules, no CUDA device switch, and no plans; returns the two modules."""
     gemm, softmax = StandInGemm(), StandInGemmSoftmax()
     monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm", gemm)
     monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_softmax", softmax)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    for name in ("tile_ops.ops.gemm", "tile_ops.ops.gemm_softmax"):
-        monkeypatch.setattr(importlib.import_module(name), "_PLANS", fastpath.PlanCache())
+    fastpath.clear()
     return gemm, softmax

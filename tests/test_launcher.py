@@ -28,9 +28,10 @@ def lib():
 def test_extension_builds_and_imports(lib):
     assert get_launcher() is lib  # cached per process
     assert lib.API_VERSION == launcher_mod.API_VERSION
-    for name in ("load_module", "get_function", "launch", "unload_module", "driver_available", "encode_tensor_map"):
+    for name in ("load_module", "get_function", "launch", "unload_module", "driver_available", "encode_tensor_map",
+                 "plans_configure", "plans_record", "plans_call", "plans_clear", "plans_size"):
         assert callable(getattr(lib, name))
-    assert launcher_mod.launcher_source().is_file()
+    assert all(source.is_file() for source in launcher_mod.launcher_sources())
 
 
 def test_driver_available_matches_machine(lib):
@@ -442,7 +443,7 @@ def test_stale_extension_is_replaced_by_a_jit_build(fresh_launcher):
 
 def test_jit_build_of_another_version_is_an_error(fresh_launcher):
     fresh_launcher.setattr(launcher_mod, "_jit_build", lambda: _fake_extension("tile_ops_C", 1))
-    with pytest.raises(RuntimeError, match=r"tile_ops: the launcher JIT-built from .*launcher\.cpp has API_VERSION 1, "
+    with pytest.raises(RuntimeError, match=r"tile_ops: the launcher JIT-built from .*csrc has API_VERSION 1, "
                                            r"want \d+; reinstall tile_ops"):
         launcher_mod.get_launcher()
 

@@ -1,8 +1,10 @@
-"""The eager fast path (tile_ops/ops/fastpath.py) on the CPU, with the stand-in kernels.
+"""The eager fast path (tile_ops/ops/fastpath.py, csrc/plans.cpp) on the CPU, with the stand-in kernels.
 
 CPU tensors are sent through the ops' CUDA implementations (the dispatcher's CPU kernel is
 pointed at them), so plans are recorded for CPU signatures and ``tile_ops.gemm`` /
-``tile_ops.gemm_softmax`` take the fast path for them exactly as they do for CUDA tensors.
+``tile_ops.gemm_softmax`` take the fast path for them exactly as they do for CUDA tensors: the
+extension's checks, signature lookup and allocation, then the stand-in's launch (a host-code
+plan) instead of the driver's.
 """
 
 import importlib
@@ -96,7 +98,7 @@ def test_gemm_repeated_signature_skips_the_op(ops, case):
     torch.manual_seed(0)
     a, b, bias, out_dtype = GEMM_CASES[case]()
     first = tile_ops.gemm(a, b, bias, out_dtype)
-    assert (gemm_op.n, kernels.launches, len(gemm_mod._PLANS)) == (1, 1, 1)
+    assert (gemm_op.n, kernels.launches, fastpath.count()) == (1, 1, 1)
     a2, b2, bias2 = same_signature(a), same_signature(b), same_signature(bias)
     second = tile_ops.gemm(a2, b2, bias2, out_dtype)
     assert (gemm_op.n, kernels.launches, len(kernels.calls)) == (1, 2, 1)  # launched from the plan
@@ -164,7 +166,7 @@ def test_not_planned_when_the_checked_path_copies(ops):
     for _ in range(2):
         close(tile_ops.gemm_softmax(a3, b3, 0.5), ref_gemm_softmax(a3, b3, 0.5))
     assert gemm_op.n == 2 and softmax_op.n == 2
-    assert not gemm_mod._PLANS and not softmax_mod._PLANS
+    assert fastpath.count() == 0
 
 
 def test_grad_mode_goes_through_the_op_and_gradients_flow(ops):
@@ -218,23 +220,35 @@ def test_torch_compile_calls_the_op(ops):
     assert gemm_op.n == 3
 
 
-def test_skips_dispatcher_conditions():
+def test_dispatch_checks_of_the_wrappers_call(ops):
+    """fastpath.call(..., check_dispatch=True) serves a plan only when the dispatcher would add nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    a, b = torch.ones(2, 2), torch.ones(2, 2)
-    w = torch.nn.Parameter(torch.ones(2, 2))
-    assert fastpath.skips_dispatcher(a, b) and fastpath.skips_dispatcher(a, b, torch.ones(2))
-    assert not fastpath.skips_dispatcher(a, w)  # a parameter that requires grad, in grad mode
+    a, b, bias = rnd(16, 32), rnd(32, 24), rnd(24)
+    tile_ops.gemm(a, b)
+    tile_ops.gemm(a, b, bias)
+
+    def served(x, y, c=None, check=True):
+        return fastpath.call(fastpath.GEMM, x, y, c, None, None, check) is not None
+
+    w = torch.nn.Parameter(b.clone())
+    assert served(a, b) and served(a, b, bias) and served(a, w.detach())
+    assert not served(a, w)  # a parameter that requires grad, in grad mode
+    assert served(a, w, check=False)  # inside the op: the dispatcher already ran
     with torch.no_grad():
-        assert fastpath.skips_dispatcher(a, w, w)
-    assert not fastpath.skips_dispatcher(a, b, torch.ones(2, requires_grad=True))
+        assert served(a, w)
+    assert not served(a, b, bias.clone().requires_grad_())
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(a)
-    assert not fastpath.skips_dispatcher(fake, b)
+    assert not served(fake, b)
+    with _Seen():
+        assert not served(a, b)
+    with torch.device("cpu"):  # a torch function mode
+        assert not served(a, b)
     seen = []
 
     def probe(x):
-        seen.append(fastpath.skips_dispatcher(x, x))
+        seen.append(served(a, b))  # the planned signature, inside a transform or a trace
         return x * 2
 
     torch.vmap(probe)(torch.ones(3, 2))
@@ -242,6 +256,34 @@ def test_skips_dispatcher_conditions():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace is deprecated, still used
         torch.jit.trace(probe, (a,), check_trace=False)
     assert seen == [False, False]
+    assert served(a, b)
+
+
+def test_signature_fields_each_count(ops):
+    a, b = rnd(16, 32), rnd(32, 24)
+    tile_ops.gemm(a, b)
+    same = dict(x=a, y=b, c=None, out_dtype=None, scale=None)
+    others = [dict(x=a.to(BF16), y=b.to(BF16)), dict(x=rnd(17, 32)), dict(y=rnd(24, 32).t()), dict(c=rnd(24)),
+              dict(out_dtype=F32), dict(scale=1.0), dict(x=a[None])]
+    for change in [{}] + others:
+        args = {**same, **change}
+        out = fastpath.call(fastpath.GEMM, args["x"], args["y"], args["c"], args["out_dtype"], args["scale"], True)
+        assert (out is not None) == (not change), change
+    assert fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, None, None, True) is None  # the op counts too
+
+
+def test_recorded_programs_are_checked(ops):
+    a, b = rnd(16, 32), rnd(32, 24)
+    out = torch.empty(16, 24, dtype=F16)
+    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(fastpath.A, None), (7, None)])
+    with pytest.raises(ValueError, match=r"argument buffer 7 of kernel 'k' is not one of the plan's 4 buffers"):
+        fastpath.record(fastpath.GEMM, a, b, None, None, None, out, ([], [step]))
+    spec = dict(tensor="A", dtype="float16", dims=[32, 16], strides=[60], box=[64, 16], element_strides=[1, 1],
+                swizzle=3, l2_promotion=2, oob_fill=0)
+    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(fastpath.A, spec)])
+    with pytest.raises(ValueError, match=r"strides_bytes\[0\] = 60 must be a positive multiple of 16"):
+        fastpath.record(fastpath.GEMM, a, b, None, None, None, out, ([], [step]))
+    assert fastpath.count() == 0
 
 
 # --------------------------------------------------------------------------- errors
@@ -288,9 +330,10 @@ def test_gemm_softmax_errors_are_the_same_on_both_paths(ops, scale):
         assert got == want
 
 
-def test_plan_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(fastpath.PlanCache, "MAX_PLANS", 2)
-    plans = fastpath.PlanCache()
-    for key in range(5):
-        plans.record(key, None)
-    assert list(plans) == [4]
+def test_plans_are_bounded(ops):
+    """The table is cleared when full (4096 signatures), so varying shapes cannot grow it forever."""
+    b = rnd(32, 8)
+    for m in range(1, 4098):
+        a = torch.empty(m, 32, dtype=F16)
+        fastpath.record(fastpath.GEMM, a, b, None, None, None, torch.empty(m, 8, dtype=F16), lambda *ptrs: None)
+    assert fastpath.count() == 1

@@ -57,7 +57,7 @@ class EntryArgs:
         self._encode = encode
         self._descriptors: dict = {}  # (kept name, pointer) -> bytes: launches mostly reuse buffers
         position = {name: i for i, (name, _, _) in enumerate(meta.params)}
-        self._plan = []  # per kept name: (position of the tensor whose pointer it takes, tensormap name or None)
+        self.sources = []  # per kept name: (position of the tensor whose pointer it takes, tensormap name or None)
         for name in meta.kept:
             spec = meta.tensormaps.get(name)
             if spec is not None:
@@ -68,13 +68,13 @@ class EntryArgs:
             if tensor not in position:
                 raise ValueError(f"{meta.name}: the CUDA entry parameter {name} needs the pointer of {tensor}, "
                                  f"which is not a parameter ({', '.join(position)})")
-            self._plan.append((position[tensor], None if spec is None else name))
-        self._pointer_positions = [pos for pos, _ in self._plan]
+            self.sources.append((position[tensor], None if spec is None else name))
+        self._pointer_positions = [pos for pos, _ in self.sources]
 
     def build(self, ptrs, device: int) -> list:
         if not self._tensormaps:
             return [ptrs[pos] for pos in self._pointer_positions]
-        return [ptrs[pos] if tmap is None else self._descriptor(tmap, ptrs[pos], device) for pos, tmap in self._plan]
+        return [ptrs[pos] if tmap is None else self._descriptor(tmap, ptrs[pos], device) for pos, tmap in self.sources]
 
     def _descriptor(self, tmap: str, ptr: int, device: int) -> bytes:
         desc = self._descriptors.get((tmap, ptr))
@@ -178,6 +178,20 @@ class Kernel:
             launch(handle, grid, block, smem, stream(index), build(ptrs, index), name)
 
         return bound
+
+    def plan(self, device, buffers, scratch=None):
+        """This kernel's launch as a plan program for the ops' fast path (csrc/plans.cpp):
+        ``(scratch buffers, steps)`` = ``([], [(function, grid, block, smem, name, args)])``, where
+        ``buffers[i]`` is the plan buffer holding program parameter i and each entry argument is
+        ``(buffer, tensor map spec or None)``.  ``scratch`` (the first free buffer) is unused: a
+        single kernel needs none."""
+        import torch
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        fn, m = self._fn(), self.meta
+        _, handle = fn.bind(index)
+        args = [(buffers[pos], None if tmap is None else m.tensormaps[tmap]) for pos, tmap in self._entry_args.sources]
+        return [], [(handle, m.grid, m.block, fn.smem_bytes, fn.name, args)]
 
     def launch(self, *tensors, stream=None):
         """Launch on explicit tensors for every parameter (inputs and outputs), checked first."""

@@ -1,9 +1,9 @@
 """Kernel launcher: loads cubins and launches them through the ``tile_ops._C`` extension.
 
-``tile_ops._C`` is built from ``csrc/launcher.cpp`` by ``setup.py``; if it is missing (the
-build failed at install time, or the installed copy is stale) :func:`get_launcher` JIT-builds
-the same source once per process with ``torch.utils.cpp_extension.load`` into
-``<cache_dir()>/build/launcher-<python>-<torch>/``.
+``tile_ops._C`` is built from ``csrc/`` (launcher.cpp: the driver; plans.cpp: the ops' plans,
+against libtorch) by ``setup.py``; if it is missing (the build failed at install time, or the
+installed copy is stale) :func:`get_launcher` JIT-builds the same sources once per process with
+``torch.utils.cpp_extension.load`` into ``<cache_dir()>/build/launcher-<python>-<torch>/``.
 """
 
 from __future__ import annotations
@@ -16,24 +16,25 @@ from typing import Sequence
 
 from .cache import cache_dir
 
-__all__ = ["get_launcher", "launcher_source", "CudaFunction"]
+__all__ = ["get_launcher", "launcher_sources", "CudaFunction"]
 
 # Must match kApiVersion in csrc/launcher.cpp; an extension reporting another version is stale.
-API_VERSION = 2
+API_VERSION = 3
+SOURCES = ("launcher.cpp", "plans.cpp")
 
 _launcher: ModuleType | None = None
 _lock = threading.Lock()
 
 
-def launcher_source() -> pathlib.Path:
-    """Path of launcher.cpp: ``<repo>/csrc`` in a checkout, ``tile_ops/_csrc`` in a wheel."""
+def launcher_sources() -> list[pathlib.Path]:
+    """The extension's sources: in ``<repo>/csrc`` in a checkout, ``tile_ops/_csrc`` in a wheel."""
     pkg = pathlib.Path(__file__).resolve().parents[1]
-    candidates = [pkg.parent / "csrc" / "launcher.cpp", pkg / "_csrc" / "launcher.cpp"]
+    candidates = [pkg.parent / "csrc", pkg / "_csrc"]
     for c in candidates:
-        if c.is_file():
-            return c
+        if all((c / name).is_file() for name in SOURCES):
+            return [c / name for name in SOURCES]
     raise RuntimeError(
-        "tile_ops: cannot find the launcher source launcher.cpp (looked at "
+        f"tile_ops: cannot find the launcher sources {', '.join(SOURCES)} (looked in "
         + ", ".join(str(c) for c in candidates) + "); reinstall tile_ops")
 
 
@@ -45,16 +46,14 @@ def build_directory() -> pathlib.Path:
 
 
 def _jit_build() -> ModuleType:
-    import pybind11
     from torch.utils import cpp_extension
 
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
         name="tile_ops_C",
-        sources=[str(launcher_source())],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_include_paths=[pybind11.get_include()],
+        sources=[str(s) for s in launcher_sources()],
+        extra_cflags=["-O3"],
         extra_ldflags=["-ldl"],
         build_directory=str(build_dir),
         with_cuda=False,
@@ -82,11 +81,11 @@ def get_launcher() -> ModuleType:
             except Exception as e:
                 raise RuntimeError(
                     f"tile_ops: the launcher extension tile_ops._C is not available ({import_error}) "
-                    f"and JIT-building it from csrc/launcher.cpp failed: {e}. It needs a C++17 compiler, "
-                    "ninja and pybind11; reinstall with `pip install --no-build-isolation --no-deps -e .` "
+                    f"and JIT-building it from csrc/ failed: {e}. It needs a C++17 compiler, "
+                    "ninja and torch's headers; reinstall with `pip install --no-build-isolation --no-deps -e .` "
                     "to see the build log") from e
             if getattr(mod, "API_VERSION", None) != API_VERSION:  # a launcher.cpp from another release
-                raise RuntimeError(f"tile_ops: the launcher JIT-built from {launcher_source()} has API_VERSION "
+                raise RuntimeError(f"tile_ops: the launcher JIT-built from {launcher_sources()[0].parent} has API_VERSION "
                                    f"{getattr(mod, 'API_VERSION', None)}, want {API_VERSION}; reinstall tile_ops")
         _launcher = mod
         return mod

@@ -283,6 +283,13 @@ class SplitKGemm:
     def launcher(self, device):
         return lambda ptrs: self.launch_ptrs(ptrs, device)
 
+    def plan(self, device, buffers, scratch):
+        """Both kernels as a plan program (``Kernel.plan``), the workspace as scratch buffer ``scratch``."""
+        a, b, bias, c = buffers
+        _, partial = self.partial.plan(device, [a, b, bias, scratch])
+        _, reduce = self.reduce.plan(device, [scratch, bias, c])
+        return [(self.workspace_shape, torch.float32)], partial + reduce
+
     def launch_ptrs(self, ptrs, device):
         a_ptr, b_ptr, bias_ptr, c_ptr = ptrs
         w = torch.empty(self.workspace_shape, dtype=torch.float32, device=device)
@@ -328,6 +335,12 @@ def gemm_launcher(kernel, device):
         run([a_ptr, b_ptr, bias_ptr or out_ptr, out_ptr])  # unused bias parameter slot: any valid pointer
 
     return launch
+
+
+def gemm_plan(kernel, device, a, b, out, bias=None, scratch=None):
+    """``gemm_launcher``'s launch as a plan program (``Kernel.plan``) over plan buffer indices a, b, out and
+    bias (None: no bias); a split-K gemm's workspace is buffer ``scratch``."""
+    return kernel.plan(device, [a, b, out if bias is None else bias, out], scratch)
 
 
 def launch_gemm(a, b, out, bias=None, cfg=None):

@@ -142,6 +142,11 @@ def gemm_softmax_launcher(kernel, device):
     return launch
 
 
+def gemm_softmax_plan(kernel, device, a, b, out):
+    """``gemm_softmax_launcher``'s launch as a plan program (``Kernel.plan``) over plan buffer indices."""
+    return kernel.plan(device, [a, b, out])
+
+
 def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
     """a (M, K), b (K, N) row-major; out (M, N) contiguous = softmax(scale * a @ b, -1)."""
     if not math.isfinite(scale):

@@ -1,112 +1,79 @@
-"""The eager fast path: a repeated call goes straight to its ready kernel.
+"""The eager fast path: a repeated call goes straight to its ready kernel, from C++.
 
 A call through ``torch.ops.tile_ops.*`` pays for the Python custom-op machinery
-(dispatcher, autograd wrapper, aliasing check: ~16 µs) and then for the checks,
-layout decisions and JIT lookup of the CUDA implementation (~38 µs; both on the
-CPU of benchmarks/host_overhead_cpu.py), although for a given input signature
-every one of them comes out the same.
+(dispatcher, autograd wrapper, aliasing check) and then for the checks, layout
+decisions and JIT lookup of the CUDA implementation, although for a given input
+signature every one of them comes out the same.
 
-So the CUDA implementations record a :class:`Plan` per signature (shapes,
-strides, dtypes and devices of the operands, and the op's flags): the launcher
-of the kernel and the output to allocate.  A plan is recorded only after the
-checked path accepted the call and launched the kernel on the caller's own
-tensors (no copies), so a later call with the same signature, checked only for
-pointer alignment (the one property the signature does not fix), is launched
-from the plan.  Both the op's CUDA implementation and the Python wrappers
-(``tile_ops.gemm`` ...) look plans up; the wrappers skip the op entirely when
-:func:`skips_dispatcher` says it would add nothing.  Anything else (no plan yet,
-a misaligned pointer, CPU tensors) goes through the checked path, so every
-error message is the checked path's own.
+So the CUDA implementations record a *plan* per signature (shapes, strides,
+dtypes and devices of the operands, and the op's flags) in the launcher
+extension (csrc/plans.cpp): the output to allocate, any scratch buffers, and
+the kernel launches with their arguments (pointers, TMA descriptors).  A plan is
+recorded only after the checked path accepted the call and launched the kernel
+on the caller's own tensors (no copies), so a later call with the same
+signature, checked only for pointer alignment (the one property the signature
+does not fix), is served by :data:`call` in one C++ call: the dispatcher checks,
+the lookup, the allocation and the driver launches.  Both the op's CUDA
+implementation and the Python wrappers (``tile_ops.gemm`` ...) call it; the
+wrappers' call also checks that skipping the dispatcher adds nothing (eager, no
+autograd graph, plain tensors, no modes or transforms).  Anything else (no plan
+yet, a misaligned pointer, CPU tensors) returns None and goes through the
+checked path, so every error message is the checked path's own.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import torch
 
-from .checks import POINTER_ALIGNMENT
+# Plan buffers: a kernel argument names one of these, or a scratch buffer SCRATCH + i.
+A, B, C, OUT, SCRATCH = range(5)
+# Ops, a part of the signature.
+GEMM, GEMM_SOFTMAX = 0, 1
 
-_C = torch._C
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses: DTensor, FakeTensor, ...
 
 
-class Plan(NamedTuple):
-    launch: Callable  # launch(a_ptr, b_ptr, out_ptr[, c_ptr]): the kernel for the recorded signature
-    # (a split-K gemm's launch runs its two kernels and allocates their workspace, like the checked path)
-    out_shape: tuple  # of ints, not a torch.Size: torch.empty parses ints ~1.5 µs faster
-    out_dtype: torch.dtype
-    device: torch.device
+def _no_plans(op, a, b, c, out_dtype, scale, check_dispatch):
+    return None
 
 
-class PlanCache(dict):
-    """Signature key -> :class:`Plan`; cleared when full, so varying shapes cannot grow it forever."""
-
-    MAX_PLANS = 4096
-
-    def record(self, key, plan: Plan) -> None:
-        if len(self) >= self.MAX_PLANS:
-            self.clear()
-        self[key] = plan
-
-    def find(self, make_key: Callable, *args):
-        """The plan for ``make_key(*args)``, or None, also for arguments the key cannot take
-        (unhashable scalars, tensors without strides): the op reports what is wrong with them."""
-        try:
-            return self.get(make_key(*args))
-        except (TypeError, RuntimeError):
-            return None
+# call(op, a, b, c, out_dtype, scale, check_dispatch) -> the output of the signature's plan, launched, or
+# None.  check_dispatch: also return None when the dispatcher would add something (the wrappers' call).
+# The extension's plans_call once a plan exists, so processes that never record one never load it.
+call = _no_plans
 
 
-def plan_key(a: torch.Tensor, b: torch.Tensor, flags: tuple) -> tuple:
-    """Everything the checks and the layout decisions read, for operands ``a``, ``b`` and the op's ``flags``."""
-    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, flags)
+def record(op: int, a, b, c, out_dtype, scale, out: torch.Tensor, program) -> None:
+    """Record ``program`` as the plan of this call's signature; ``out`` is the output the checked path made.
 
-
-def skips_dispatcher(a, b, c=None) -> bool:
-    """True when calling the op on these tensors would add nothing to launching its kernel.
-
-    That needs eager mode (no torch.compile or jit tracing to record the op in a
-    graph), no autograd graph to build (grad mode off, or no input requiring
-    grad), plain tensors (subclasses such as DTensor or FakeTensor dispatch on
-    their own), and no torch function / dispatch modes or functorch transforms
-    (vmap, grad) that intercept ops.
+    ``program`` is ``(scratch, steps)`` from the kernels (``Kernel.plan``) or a callable
+    ``launch(a_ptr, b_ptr, out_ptr, c_ptr)`` for a launcher that runs host code.
     """
-    if torch.compiler.is_compiling():  # first: dynamo folds it to True and traces none of the rest
-        return False
-    if type(a) not in _PLAIN_TENSORS or type(b) not in _PLAIN_TENSORS:
-        return False
-    if c is not None and type(c) not in _PLAIN_TENSORS:
-        return False
-    if _C.is_grad_enabled() and (a.requires_grad or b.requires_grad or (c is not None and c.requires_grad)):
-        return False
-    return not (
-        _C._len_torch_dispatch_stack()
-        or _C._is_torch_function_mode_enabled()
-        or _C._are_functorch_transforms_active()
-        or _C._get_tracing_state()
-    )
+    global call
+    from ..jit.launcher import get_launcher
+
+    lib = get_launcher()
+    if call is _no_plans:
+        lib.plans_configure(_PLAIN_TENSORS, getattr(torch._C, "_cuda_getCurrentRawStream", None))
+    lib.plans_record(op, a, b, c, out_dtype, scale, list(out.shape), out.dtype, program)
+    call = lib.plans_call
 
 
-def launch(plan: Plan | None, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None):
-    """Allocate the output and launch ``plan`` on inputs ``a``, ``b`` (and ``c``).
+def clear() -> None:
+    """Forget every plan (the next call of each signature takes the checked path and records anew)."""
+    if call is not _no_plans:
+        from ..jit.launcher import get_launcher
 
-    Returns the output, or None when there is no plan or a data pointer is not
-    16-byte aligned (the checked path then reports it).
-    """
-    if plan is None:
-        return None
-    pa, pb = a.data_ptr(), b.data_ptr()
-    pc = 0 if c is None else c.data_ptr()
-    if (pa | pb | pc) % POINTER_ALIGNMENT:
-        return None
-    run, shape, dtype, device = plan
-    out = torch.empty(*shape, dtype=dtype, device=device)
-    if c is None:
-        run(pa, pb, out.data_ptr())
-    else:
-        run(pa, pb, out.data_ptr(), pc)
-    return out
+        get_launcher().plans_clear()
+
+
+def count() -> int:
+    """How many signatures have a plan."""
+    if call is _no_plans:
+        return 0
+    from ..jit.launcher import get_launcher
+
+    return get_launcher().plans_size()
 
 
 def launched_in_place(kernel_operands, caller_tensors) -> bool:

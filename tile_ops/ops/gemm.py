@@ -137,16 +137,8 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     return out, (a3, b3, out3, bias)
 
 
-_PLANS = fastpath.PlanCache()
-
-
-def _plan_key(a, b, bias, out_dtype):
-    flags = (out_dtype,) if bias is None else (out_dtype, bias.shape, bias.stride(), bias.dtype, bias.device)
-    return fastpath.plan_key(a, b, flags)
-
-
-def _gemm_cuda_checked(a, b, bias, out_dtype, key):
-    """Validate, lay out and launch; record the plan for ``key`` when the kernel reads the caller's tensors."""
+def _gemm_cuda_checked(a, b, bias, out_dtype):
+    """Validate, lay out and launch; record the call's plan when the kernel reads the caller's tensors."""
     out, launch_args = prepare_gemm_launch(a, b, bias, out_dtype, kind="cuda")
     if launch_args is None:
         return out
@@ -159,14 +151,15 @@ def _gemm_cuda_checked(a, b, bias, out_dtype, key):
     operands = (a3, b3, out3) if bias is None else (a3, b3, out3, bias3)
     callers = (a, b, out) if bias is None else (a, b, out, bias)
     if fastpath.launched_in_place(operands, callers):
-        _PLANS.record(key, fastpath.Plan(launch, tuple(out.shape), out.dtype, out.device))
+        F = fastpath
+        program = kernels.gemm_plan(kernel, a.device, F.A, F.B, F.OUT, None if bias is None else F.C, F.SCRATCH)
+        fastpath.record(fastpath.GEMM, a, b, bias, out_dtype, None, out, program)
     return out
 
 
 def _gemm_cuda(a, b, bias=None, out_dtype=None):
-    key = _plan_key(a, b, bias, out_dtype)
-    out = fastpath.launch(_PLANS.get(key), a, b, bias)
-    return out if out is not None else _gemm_cuda_checked(a, b, bias, out_dtype, key)
+    out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, False)
+    return out if out is not None else _gemm_cuda_checked(a, b, bias, out_dtype)
 
 
 gemm_op.register_kernel("cuda", _gemm_cuda)
@@ -282,8 +275,8 @@ def gemm(
     the dispatcher would add nothing to (eager, no autograd graph, plain
     tensors): that one launches the kernel recorded for its signature directly.
     """
-    if fastpath.skips_dispatcher(a, b, bias):
-        out = fastpath.launch(_PLANS.find(_plan_key, a, b, bias, out_dtype), a, b, bias)
+    if not torch.compiler.is_compiling():  # dynamo folds this to True and traces the op instead
+        out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, True)
         if out is not None:
             return out
     return torch.ops.tile_ops.gemm(a, b, bias, out_dtype)

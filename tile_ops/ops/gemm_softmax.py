@@ -132,34 +132,27 @@ def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cu
     return out, launches, finish
 
 
-_PLANS = fastpath.PlanCache()
-
-
-def _plan_key(a, b, scale, out_dtype):
-    return fastpath.plan_key(a, b, (out_dtype, type(scale), scale))  # the type: 1 == 1.0 == True
-
-
-def _gemm_softmax_cuda_checked(a, b, scale, out_dtype, key):
-    """Validate, lay out and launch; record the plan for ``key`` when one launch reads the caller's tensors."""
+def _gemm_softmax_cuda_checked(a, b, scale, out_dtype):
+    """Validate, lay out and launch; record the call's plan when one launch reads the caller's tensors."""
     out, launches, finish = prepare_gemm_softmax_launch(a, b, scale, out_dtype, kind="cuda")
     if not launches:
         return out
     kernels = load_kernel_module("gemm_softmax", OP)
     with torch.cuda.device(a.device):  # the JIT compiles for the current device's arch
         for a2, b2, out2, s in launches:
-            launch = kernels.gemm_softmax_launcher(kernels.get_gemm_softmax_kernel(a2, b2, out2, s), a.device)
-            launch(a2.data_ptr(), b2.data_ptr(), out2.data_ptr())
+            kernel = kernels.get_gemm_softmax_kernel(a2, b2, out2, s)
+            kernels.gemm_softmax_launcher(kernel, a.device)(a2.data_ptr(), b2.data_ptr(), out2.data_ptr())
         if finish is not None:
             finish()
     if len(launches) == 1 and fastpath.launched_in_place((a2, b2, out2), (a, b, out)):
-        _PLANS.record(key, fastpath.Plan(launch, tuple(out.shape), out.dtype, out.device))
+        program = kernels.gemm_softmax_plan(kernel, a.device, fastpath.A, fastpath.B, fastpath.OUT)
+        fastpath.record(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, out, program)
     return out
 
 
 def _gemm_softmax_cuda(a, b, scale=1.0, out_dtype=None):
-    key = _plan_key(a, b, scale, out_dtype)
-    out = fastpath.launch(_PLANS.get(key), a, b)
-    return out if out is not None else _gemm_softmax_cuda_checked(a, b, scale, out_dtype, key)
+    out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, False)
+    return out if out is not None else _gemm_softmax_cuda_checked(a, b, scale, out_dtype)
 
 
 gemm_softmax_op.register_kernel("cuda", _gemm_softmax_cuda)
@@ -247,8 +240,8 @@ def gemm_softmax(
     that the dispatcher would add nothing to (eager, no autograd graph, plain
     tensors): that one launches the kernel recorded for its signature directly.
     """
-    if fastpath.skips_dispatcher(a, b):
-        out = fastpath.launch(_PLANS.find(_plan_key, a, b, scale, out_dtype), a, b)
+    if not torch.compiler.is_compiling():  # dynamo folds this to True and traces the op instead
+        out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, True)
         if out is not None:
             return out
     return torch.ops.tile_ops.gemm_softmax(a, b, scale, out_dtype)
