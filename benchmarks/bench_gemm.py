@@ -46,7 +46,12 @@ EXTRA_CONFIGS = {
                GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared"), GemmConfig(128, 128, 64, 4, 128, 8, split_k=2),
                # split-K decode (16x8192x8192: 64 tiles of 64x128 -> 128 / 256 CTAs; 128 tiles of 64x64 -> 256)
                GemmConfig(64, 128, 64, 6, 128, 0, split_k=2), GemmConfig(64, 128, 64, 6, 128, 0, split_k=4),
-               GemmConfig(64, 64, 128, 6, 128, 0, split_k=2), GemmConfig(64, 64, 128, 3, 128, 0, split_k=2)],
+               GemmConfig(64, 64, 128, 6, 128, 0, split_k=2), GemmConfig(64, 64, 128, 3, 128, 0, split_k=2),
+               # decode, wider B rows per CTA (512 B per k row) and more CTAs streaming B
+               GemmConfig(64, 256, 64, 4, 128, 0), GemmConfig(64, 256, 64, 4, 128, 0, split_k=4),
+               GemmConfig(64, 64, 64, 8, 128, 0), GemmConfig(64, 128, 64, 8, 128, 0, split_k=2),
+               # 1000^3: two consumer warpgroups on the 64 tiles of 128x128
+               GemmConfig(128, 128, 64, 4, 256, 8, epilogue="shared")],
 }
 PAIRED_ROUNDS = 3
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}  # relative Frobenius error vs float64
