@@ -19,6 +19,9 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# `pip install -e .` runs `setup.py develop`, which recent setuptools hands on to a nested `pip install -e`
+# with build isolation, where torch (the extension's headers) is missing: the nested build keeps ours.
+os.environ.setdefault("PIP_NO_BUILD_ISOLATION", "0")
 CSRC = ("launcher.cpp", "plans.cpp", "driver.h")  # the extension's sources, in csrc/
 
 
