@@ -37,10 +37,11 @@ try:  # the extension is built against libtorch, with ninja, by torch's BuildExt
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     _BuildExtBase = BuildExtension.with_options(use_ninja=True)
-except Exception:  # noqa: BLE001  (no torch at build time: tile_ops JIT-builds _C on first use)
+    _NO_TORCH = None
+except Exception as e:  # noqa: BLE001  (no torch at build time: tile_ops JIT-builds _C on first use)
     from setuptools.command.build_ext import build_ext as _BuildExtBase
 
-    CppExtension = None
+    CppExtension, _NO_TORCH = None, f"{type(e).__name__}: {e}"
 
 
 class OptionalBuildExt(_BuildExtBase):
@@ -87,7 +88,8 @@ class BuildPyWithCsrc(build_py):
 
 def extensions():
     if CppExtension is None:
-        sys.stderr.write("WARNING: torch not found at build time; tile_ops._C will be JIT-built on first use\n")
+        sys.stderr.write(f"WARNING: torch's cpp_extension is not importable at build time ({_NO_TORCH}); "
+                         "tile_ops._C will be JIT-built on first use\n")
         return []
     return [
         CppExtension(  # torch's headers bring pybind11 (the same copy torch_python was built with)

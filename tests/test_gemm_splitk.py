@@ -186,13 +186,20 @@ def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
 # ----------------------------------------------------------------------------- the heuristic and the space
 
 
-@pytest.mark.parametrize("shape", [(4096, 4096, 4096), (1000, 1000, 1000), (8192, 1024, 8192), (128, 8192, 8192),
-                                   (16, 8192, 1024), (16, 128256, 4096), (64, 14336, 4096), (1, 64, 8),
-                                   (16, 8192, 8192), (1, 4096, 4096)])
-def test_default_config_does_not_split(shape):
-    """Split-K is chosen by the autotuner (which checks each candidate's result on the GPU), not by the
-    heuristic, until its kernels have run on the H200."""
-    assert default_config(*shape, "sm_90a").split_k == 1
+@pytest.mark.parametrize("shape, split", [
+    ((4096, 4096, 4096), 1), ((1000, 1000, 1000), 1), ((8192, 1024, 8192), 1), ((128, 8192, 8192), 1),
+    ((16, 8192, 8192), 4), ((1, 4096, 4096), 4), ((16, 128256, 4096), 1), ((64, 14336, 4096), 2),
+    ((16, 8192, 1024), 2), ((1, 64, 8), 1), ((16, 8192, 256), 1)])
+def test_default_config_splits_only_short_decode_grids(shape, split):
+    """Decode (M <= 64): K split in 2 or 4 while the grid of 64x256 tiles stays within one wave of 132 SMs
+    and every split keeps >= 8 k-steps of 64; everything else is unsplit."""
+    M, N, K = shape
+    cfg = default_config(M, N, K, "sm_90a")
+    assert cfg.split_k == split
+    if M <= 64:
+        assert (cfg.block_M, cfg.block_N) == (64, 256)
+        assert -(-N // 256) * split <= 132 or split == 1
+        assert K // 64 >= 8 * split or split == 1
 
 
 def test_hopper_decode_space_offers_split_k():

@@ -40,8 +40,8 @@ _HOPPER_TILES = [GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfig:
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
-        if M <= 64:  # decode: bandwidth-bound, so enough CTAs to stream B from every SM
-            return GemmConfig(64, 128, 64, 6, 128, 0)
+        if M <= 64:  # decode: bandwidth-bound; 512-byte B rows per CTA, K split until B streams from ~every SM
+            return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
                 return cfg
@@ -53,6 +53,15 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
     return GemmConfig(128, 128, 32, 3, 128, 8)  # best of bench_gemm.py --configs on the H200 (NOTES.md)
 
 
+def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
+    """Split K in 2 or 4 while the split grid still fits one wave of the H200's SMs and each split keeps
+    >= 8 k-steps (16x8192x8192: 32 tiles x 4 = 128 CTAs; NOTES.md v4)."""
+    split = 1
+    while split < 4 and tiles * split * 2 <= sms and k_steps >= 16 * split:
+        split *= 2
+    return split
+
+
 # (block_M, block_N, threads): at most 128 fp32 accumulators per thread
 _TILES = [(64, 64, 128), (64, 128, 128), (128, 64, 128), (128, 128, 128), (128, 128, 256), (128, 256, 256),
           (256, 128, 256)]
@@ -60,7 +69,7 @@ _DECODE_TILES = [(16, 128, 128), (16, 256, 128), (32, 128, 128), (32, 256, 128),
 # sm_90a: wgmma needs 64 rows per consumer warpgroup; TMA stages are cheap, so pipelines are deeper
 _HOPPER_SPACE = [(128, 256, 256), (256, 128, 256), (128, 192, 256), (128, 128, 256), (128, 128, 128),
                  (128, 64, 128), (64, 128, 128), (64, 64, 128)]
-_HOPPER_DECODE = [(64, 32, 128), (64, 64, 128), (64, 128, 128)]
+_HOPPER_DECODE = [(64, 32, 128), (64, 64, 128), (64, 128, 128), (64, 256, 128)]
 
 
 def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm_90a") -> list[GemmConfig]:
@@ -85,7 +94,7 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
 
 def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
     decode = M <= 64
-    depths = [(64, 6), (64, 8), (128, 4), (128, 6)] if decode else [(64, 3), (64, 4), (64, 5), (128, 3)]
+    depths = [(64, 4), (64, 6), (64, 8), (128, 4), (128, 6)] if decode else [(64, 3), (64, 4), (64, 5), (128, 3)]
     space = []
     for bM, bN, threads in _HOPPER_DECODE if decode else _HOPPER_SPACE:
         if bM > max(64, _pow2(M)) or bN > max(64, _pow2(N)):
