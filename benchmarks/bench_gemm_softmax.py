@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_ms, png_path_or_none, print_table, save  # noqa: E402
+from common import bench_ms, fastest_correct, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.kernels.gemm import default_config as gemm_config, gemm  # noqa: E402
 from tile_ops.kernels.gemm_softmax import SoftmaxConfig, default_config, gemm_softmax  # noqa: E402
@@ -64,18 +64,15 @@ def main():
         b = torch.randn(K, N, dtype=torch.float16, device="cuda")
         out = torch.empty(M, N, dtype=torch.float16, device="cuda")
         ref = torch.softmax(SCALE * (a.double() @ b.double()), -1)
-        t_fused, err, best = float("inf"), None, None
-        for cfg, kf in kernels.items():
+
+        def check(kf):
             out.fill_(float("nan"))
             kf.launch(a, b, out)
-            e = ((out.double() - ref).norm() / ref.norm()).item()
-            if not e < TOLERANCE:  # a wrong kernel never wins
-                print(f"WRONG {M}x{N}x{K} {config_name(cfg)}: relative error {e:.1e}", file=sys.stderr)
-                continue
-            t = bench_ms(lambda: kf.launch(a, b, out)) * 1e3
-            print(f"{M}x{N}x{K} {config_name(cfg)}: {t:.1f} us", file=sys.stderr)
-            if t < t_fused:
-                t_fused, err, best = t, e, cfg
+            return ((out.double() - ref).norm() / ref.norm()).item()
+
+        ms, err, best = fastest_correct(kernels, check, lambda kf: kf.launch(a, b, out), TOLERANCE,
+                                        lambda cfg: f"{M}x{N}x{K} {config_name(cfg)}", lambda ms: f"{ms * 1e3:.1f} us")
+        t_fused = ms * 1e3
         t_gemm = bench_ms(lambda: kg.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)) * 1e3
         t_torch = bench_ms(lambda: torch.softmax(SCALE * (a @ b), -1)) * 1e3
         t_torch32 = bench_ms(lambda: torch.softmax(SCALE * (a @ b).float(), -1).half()) * 1e3

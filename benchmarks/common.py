@@ -13,6 +13,24 @@ def bench_ms(fn, rep_ms=200):
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
 
 
+def fastest_correct(kernels, check, run, tolerance, name, unit):
+    """``(ms, relative error, config)`` of the fastest of ``kernels`` ({config: kernel}) that passes its check,
+    or ``(inf, None, None)``.  ``check(kernel)`` launches once and returns the relative error against the
+    float64 reference; a kernel at or over ``tolerance`` is reported WRONG and never timed (a wrong kernel
+    never wins).  ``run(kernel)`` is what gets timed; each timing is printed as ``name(config): unit(ms)``."""
+    best = (float("inf"), None, None)
+    for cfg, kernel in kernels.items():
+        err = check(kernel)
+        if not err < tolerance:
+            print(f"WRONG {name(cfg)}: relative error {err:.1e}", file=sys.stderr)
+            continue
+        ms = bench_ms(lambda: run(kernel))
+        print(f"{name(cfg)}: {unit(ms)}", file=sys.stderr)
+        if ms < best[0]:
+            best = (ms, err, cfg)
+    return best
+
+
 def print_table(rows, columns, title):
     widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in columns]
     print(f"\n{title}")
