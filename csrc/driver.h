@@ -68,8 +68,9 @@ std::mutex& driver_mutex();
 // Loads libcuda and runs cuInit once; throws RuntimeError (with the reason) when it is unusable.
 void require_driver_locked();
 
-// Whether `fn` came from get_function and its module is still loaded.
-bool known_function_locked(CUfunction fn);
+// A number unique to `fn`'s current load (get_function), or 0 when it is not loaded: a function of a
+// module loaded after an unload may reuse an unloaded one's address, never its generation.
+uint64_t function_generation_locked(CUfunction fn);
 
 // cuLaunchKernel in `fn`'s context (the caller's context is left as it was); a CUDA error is a
 // RuntimeError naming `kernel`.

@@ -71,7 +71,8 @@ std::string g_load_error;      // full RuntimeError text when !g_ok
 Driver g_drv{};
 std::unordered_map<int, CUcontext> g_primary;   // device -> retained primary context
 struct ModuleInfo { CUcontext ctx; };
-struct FunctionInfo { CUcontext ctx; CUmodule module; };
+struct FunctionInfo { CUcontext ctx; CUmodule module; uint64_t generation; };
+uint64_t g_last_generation = 0;
 std::unordered_map<CUmodule, ModuleInfo> g_modules;
 std::unordered_map<CUfunction, FunctionInfo> g_functions;
 
@@ -226,7 +227,7 @@ uint64_t get_function(uint64_t module_handle, const std::string& name, int dynam
                                             dynamic_smem_bytes),
                    "cuFuncSetAttribute", name.c_str());
   }
-  g_functions[fn] = FunctionInfo{it->second.ctx, module};
+  g_functions[fn] = FunctionInfo{it->second.ctx, module, ++g_last_generation};
   return reinterpret_cast<uint64_t>(fn);
 }
 
@@ -350,7 +351,7 @@ void launch(uint64_t function_handle, py::handle grid, py::handle block, unsigne
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_ok) require_driver_locked();
   CUfunction fn = reinterpret_cast<CUfunction>(function_handle);
-  if (!known_function_locked(fn))
+  if (function_generation_locked(fn) == 0)
     throw py::value_error(std::string("tile_ops: launch: unknown function handle for kernel '") +
                           kname + "' (not from get_function, or its module was unloaded)");
   launch_locked(fn, g, b, smem, reinterpret_cast<CUstream>(stream), params.get(), kname);
@@ -503,7 +504,10 @@ void require_driver_locked() {
   if (!g_ok) throw std::runtime_error(g_load_error);
 }
 
-bool known_function_locked(CUfunction fn) { return g_functions.count(fn) != 0; }
+uint64_t function_generation_locked(CUfunction fn) {
+  auto it = g_functions.find(fn);
+  return it == g_functions.end() ? 0 : it->second.generation;
+}
 
 void launch_locked(CUfunction fn, const unsigned g[3], const unsigned b[3], unsigned smem, CUstream stream,
                    void** params, const char* kernel) {

@@ -25,6 +25,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <pybind11/pybind11.h>
@@ -78,6 +79,7 @@ struct Arg {
 
 struct Step {
   CUfunction function;
+  uint64_t generation;  // of `function` when recorded: a reloaded kernel may get the same address
   unsigned grid[3], block[3], smem;
   std::string name;
   std::vector<Arg> args;
@@ -111,6 +113,15 @@ bool is_plain(PyObject* obj) {
   for (PyTypeObject* t : state().plain_types)
     if (Py_TYPE(obj) == t) return true;
   return false;
+}
+
+// A dense strided CPU or CUDA tensor whose memory holds exactly its values: no negative / conjugate bit,
+// zero tensor, functionalization, sparse or nested layout (their keys and strides may look plain).
+bool is_dense(const at::Tensor& t) {
+  if (t.layout() != c10::kStrided || t.is_nested()) return false;
+  const c10::DispatchKeySet keys =
+      t.key_set() - c10::autograd_dispatch_keyset_with_ADInplaceOrView - c10::autocast_dispatch_keyset;
+  return keys == c10::DispatchKeySet(c10::DispatchKey::CUDA) || keys == c10::DispatchKeySet(c10::DispatchKey::CPU);
 }
 
 // The same rule as running the op through the dispatcher would apply: nothing to record (no
@@ -165,13 +176,14 @@ bool make_key(int64_t op, const at::Tensor* const tensors[kOperands], PyObject* 
   return true;
 }
 
-// The operands as tensors (c may be None); false when one is not a plain tensor.
+// The operands as tensors (c may be None); false when one is not a plain, dense tensor.
 bool unpack(PyObject* const objs[kOperands], const at::Tensor* tensors[kOperands]) {
   for (int i = 0; i < kOperands; ++i) {
     tensors[i] = nullptr;
     if (objs[i] == Py_None && i == kOperands - 1) continue;
     if (!is_plain(objs[i])) return false;
     tensors[i] = &THPVariable_Unpack(objs[i]);
+    if (!is_dense(*tensors[i])) return false;
   }
   return true;
 }
@@ -214,7 +226,7 @@ void read_program(py::handle program, Plan& plan) {
   for (py::handle s : steps) {
     py::tuple t = s.cast<py::tuple>();
     if (t.size() != 6) throw py::value_error("tile_ops: plans: a step is (function, grid, block, smem, name, args)");
-    Step step{reinterpret_cast<CUfunction>(t[0].cast<uint64_t>()), {}, {}, t[3].cast<unsigned>(),
+    Step step{reinterpret_cast<CUfunction>(t[0].cast<uint64_t>()), 0, {}, {}, t[3].cast<unsigned>(),
               t[4].cast<std::string>(), {}};
     auto grid = t[1].cast<std::array<unsigned, 3>>(), block = t[2].cast<std::array<unsigned, 3>>();
     std::copy(grid.begin(), grid.end(), step.grid);
@@ -231,6 +243,13 @@ void read_program(py::handle program, Plan& plan) {
       }
       step.args.push_back(Arg{buffer, tensormap});
     }
+    {
+      std::lock_guard<std::mutex> lock(driver_mutex());
+      step.generation = function_generation_locked(step.function);
+    }
+    if (step.generation == 0)
+      throw py::value_error("tile_ops: plans: kernel '" + step.name +
+                            "' is not a loaded function (not from get_function, or unloaded)");
     plan.steps.push_back(std::move(step));
   }
 }
@@ -259,7 +278,7 @@ bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device) {
   std::lock_guard<std::mutex> lock(driver_mutex());
   require_driver_locked();
   for (const Step& step : plan.steps)
-    if (!known_function_locked(step.function)) return false;
+    if (function_generation_locked(step.function) != step.generation) return false;
   for (const Step& step : plan.steps) {
     void* params[64];
     uint64_t values[64];
@@ -283,13 +302,20 @@ at::Tensor allocate(const Buffer& buffer, const at::Device& device) {
 
 // plans_call(op, a, b, c, out_dtype, scale, check_dispatch): the output, or None (no plan).
 PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  try {
-    if (nargs != 7) throw py::type_error("tile_ops: plans_call takes 7 arguments");
-    const at::Tensor* tensors[kOperands];
-    if (!unpack(args + 1, tensors)) Py_RETURN_NONE;
-    if (PyObject_IsTrue(args[6]) && !dispatcher_adds_nothing(tensors)) Py_RETURN_NONE;
-    Key key;
-    if (!make_key(PyLong_AsLongLong(args[0]), tensors, args[4], args[5], key)) Py_RETURN_NONE;
+  HANDLE_TH_ERRORS
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "tile_ops: plans_call takes 7 arguments");
+    return nullptr;
+  }
+  const long long op = PyLong_AsLongLong(args[0]);
+  const int check_dispatch = PyObject_IsTrue(args[6]);
+  if ((op == -1 && PyErr_Occurred()) || check_dispatch < 0) return nullptr;
+  const at::Tensor* tensors[kOperands];
+  if (!unpack(args + 1, tensors)) Py_RETURN_NONE;
+  if (check_dispatch && !dispatcher_adds_nothing(tensors)) Py_RETURN_NONE;
+  Key key;
+  if (!make_key(op, tensors, args[4], args[5], key)) Py_RETURN_NONE;
+  {
     State& s = state();
     auto it = s.plans.find(key);
     if (it == s.plans.end()) Py_RETURN_NONE;
@@ -312,22 +338,15 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       pointers[kOut + scratch.size()] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
     }
     if (plan.host_launch) {
-      plan.host_launch(pointers[0], pointers[1], pointers[kOut], pointers[2]);
+      py::object launch = plan.host_launch;  // owned: the callback may clear the plans
+      launch(pointers[0], pointers[1], pointers[kOut], pointers[2]);
     } else if (!run_steps(plan, pointers, device.index())) {
       s.plans.erase(it);  // a kernel was unloaded: the checked path loads it again and records anew
       Py_RETURN_NONE;
     }
     return THPVariable_Wrap(std::move(out));
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (py::builtin_exception& e) {
-    e.set_error();
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
   }
-  return nullptr;
+  END_HANDLE_TH_ERRORS  // c10 errors keep their Python type (torch.OutOfMemoryError, ...)
 }
 
 bool plans_record(int64_t op, py::handle a, py::handle b, py::handle c, py::handle out_dtype, py::handle scale,

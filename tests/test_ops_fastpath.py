@@ -272,6 +272,45 @@ def test_signature_fields_each_count(ops):
     assert fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, None, None, True) is None  # the op counts too
 
 
+@pytest.mark.parametrize("make", [
+    lambda a: torch._neg_view(a),  # same strides and pointer, values negated by a key
+    lambda a: torch._efficientzerotensor(a.shape, dtype=a.dtype),
+    lambda a: torch._to_functional_tensor(a),
+    lambda a: a.to_sparse_csr(),
+    lambda a: a.to_sparse(),
+    lambda a: torch.nested.nested_tensor([a, a]),
+], ids=["neg_view", "zero_tensor", "functional", "sparse_csr", "sparse_coo", "nested"])
+def test_only_dense_plain_memory_reaches_a_plan(ops, make):
+    """Tensors whose memory is not plainly their values (or that have no strides) never take a plan: the
+    wrapper gives what the op gives, result or error."""
+    a, b = rnd(16, 32), rnd(32, 24)
+    tile_ops.gemm(a, b)  # a plan for this signature
+    x = make(a)
+    assert fastpath.call(fastpath.GEMM, x, b, None, None, None, False) is None
+    got, want = _outcome(tile_ops.gemm, x, b), _outcome(torch.ops.tile_ops.gemm, x, b)
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(torch._from_functional_tensor(got) if torch._is_functional_tensor(got) else got,
+                           torch._from_functional_tensor(want) if torch._is_functional_tensor(want) else want)
+    else:
+        assert isinstance(got, tuple) and got[0] is want[0]
+
+
+def test_call_arguments_are_checked(ops):
+    a, b = rnd(16, 32), rnd(32, 24)
+    tile_ops.gemm(a, b)
+
+    class BadBool:
+        def __bool__(self):
+            raise ValueError("no truth value")
+
+    with pytest.raises(ValueError, match="no truth value"):
+        fastpath.call(fastpath.GEMM, a, b, None, None, None, BadBool())
+    with pytest.raises(OverflowError):
+        fastpath.call(2 ** 70, a, b, None, None, None, True)
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        fastpath.call(fastpath.GEMM, a, b)
+
+
 def test_recorded_programs_are_checked(ops):
     a, b = rnd(16, 32), rnd(32, 24)
     out = torch.empty(16, 24, dtype=F16)
@@ -282,6 +321,9 @@ def test_recorded_programs_are_checked(ops):
                 swizzle=3, l2_promotion=2, oob_fill=0)
     step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(fastpath.A, spec)])
     with pytest.raises(ValueError, match=r"strides_bytes\[0\] = 60 must be a positive multiple of 16"):
+        fastpath.record(fastpath.GEMM, a, b, None, None, None, out, ([], [step]))
+    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(fastpath.A, None)])
+    with pytest.raises(ValueError, match=r"kernel 'k' is not a loaded function"):
         fastpath.record(fastpath.GEMM, a, b, None, None, None, out, ([], [step]))
     assert fastpath.count() == 0
 
