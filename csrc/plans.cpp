@@ -254,7 +254,7 @@ void read_program(py::handle program, Plan& plan) {
   }
 }
 
-const CUtensorMap* descriptor_locked(TensorMapSlot& slot, uint64_t address, int device) {
+const CUtensorMap* descriptor_locked(TensorMapSlot& slot, uint64_t address, std::optional<int> device) {
   for (int i = 0; i < slot.filled; ++i)
     if (slot.address[i] == address) return &slot.descriptor[i];
   const int i = slot.next;
@@ -279,6 +279,7 @@ bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device) {
   require_driver_locked();
   for (const Step& step : plan.steps)
     if (function_generation_locked(step.function) != step.generation) return false;
+  const std::optional<int> context = device >= 0 ? std::optional<int>(device) : std::nullopt;  // else current
   for (const Step& step : plan.steps) {
     void* params[64];
     uint64_t values[64];
@@ -288,7 +289,7 @@ bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device) {
       values[i] = pointers[arg.buffer];
       params[i] = arg.tensormap < 0
                       ? static_cast<void*>(&values[i])
-                      : const_cast<CUtensorMap*>(descriptor_locked(plan.tensormaps[arg.tensormap], values[i], device));
+                      : const_cast<CUtensorMap*>(descriptor_locked(plan.tensormaps[arg.tensormap], values[i], context));
     }
     launch_locked(step.function, step.grid, step.block, step.smem, reinterpret_cast<CUstream>(stream), params,
                   step.name.c_str());

@@ -161,8 +161,9 @@ FAKE_LIBCUDA = r"""
 #include <stdlib.h>
 #include <string.h>
 typedef int CUresult;
-struct mod { void* ctx; };
 struct fn { void* ctx; int max_smem; int takes_tmap; };
+struct mod { void* ctx; int n; struct fn fns[8]; };  /* functions live in their module: a module loaded
+                                                         after an unload may hand out the same addresses */
 static __thread void* cur_ctx = 0;
 int tile_ops_fake_driver(void) { return 1; }
 CUresult cuInit(unsigned flags) { return 0; }
@@ -173,14 +174,17 @@ CUresult cuCtxSetCurrent(void* c) { cur_ctx = c; return 0; }
 CUresult cuModuleLoadData(void** m, const void* image) {
   if (memcmp(image, "FAKECUBIN", 9) != 0) return 200;
   if (!cur_ctx) return 201;
-  struct mod* p = malloc(sizeof *p); p->ctx = cur_ctx; *m = p; return 0;
+  struct mod* p = calloc(1, sizeof *p); p->ctx = cur_ctx; *m = p; return 0;
 }
 CUresult cuModuleUnload(void* m) { if (((struct mod*)m)->ctx != cur_ctx) return 201; free(m); return 0; }
 CUresult cuModuleGetFunction(void** f, void* m, const char* name) {
   if (((struct mod*)m)->ctx != cur_ctx) return 201;
   int takes_tmap = strcmp(name, "tmap_kernel") == 0;
   if (strcmp(name, "fill_kernel") != 0 && !takes_tmap) return 500;
-  struct fn* p = malloc(sizeof *p); p->ctx = cur_ctx; p->max_smem = 48 * 1024; p->takes_tmap = takes_tmap; *f = p;
+  struct mod* mp = m;
+  if (mp->n == 8) return 1;
+  struct fn* p = &mp->fns[mp->n++];
+  p->ctx = cur_ctx; p->max_smem = 48 * 1024; p->takes_tmap = takes_tmap; *f = p;
   return 0;
 }
 CUresult cuFuncSetAttribute(void* f, int attr, int value) {
@@ -396,6 +400,52 @@ def test_launch_marshalling_and_errors_with_fake_driver(which, request, tmp_path
     lib = request.getfixturevalue("lib" if which == "built" else "jit_built_lib")
     assert lib.API_VERSION == launcher_mod.API_VERSION
     assert "FAKE DRIVER OK" in _run_with_fake_driver(tmp_path, lib, FAKE_DRIVER_CHECKS)
+
+
+FAKE_DRIVER_PLANS = r"""
+import ctypes, importlib.util, struct, sys
+import torch
+spec = importlib.util.spec_from_file_location(sys.argv[1], sys.argv[2])
+C = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(C)
+A, B, C_, OUT, SCRATCH = range(5)
+C.plans_configure((torch.Tensor,), lambda device: 0)
+module = C.load_module(b"FAKECUBIN", 0)
+tmap_kernel = C.get_function(module, "tmap_kernel", 0)
+SPEC = dict(tensor="A", dtype="float16", dims=[32, 16], strides=[64], box=[32, 16], element_strides=[1, 1],
+            swizzle=0, l2_promotion=2, oob_fill=0)
+# step 1 writes into the scratch buffer, step 2 into the output: the descriptor of A's pointer, then one pointer
+steps = [(tmap_kernel, (1, 1, 1), (32, 1, 1), 0, "tmap_kernel", [(SCRATCH, None), (A, SPEC), (B, None)]),
+         (tmap_kernel, (1, 1, 1), (32, 1, 1), 0, "tmap_kernel", [(OUT, None), (A, SPEC), (SCRATCH, None)])]
+a, b = torch.zeros(16, 32, dtype=torch.float16), torch.zeros(32, 24, dtype=torch.float16)
+out = torch.empty(18, dtype=torch.int64)
+assert C.plans_record(0, a, b, None, None, None, [18], torch.int64, ([((18,), torch.int64)], steps))
+def call(x, y):
+    return C.plans_call(0, x, y, None, None, None, True)
+for _ in range(6):  # fresh A pointers: more than the descriptor cache holds per tensor map
+    x = torch.randn(16, 32).half()
+    got = call(x, b)
+    assert got.shape == (18,) and got.dtype == torch.int64, got
+    assert got[2].item() == x.data_ptr(), "the descriptor encodes this call's A"
+    assert got[3].item() == 32 | 32 << 40 | 1 << 52 and got[8].item() == 64, "the recorded spec"
+    assert got[16].item() == 0, "descriptor copies are 128-byte aligned"
+    assert got[17].item() != 0 and got[17].item() % 16 == 0, "the scratch buffer's pointer"
+assert call(torch.zeros(16, 33, dtype=torch.float16), b) is None, "another signature has no plan"
+# a module loaded after an unload may get the same function address: the plan must not run it
+C.unload_module(module)
+module2 = C.load_module(b"FAKECUBIN", 0)
+again = C.get_function(module2, "tmap_kernel", 0)
+assert call(a, b) is None, "a plan of an unloaded kernel is dropped"
+assert C.plans_size() == 0
+assert again == tmap_kernel, "the fake driver reuses the freed module's memory"
+print("FAKE DRIVER PLANS OK")
+"""
+
+
+def test_plans_launch_through_the_driver_with_fake_driver(lib, tmp_path):
+    """A plan's native steps on the fake driver (pointers are host memory): buffers, scratch, TMA descriptors
+    per pointer, and a kernel reloaded at a reused address never running a stale plan."""
+    assert "FAKE DRIVER PLANS OK" in _run_with_fake_driver(tmp_path, lib, FAKE_DRIVER_PLANS)
 
 
 def test_driver_without_tensor_maps_still_launches(lib, tmp_path):
