@@ -1,9 +1,11 @@
 """Fused GEMM+softmax vs torch's softmax(a @ b) (fp16, and with an fp32 softmax), microseconds, one run.
 
-    python benchmarks/bench_gemm_softmax.py [--configs] [--json out.json] [--png out.png]
+    python benchmarks/bench_gemm_softmax.py [--configs] [--parts] [--json out.json] [--png out.png]
 
 ``--configs`` also times a few other configs of the fused kernel (each checked against float64 first) and
-reports the fastest; the table's ``config`` column names it.
+reports the fastest; the table's ``config`` column names it.  ``--parts`` adds, for the reported config,
+the kernel without its final rescale pass and without its softmax math (``gemm_softmax(parts=...)``):
+where the fused kernel's time goes beyond its GEMM.
 """
 
 import argparse
@@ -17,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import bench_ms, fastest_correct, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.kernels.gemm import default_config as gemm_config, gemm  # noqa: E402
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, default_config, gemm_softmax  # noqa: E402
+from tile_ops.kernels.gemm_softmax import LOG2E, SoftmaxConfig, default_config, gemm_softmax  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 2048, 1024), (16384, 1024, 512), (4096, 64, 512), (2048, 8192, 256)]
 SCALE = 0.125
@@ -46,9 +48,26 @@ def build(shape, configs):
     return out
 
 
+def time_parts(shape, cfg, a, b, out):
+    """Microseconds of ``cfg``'s kernel without the final rescale pass, and without the softmax math too
+    (that one is checked: it stores the scaled log2-unit scores)."""
+    no_rescale = gemm_softmax(*shape, SCALE, "float16", "float16", cfg, parts="no_rescale")
+    scores = gemm_softmax(*shape, SCALE, "float16", "float16", cfg, parts="gemm")
+    out.fill_(float("nan"))
+    scores.launch(a, b, out)
+    want = SCALE * LOG2E * (a.double() @ b.double())
+    err = ((out.double() - want).norm() / want.norm()).item()
+    if not err < TOLERANCE:
+        print(f"WRONG parts=gemm {shape} {config_name(cfg)}: relative error {err:.1e}", file=sys.stderr)
+    return {"no_rescale_us": round(bench_ms(lambda: no_rescale.launch(a, b, out)) * 1e3, 1),
+            "gemm_part_us": round(bench_ms(lambda: scores.launch(a, b, out)) * 1e3, 1)}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", action="store_true", help="also time a few other fused configs, report the best")
+    p.add_argument("--parts", action="store_true", help="also time the reported config without its rescale pass "
+                                                         "and without its softmax math")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
@@ -77,11 +96,15 @@ def main():
         t_torch = bench_ms(lambda: torch.softmax(SCALE * (a @ b), -1)) * 1e3
         t_torch32 = bench_ms(lambda: torch.softmax(SCALE * (a @ b).float(), -1).half()) * 1e3
         t_mm = bench_ms(lambda: a @ b) * 1e3
+        if args.parts and best is not None:
+            parts_us = time_parts((M, N, K), best, a, b, out)
         rows.append({"shape": f"{M}x{N}x{K}", "fused_us": round(t_fused, 1), "our_gemm_us": round(t_gemm, 1),
                      "torch_us": round(t_torch, 1), "torch_fp32sm_us": round(t_torch32, 1),
                      "cublas_mm_us": round(t_mm, 1), "speedup_vs_torch": round(t_torch / t_fused, 2),
                      "fused/our_gemm": round(t_fused / t_gemm, 2), "rel_err": "-" if err is None else f"{err:.1e}",
                      "config": "NONE CORRECT" if best is None else config_name(best)})
+        if args.parts and best is not None:
+            rows[-1].update(parts_us)
         del a, b, out, ref
     print_table(rows, list(rows[0]), f"GEMM+softmax (fp16) on {torch.cuda.get_device_name()}")
     save(rows, args.json, args.png, ys=("fused_us", "torch_us", "torch_fp32sm_us"), ylabel="microseconds")

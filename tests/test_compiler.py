@@ -363,3 +363,19 @@ def test_full_col_policy_splits_wgmma_along_n_between_warpgroups():
                GemmConfig(64, 192, 64, 3, 256, 8, "full_col"), target="sm_90a")  # 96-column halves, 64-wide panels
     assert "HGMMA.64x96x16" not in odd.sass()
 
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_gemm_softmax_parts_for_attribution():
+    """gemm_softmax(parts=...): "no_rescale" drops the final pass (fewer exponentials), "gemm" the softmax
+    math too (no exponentials, no row statistics); "all" is the op's kernel. Anything else is refused."""
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+
+    cfg = SoftmaxConfig(64, 128, 64, 4, 128)
+    mufu = {parts: gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, parts=parts,
+                                target="sm_90a").instruction_mix().get("MUFU", 0)
+            for parts in ("all", "no_rescale", "gemm")}
+    assert mufu["all"] > mufu["no_rescale"] > 0 and mufu["gemm"] == 0, mufu
+    with pytest.raises(ValueError, match="parts='some', accepted: all, no_rescale, gemm"):
+        gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, parts="some", target="sm_90a")

@@ -64,8 +64,17 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     return tiles + rows + 16 * cfg.num_stages
 
 
+PARTS = ("all", "no_rescale", "gemm")
+
+
 @tile_ops.jit(out_idx=[-1])
-def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: SoftmaxConfig = SoftmaxConfig()):
+def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: SoftmaxConfig = SoftmaxConfig(),
+                 parts="all"):
+    """``parts`` other than "all" are for attributing the kernel's time (bench_gemm_softmax.py --parts):
+    "no_rescale" leaves out the final pass (the output stays unnormalized), "gemm" also the softmax math
+    (each tile's scaled scores are cast and stored)."""
+    if parts not in PARTS:
+        raise ValueError(f"gemm_softmax: parts={parts!r}, accepted: {', '.join(PARTS)}")
     bM, bN, bK = cfg.block_M, cfg.block_N, cfg.block_K
     n_tiles = T.ceildiv(N, bN)
     c = scale * LOG2E  # softmax(scale*s) == 2^(c*s - c*max) / sum
@@ -77,16 +86,18 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
             B_s = T.alloc_shared((bK, bN), dtype)
             S = T.alloc_fragment((bM, bN), "float32")
             P = T.alloc_fragment((bM, bN), out_dtype)
-            m = T.alloc_fragment((bM,), "float32")
-            m_prev = T.alloc_fragment((bM,), "float32")
-            m_tile = T.alloc_fragment((bM,), "float32")
-            l = T.alloc_fragment((bM,), "float32")
-            l_tile = T.alloc_fragment((bM,), "float32")
-            m_hist = T.alloc_shared((n_tiles, bM), "float32")  # running max after each tile
-            m_fin = T.alloc_shared((bM,), "float32")
-            l_fin = T.alloc_shared((bM,), "float32")
-            T.fill(m, -T.infinity("float32"))
-            T.fill(l, 0)
+            if parts != "gemm":  # the row statistics
+                m = T.alloc_fragment((bM,), "float32")
+                m_prev = T.alloc_fragment((bM,), "float32")
+                m_tile = T.alloc_fragment((bM,), "float32")
+                l = T.alloc_fragment((bM,), "float32")
+                l_tile = T.alloc_fragment((bM,), "float32")
+                m_hist = T.alloc_shared((n_tiles, bM), "float32")  # running max after each tile
+                if parts == "all":
+                    m_fin = T.alloc_shared((bM,), "float32")
+                    l_fin = T.alloc_shared((bM,), "float32")
+                T.fill(m, -T.infinity("float32"))
+                T.fill(l, 0)
             for j in T.serial(n_tiles):
                 T.clear(S)
                 for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
@@ -95,18 +106,21 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
                     T.gemm(A_s, B_s, S, policy=cfg.policy)
                 for r, col in T.Parallel(bM, bN):  # scale into log2 units; mask columns past N
                     S[r, col] = T.if_then_else(j * bN + col < N, S[r, col] * c, -T.infinity("float32"))
-                T.reduce_max(S, m_tile, dim=1)
-                for r in T.Parallel(bM):
-                    m_prev[r] = m[r]
-                    m[r] = T.max(m[r], m_tile[r])
-                for r, col in T.Parallel(bM, bN):
-                    S[r, col] = T.exp2(S[r, col] - m[r])
-                T.reduce_sum(S, l_tile, dim=1)
-                for r in T.Parallel(bM):
-                    l[r] = l[r] * T.exp2(m_prev[r] - m[r]) + l_tile[r]
-                    m_hist[j, r] = m[r]
+                if parts != "gemm":
+                    T.reduce_max(S, m_tile, dim=1)
+                    for r in T.Parallel(bM):
+                        m_prev[r] = m[r]
+                        m[r] = T.max(m[r], m_tile[r])
+                    for r, col in T.Parallel(bM, bN):
+                        S[r, col] = T.exp2(S[r, col] - m[r])
+                    T.reduce_sum(S, l_tile, dim=1)
+                    for r in T.Parallel(bM):
+                        l[r] = l[r] * T.exp2(m_prev[r] - m[r]) + l_tile[r]
+                        m_hist[j, r] = m[r]
                 T.copy(S, P)
                 T.copy(P, Out[bx * bM, j * bN])
+            if parts != "all":
+                return
             for r in T.Parallel(bM):
                 m_fin[r] = m[r]
                 l_fin[r] = l[r]
