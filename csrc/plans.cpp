@@ -48,6 +48,7 @@ constexpr int kMaxRank = 3;          // the ops take 1-D to 3-D operands
 constexpr size_t kMaxPlans = 4096;   // cleared when full: varying shapes cannot grow it forever
 constexpr int kDescriptorsPerMap = 4;  // TMA descriptors kept per tensor map (per pointer seen)
 constexpr uint64_t kPointerAlignment = 16;
+constexpr size_t kMaxArgs = 64;      // kernel arguments per step
 
 // The signature of a call: every field of it that the op's checks and layout decisions read.
 struct Key {
@@ -243,6 +244,9 @@ void read_program(py::handle program, Plan& plan) {
       }
       step.args.push_back(Arg{buffer, tensormap});
     }
+    if (step.args.size() > kMaxArgs)
+      throw py::value_error("tile_ops: plans: kernel '" + step.name + "' has more than " +
+                            std::to_string(kMaxArgs) + " arguments");
     {
       std::lock_guard<std::mutex> lock(driver_mutex());
       step.generation = function_generation_locked(step.function);
@@ -281,9 +285,8 @@ bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device) {
     if (function_generation_locked(step.function) != step.generation) return false;
   const std::optional<int> context = device >= 0 ? std::optional<int>(device) : std::nullopt;  // else current
   for (const Step& step : plan.steps) {
-    void* params[64];
-    uint64_t values[64];
-    if (step.args.size() > 64) throw std::runtime_error("tile_ops: plans: more than 64 kernel arguments");
+    void* params[kMaxArgs];
+    uint64_t values[kMaxArgs];  // at most kMaxArgs: checked when the plan was recorded
     for (size_t i = 0; i < step.args.size(); ++i) {
       const Arg& arg = step.args[i];
       values[i] = pointers[arg.buffer];

@@ -162,8 +162,10 @@ FAKE_LIBCUDA = r"""
 #include <string.h>
 typedef int CUresult;
 struct fn { void* ctx; int max_smem; int takes_tmap; };
-struct mod { void* ctx; int n; struct fn fns[8]; };  /* functions live in their module: a module loaded
-                                                         after an unload may hand out the same addresses */
+struct mod { void* ctx; int n; struct fn fns[8]; struct mod* next_free; };
+/* functions live in their module, and an unloaded module's memory is the next one loaded: a module loaded
+   after an unload hands out the same function addresses, as the real driver may */
+static struct mod* free_mods = 0;
 static __thread void* cur_ctx = 0;
 int tile_ops_fake_driver(void) { return 1; }
 CUresult cuInit(unsigned flags) { return 0; }
@@ -174,9 +176,15 @@ CUresult cuCtxSetCurrent(void* c) { cur_ctx = c; return 0; }
 CUresult cuModuleLoadData(void** m, const void* image) {
   if (memcmp(image, "FAKECUBIN", 9) != 0) return 200;
   if (!cur_ctx) return 201;
-  struct mod* p = calloc(1, sizeof *p); p->ctx = cur_ctx; *m = p; return 0;
+  struct mod* p = free_mods ? free_mods : malloc(sizeof *p);
+  if (p == free_mods) free_mods = p->next_free;
+  memset(p, 0, sizeof *p); p->ctx = cur_ctx; *m = p; return 0;
 }
-CUresult cuModuleUnload(void* m) { if (((struct mod*)m)->ctx != cur_ctx) return 201; free(m); return 0; }
+CUresult cuModuleUnload(void* m) {
+  struct mod* p = m;
+  if (p->ctx != cur_ctx) return 201;
+  p->next_free = free_mods; free_mods = p; return 0;
+}
 CUresult cuModuleGetFunction(void** f, void* m, const char* name) {
   if (((struct mod*)m)->ctx != cur_ctx) return 201;
   int takes_tmap = strcmp(name, "tmap_kernel") == 0;
