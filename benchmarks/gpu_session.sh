@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TILE_OPS_CA
 [ -d .tile_ops_cache ] && export TILE_OPS_CACHE_DIR=$PWD/.tile_ops_cache  # bench_gemm.py --compile-only
 # python -m pip: the extension builds against the torch of the python that runs everything below
 python -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-# which launcher a process gets: tile_ops._C (built by the install) or tile_ops_C (JIT-built on first use, ~10 s)
+# which launcher a process gets: tile_ops._C (built by the install) or tile_ops_C (JIT-built on first use, ~40 s)
 python -c "from tile_ops.jit.launcher import get_launcher as g; print('launcher:', g().__name__)" 2>&1 | tail -1
 grep -A3 "WARNING: building the tile_ops._C" "$OUT/install.log" | head -4
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"

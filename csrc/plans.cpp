@@ -319,37 +319,35 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (check_dispatch && !dispatcher_adds_nothing(tensors)) Py_RETURN_NONE;
   Key key;
   if (!make_key(op, tensors, args[4], args[5], key)) Py_RETURN_NONE;
-  {
-    State& s = state();
-    auto it = s.plans.find(key);
-    if (it == s.plans.end()) Py_RETURN_NONE;
-    Plan& plan = it->second;
+  State& s = state();
+  auto it = s.plans.find(key);
+  if (it == s.plans.end()) Py_RETURN_NONE;
+  Plan& plan = it->second;
 
-    std::vector<uint64_t> pointers(kOut + 1 + plan.scratch.size(), 0);
-    uint64_t misaligned = 0;
-    for (int i = 0; i < kOperands; ++i) {
-      if (tensors[i] == nullptr) continue;
-      pointers[i] = reinterpret_cast<uint64_t>(tensors[i]->data_ptr());
-      misaligned |= pointers[i] % kPointerAlignment;
-    }
-    if (misaligned) Py_RETURN_NONE;  // the checked path says what is accepted
-    const at::Device device = tensors[0]->device();
-    at::Tensor out = allocate(plan.out, device);
-    pointers[kOut] = reinterpret_cast<uint64_t>(out.data_ptr());
-    std::vector<at::Tensor> scratch;  // freed on return: stream-ordered, like the checked path's workspace
-    for (const Buffer& b : plan.scratch) {
-      scratch.push_back(allocate(b, device));
-      pointers[kOut + scratch.size()] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
-    }
-    if (plan.host_launch) {
-      py::object launch = plan.host_launch;  // owned: the callback may clear the plans
-      launch(pointers[0], pointers[1], pointers[kOut], pointers[2]);
-    } else if (!run_steps(plan, pointers, device.index())) {
-      s.plans.erase(it);  // a kernel was unloaded: the checked path loads it again and records anew
-      Py_RETURN_NONE;
-    }
-    return THPVariable_Wrap(std::move(out));
+  std::vector<uint64_t> pointers(kOut + 1 + plan.scratch.size(), 0);
+  uint64_t misaligned = 0;
+  for (int i = 0; i < kOperands; ++i) {
+    if (tensors[i] == nullptr) continue;
+    pointers[i] = reinterpret_cast<uint64_t>(tensors[i]->data_ptr());
+    misaligned |= pointers[i] % kPointerAlignment;
   }
+  if (misaligned) Py_RETURN_NONE;  // the checked path says what is accepted
+  const at::Device device = tensors[0]->device();
+  at::Tensor out = allocate(plan.out, device);
+  pointers[kOut] = reinterpret_cast<uint64_t>(out.data_ptr());
+  std::vector<at::Tensor> scratch;  // freed on return: stream-ordered, like the checked path's workspace
+  for (const Buffer& b : plan.scratch) {
+    scratch.push_back(allocate(b, device));
+    pointers[kOut + scratch.size()] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
+  }
+  if (plan.host_launch) {
+    py::object launch = plan.host_launch;  // owned: the callback may clear the plans
+    launch(pointers[0], pointers[1], pointers[kOut], pointers[2]);
+  } else if (!run_steps(plan, pointers, device.index())) {
+    s.plans.erase(it);  // a kernel was unloaded: the checked path loads it again and records anew
+    Py_RETURN_NONE;
+  }
+  return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS  // c10 errors keep their Python type (torch.OutOfMemoryError, ...)
 }
 

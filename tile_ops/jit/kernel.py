@@ -92,6 +92,15 @@ class EntryArgs:
         return desc
 
 
+def _device_index(device) -> int:
+    """``device``'s index (a torch.device without one means the current CUDA device)."""
+    if device.index is not None:
+        return device.index
+    import torch
+
+    return torch.cuda.current_device()
+
+
 def _current_stream_getter():
     """``stream(device_index)`` -> the current torch stream's raw handle.  torch's CUDA builds have a
     C getter; building a ``torch.cuda.Stream`` object per call costs microseconds."""
@@ -166,9 +175,7 @@ class Kernel:
         return bound
 
     def _bind(self, device):
-        import torch
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _device_index(device)
         fn, m = self._fn(), self.meta
         launch, handle = fn.bind(index)
         build, stream = self._entry_args.build, _current_stream_getter()
@@ -185,11 +192,8 @@ class Kernel:
         ``buffers[i]`` is the plan buffer holding program parameter i and each entry argument is
         ``(buffer, tensor map spec or None)``.  ``scratch`` (the first free buffer) is unused: a
         single kernel needs none."""
-        import torch
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
         fn, m = self._fn(), self.meta
-        _, handle = fn.bind(index)
+        _, handle = fn.bind(_device_index(device))
         args = [(buffers[pos], None if tmap is None else m.tensormaps[tmap]) for pos, tmap in self._entry_args.sources]
         return [], [(handle, m.grid, m.block, fn.smem_bytes, fn.name, args)]
 

@@ -341,7 +341,7 @@ def gemm_launcher(kernel, device):
     run = kernel.launcher(device)
 
     def launch(a_ptr, b_ptr, out_ptr, bias_ptr=0):
-        run([a_ptr, b_ptr, bias_ptr or out_ptr, out_ptr])  # unused bias parameter slot: any valid pointer
+        run(_gemm_params(a_ptr, b_ptr, out_ptr, bias_ptr or None))
 
     return launch
 
@@ -349,7 +349,13 @@ def gemm_launcher(kernel, device):
 def gemm_plan(kernel, device, a, b, out, bias=None, scratch=None):
     """``gemm_launcher``'s launch as a plan program (``Kernel.plan``) over plan buffer indices a, b, out and
     bias (None: no bias); a split-K gemm's workspace is buffer ``scratch``."""
-    return kernel.plan(device, [a, b, out if bias is None else bias, out], scratch)
+    return kernel.plan(device, _gemm_params(a, b, out, bias), scratch)
+
+
+def _gemm_params(a, b, out, bias):
+    """The gemm kernel's parameters [A, B, Bias, C] (pointers or plan buffers); without a bias its unused
+    slot takes the output's: any valid pointer."""
+    return [a, b, out if bias is None else bias, out]
 
 
 def launch_gemm(a, b, out, bias=None, cfg=None):

@@ -151,8 +151,8 @@ def _gemm_cuda_checked(a, b, bias, out_dtype):
     operands = (a3, b3, out3) if bias is None else (a3, b3, out3, bias3)
     callers = (a, b, out) if bias is None else (a, b, out, bias)
     if fastpath.launched_in_place(operands, callers):
-        F = fastpath
-        program = kernels.gemm_plan(kernel, a.device, F.A, F.B, F.OUT, None if bias is None else F.C, F.SCRATCH)
+        program = kernels.gemm_plan(kernel, a.device, fastpath.A, fastpath.B, fastpath.OUT,
+                                    None if bias is None else fastpath.C, fastpath.SCRATCH)
         fastpath.record(fastpath.GEMM, a, b, bias, out_dtype, None, out, program)
     return out
 
