@@ -379,3 +379,69 @@ def test_gemm_softmax_parts_for_attribution():
     assert mufu["all"] > mufu["no_rescale"] > 0 and mufu["gemm"] == 0, mufu
     with pytest.raises(ValueError, match="parts='some', accepted: all, no_rescale, gemm"):
         gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, parts="some", target="sm_90a")
+
+
+# ----------------------------------------------------------------------------- thread-block clusters
+
+
+def _row_max_over_cluster(cluster=2, grid_x=2, reduce=True):
+    """Each block of a cluster takes a row max of its 64-column slice of X, combined over the cluster."""
+    @T.prim_func
+    def row_max(X: T.Tensor((128, 64 * grid_x), "float16"), Y: T.Tensor((128, 64 * grid_x), "float16")):
+        with T.Kernel(grid_x, threads=128, cluster=cluster) as bx:
+            X_s = T.alloc_shared((64, 64), "float16")
+            S = T.alloc_fragment((64, 64), "float32")
+            m = T.alloc_fragment((64,), "float32")
+            T.clear(S)
+            T.copy(X[0, bx * 64], X_s)
+            T.gemm(X_s, X_s, S)
+            T.reduce_max(S, m, dim=1)
+            if reduce:
+                T.cluster_allreduce(m, "max")
+            for r, c in T.Parallel(64, 64):
+                S[r, c] = S[r, c] - m[r]
+            T.copy(S, Y[0, bx * 64])
+    return row_max
+
+
+@needs_nvcc
+@needs_cuobjdump
+def test_clustered_softmax_is_one_pass_over_a_cluster():
+    """8192x2048 rows split over clusters of 8 blocks with one 128x256 tile each: __cluster_dims__, one
+    CTA per tile (no persistent loop: the producer does not join cluster barriers), the row max and sum
+    exchanged through the peers' shared memory at cluster barriers, the output stored once by TMA."""
+    from tile_ops.kernels.gemm_softmax import default_config
+
+    cfg = default_config(8192, 2048, 1024, "sm_90a")
+    assert (cfg.block_M, cfg.block_N, cfg.split) == (128, 256, 8)
+    k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    assert "__cluster_dims__(8, 1, 1)" in k.source and "mapa.shared::cluster" in k.source
+    assert k.meta.grid == (8, 64, 1) and k.meta.resources["spill_stores"] == 0
+    mix = k.instruction_mix()
+    # the entry arrive and two exchanges; the consumers' entry wait and two exchange waits
+    assert mix["UCGABAR_ARV"] == 3 and mix["UCGABAR_WAIT"] == 3, mix
+    assert mix["UTMASTG"] == 4 and mix["HGMMA"] > 0  # one TMA store per 64-column panel, no rescale pass
+
+
+@needs_nvcc
+def test_cluster_allreduce_owner_threads_write_each_row_once():
+    """One lane per quad (the quad shares a row) stores the row's value into slot rank of every peer."""
+    c = compile_program(_row_max_over_cluster(), "sm_90a")
+    assert c.source.count("tile_ops_cluster_store(") == 1 + 2 * 2, c.source  # the helper; 2 rows x 2 peers
+    assert "__cluster_dims__(2, 1, 1)" in c.source and "% 4) == 0) {" in c.source
+
+
+def test_cluster_errors_say_what_is_accepted():
+    with pytest.raises(tile_ops.lang.TileLangError, match="sm_90a"):
+        compile_program(_row_max_over_cluster(), "sm_80")
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"cluster=3: must be in \[1, 8\].*divide the grid's x"):
+        _row_max_over_cluster(cluster=3, grid_x=4)
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"needs a clustered kernel"):
+        _row_max_over_cluster(cluster=1, grid_x=2)
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    with pytest.raises(ValueError, match=r"split=9: must be in \[1, 8\]"):
+        SoftmaxConfig(split=9)
+    with pytest.raises(ValueError, match="split=4 leaves the last block of a row without columns .*split=3 fits"):
+        gemm_softmax(1000, 1100, 200, 0.125, "float16", "float16",
+                     SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=4), target="sm_90a")

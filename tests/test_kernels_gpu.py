@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from programs import chained_matmul, chained_matmul_sum, matmul
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+from tile_ops.kernels.gemm_softmax import SoftmaxConfig, _every_block_has_columns, gemm_softmax
 
 pytestmark = pytest.mark.gpu
 TOL = {"float16": 5e-3, "bfloat16": 1e-2}
@@ -50,14 +50,25 @@ def test_matmul_transposed_fp32_out(ta, tb, M, N, K, target):
     assert c.dtype == torch.float32 and rel_err(c, ref) < 5e-3
 
 
+SOFTMAX_CONFIGS = {
+    "default": None,
+    "split_n": SoftmaxConfig(64, 256, 64, 3, 256, "full_col"),  # two warpgroups split a 64-row tile's columns
+    "cluster_walk": SoftmaxConfig(64, 128, 64, 4, 128, "full_row", split=2),  # 2 blocks a row, each walks N/2
+    "cluster_tile": SoftmaxConfig(128, 128, 64, 4, 256, "full_row", split=8),  # up to 8 blocks, one tile each
+}
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("M,N,K", [(256, 64, 64), (1000, 200, 96), (512, 1024, 256), (300, 4096, 128),
-                                   (128, 8192, 64), (8192, 2048, 1024)])
-@pytest.mark.parametrize("cfg", [None, SoftmaxConfig(64, 256, 64, 3, 256, "full_col")], ids=["default", "split_n"])
+                                   (128, 8192, 64), (8192, 2048, 1024), (1000, 1100, 200)])
+@pytest.mark.parametrize("cfg", list(SOFTMAX_CONFIGS.values()), ids=list(SOFTMAX_CONFIGS))
 def test_gemm_softmax(M, N, K, dtype, target, cfg):
-    """Default configs, and two consumer warpgroups splitting each 64-row tile's columns (wgmma along N on
-    sm_90a, so row max/sum combine across warpgroups through shared memory)."""
+    """Default configs; two consumer warpgroups splitting each 64-row tile's columns (wgmma along N on
+    sm_90a, so row max/sum combine across warpgroups through shared memory); rows split over the blocks
+    of a cluster (sm_90a), walking several tiles each or holding one in registers."""
+    if cfg is not None and cfg.split > 1 and (target == "sm_90" or not _every_block_has_columns(N, cfg)):
+        pytest.skip("clusters are sm_90a only; this split leaves a block without columns at this N")
     scale = 0.125
     kernel = gemm_softmax(M, N, K, scale, dtype, dtype, cfg, target=target) if cfg else \
         gemm_softmax(M, N, K, scale, dtype, dtype, target=target)
@@ -67,6 +78,25 @@ def test_gemm_softmax(M, N, K, dtype, target, cfg):
     kernel.launch(a, b, out)
     ref = torch.softmax(scale * (a.double() @ b.double()), dim=-1)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.skipif(not HOPPER, reason="thread-block clusters: sm_90a")
+@pytest.mark.parametrize("cfg", [SOFTMAX_CONFIGS["cluster_walk"], SOFTMAX_CONFIGS["cluster_tile"],
+                                 SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=4)], ids=["walk", "tile", "wide"])
+def test_gemm_softmax_cluster_combines_rows(cfg):
+    """Each block's rows see a different scale of scores (the last columns 4x larger, a few rows all
+    -large): the row max and sum must come from the whole cluster, not from any one block."""
+    M, N, K = 384, 1000, 128
+    kernel = gemm_softmax(M, N, K, 0.25, "float16", "float16", cfg, target="sm_90a")
+    a = torch.randn(M, K, dtype=torch.float16, device="cuda")
+    a[:7] *= 8  # rows with a wide range: exp underflows in all but one block
+    b = torch.randn(K, N, dtype=torch.float16, device="cuda")
+    b[:, 700:] *= 4
+    out = poisoned(kernel)
+    kernel.launch(a, b, out)
+    ref = torch.softmax(0.25 * (a.double() @ b.double()), dim=-1)
+    assert rel_err(out, ref) < 5e-3
+    assert torch.allclose(out.double().sum(-1), torch.ones(M, dtype=torch.float64, device="cuda"), atol=2e-2)
 
 
 @pytest.mark.parametrize("target", TARGETS)

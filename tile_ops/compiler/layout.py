@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm import tirx
+
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class FragmentLayout:
 
     def row_layout(self) -> "FragmentLayout":
         raise NotImplementedError(f"{self.kind} fragments cannot be reduced along a dimension")
+
+    def owner(self, tid):
+        """A condition true for exactly one of the threads holding each element, or None when no
+        element is held twice."""
+        return None
 
 
 class MmaAccumLayout(FragmentLayout):
@@ -156,6 +163,11 @@ class MmaRowLayout(FragmentLayout):
         lane = tid % 32
         wr, _ = self.accum.warp_rc(tid)
         return (self.accum.row0(wr, r // 2) + (r % 2) * 8 + lane // 4,)
+
+    def owner(self, tid):
+        _, wc = self.accum.warp_rc(tid)
+        lane0 = tid % 4 == 0  # the first lane of the quad
+        return lane0 if self.accum.w.wn == 1 else tirx.And(lane0, wc == 0)
 
     def row_of_accum_local(self, r_acc):
         """Local index in this layout of the row that accumulator local ``r_acc`` lies in."""

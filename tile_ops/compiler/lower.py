@@ -18,7 +18,7 @@ from tvm.tirx.analysis import undefined_vars
 from tvm.tirx.script import builder as T
 
 from ..lang import ir
-from ..lang.ir import Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
+from ..lang.ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
 from .exprs import collect_loads, rewrite
 from .infer import LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
@@ -41,6 +41,7 @@ class LoweredKernel:
     layouts: dict  # buffer name -> description
     tensormaps: dict  # CUDA parameter name -> tensor-map spec for the launcher
     ctas_per_sm: int = 1  # CTAs meant to be resident per SM (__launch_bounds__'s minimum blocks)
+    cluster: int = 1  # blocks per thread-block cluster along x (__cluster_dims__)
 
 
 @dataclass
@@ -58,6 +59,13 @@ class Lowerer:
         self.sm90 = arch == "sm_90a"  # wgmma, TMA and setmaxnreg need the arch-specific sm_90a target
         self.threads = self.kernel.threads
         self.buffers = prog.buffers
+        self.cluster = self.kernel.cluster
+        if self.cluster > 1 and not self.sm90:
+            raise error(self.kernel.loc, f"cluster={self.cluster}: thread-block clusters need the sm_90a (Hopper) "
+                                         f"target, this kernel is compiled for {arch}")
+        if self.cluster > 1 and self.kernel.swizzle_panel:
+            raise error(self.kernel.loc, "T.use_swizzle cannot reorder a clustered grid (a block's cluster rank is "
+                                         "its x index)")
         self.infer = LayoutInference(self.kernel, self.buffers, wgmma=self.sm90).run()
         self.ana = Analyzer()
         self.stages = self._stage_counts()
@@ -90,6 +98,8 @@ class Lowerer:
                 block = self.threads + (PRODUCER_THREADS if self.ws else 0)
                 self.tid = T.thread_id([block])
                 self.smem_bytes = self._declare_memory()
+                if self.cluster > 1:
+                    self.hopper.cluster_start()
                 if self.ws:
                     self.hopper.warp_specialized(k.body, ids[0])
                 else:
@@ -100,7 +110,7 @@ class Lowerer:
             func, self.prog.name, tuple(grid), (block, 1, 1), self.smem_bytes,
             [(p.name, p.shape, p.dtype) for p in self.prog.params],
             {b.name: self._describe(b) for b in k.allocs}, tensormaps,
-            self.hopper.ctas_per_sm if self.hopper else 1,
+            self.hopper.ctas_per_sm if self.hopper else 1, self.cluster,
         )
 
     def _describe(self, b) -> str:
@@ -147,15 +157,17 @@ class Lowerer:
         offset, tiles = 0, []
         for b in self.kernel.allocs:
             if b.scope == "shared":
-                elems = 1
-                for s in b.shape:
-                    elems *= s
+                elems = _elems(b.shape)
                 stages = self.stages.get(b, 1)
                 lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
                 tiles.append((b, offset, elems, stages, lay))
                 offset += self._align(elems * stages * dtype_bits(b.dtype) // 8)
         scratch_offset = offset
-        barrier_offset = offset + _align(self._scratch_bytes())
+        offset += _align(self._scratch_bytes())
+        for node in self._cluster_reduces():
+            tiles.append((node, offset, self.cluster * _elems(node.buffer.shape), 1, None))
+            offset += _align(self.cluster * _elems(node.buffer.shape) * 4)
+        barrier_offset = offset
         total = barrier_offset + (self.hopper.barrier_bytes() if self.hopper else 0)
         return tiles, scratch_offset, barrier_offset, total
 
@@ -173,7 +185,13 @@ class Lowerer:
         if total:
             arena = T.alloc_buffer((total,), "uint8", scope="shared.dyn")
             IRBuilder.name("smem", arena)
+            self.exchange = {}
             for b, off, elems, stages, lay in tiles:
+                if isinstance(b, ClusterReduce):  # the cluster's values of one T.cluster_allreduce, by rank
+                    self.exchange[id(b)] = T.decl_buffer((elems,), "float32", data=arena.data, scope="shared.dyn",
+                                                     elem_offset=off // 4)
+                    IRBuilder.name(f"{b.buffer.name}_cluster", self.exchange[id(b)])
+                    continue
                 view = T.decl_buffer((elems * stages,), b.dtype, data=arena.data, scope="shared.dyn",
                                      elem_offset=off * 8 // dtype_bits(b.dtype))
                 IRBuilder.name(b.name, view)
@@ -196,6 +214,9 @@ class Lowerer:
                 if isinstance(lay, MmaAccumLayout) and lay.w.wn > 1:
                     need = max(need, lay.w.M * lay.w.wn * 4)
         return need
+
+    def _cluster_reduces(self) -> list:
+        return [n for n in walk(self.kernel.body) if isinstance(n, ClusterReduce)]
 
     @staticmethod
     def stage_base(t: SharedTile, stage):
@@ -315,6 +336,8 @@ class Lowerer:
             self.fill(node, vm)
         elif isinstance(node, Reduce):
             self.reduce(node)
+        elif isinstance(node, ClusterReduce):
+            self.hopper.cluster_allreduce(node)
         elif isinstance(node, Store):
             if node.buffer.scope == "fragment":
                 raise error(node.loc, f"fragment {node.buffer.name} can only be written inside T.Parallel or by tile ops")
@@ -547,10 +570,7 @@ class Lowerer:
             with T.unroll(0, self.infer.layouts[b].local_size) as r:
                 T.buffer_store(self.frags[b], _cast(value, b.dtype), [r])
         elif b.scope == "local":
-            n = 1
-            for s in b.shape:
-                n *= s
-            with T.unroll(0, n) as r:
+            with T.unroll(0, _elems(b.shape)) as r:
                 T.buffer_store(self.locals[b], _cast(value, b.dtype), [r] if len(b.shape) == 1 else _unflat(r, b.shape))
         else:
             vec = _widest(dtype_bits(b.dtype), lambda v: self._vector_ok(b, 0, v))
@@ -809,6 +829,13 @@ def _pad(idx, like) -> list:
 
 def _align(n: int, alignment: int = ALIGN) -> int:
     return -(-n // alignment) * alignment
+
+
+def _elems(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _unflat(r, shape):

@@ -187,7 +187,8 @@ class Hopper:
         cta, cta + CTAs, ...  The producer runs ahead into the next tile while the consumers store this
         one's results, which hides the epilogue and the pipeline fill."""
         total = math.prod(grid)
-        if not self.ws or total <= self.resident_ctas():
+        # a cluster's blocks exchange data at barriers the producer does not join: one tile per CTA
+        if not self.ws or total <= self.resident_ctas() or self.lw.cluster > 1:
             self.persistent = None
             return grid
         self.persistent = (total, grid)
@@ -233,6 +234,8 @@ class Hopper:
             with T.Else():
                 if regs:
                     emit_ptx("setmaxnreg.inc.sync.aligned.u32", regs)
+                if lw.cluster > 1:  # every block of the cluster has started (its shared memory exists)
+                    emit_ptx("barrier.cluster.wait.acquire.aligned")
                 self.consumer_steps = self.step_counter()
                 reuses_shared = any(lw._touches_shared(n) for n in body if not _contains(n, ws.loop))
                 with self.tiles(cta):
@@ -342,6 +345,47 @@ class Hopper:
             with T.Then():
                 emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
 
+    # ------------------------------------------------------------------ thread-block clusters
+
+    def cluster_start(self):
+        """Every thread arrives on the cluster barrier at entry; the threads that will touch a peer's
+        shared memory wait on it first (the consumers, or everyone without warp specialization), so
+        no block writes into a peer that has not started.  The producer warpgroup never waits: it
+        exits when its loads are issued, and an exited thread counts as arrived at later phases."""
+        emit_ptx("barrier.cluster.arrive.relaxed.aligned")
+        if not self.ws:
+            emit_ptx("barrier.cluster.wait.acquire.aligned")
+
+    def cluster_allreduce(self, node):
+        """One owner thread per element stores its value into slot ``rank`` of every block's exchange
+        buffer (``st.shared::cluster`` at the ``mapa`` address of the same offset in the peer), a
+        cluster barrier (release/acquire) publishes the stores, and every thread reduces the slots of
+        its elements.  Each T.cluster_allreduce has its own buffer, so a slow peer still reading one
+        exchange is never overwritten by the next; nothing touches a peer after the last barrier, so
+        blocks may exit independently."""
+        lw = self.lw
+        buf, n = node.buffer, lw.cluster
+        lay, frag, ex = lw.infer.layouts[buf], lw.frags[buf], lw.exchange[id(node)]
+        elems = math.prod(buf.shape)
+        flat = [_flat_index(lay.coords(lw.tid, r), buf.shape) for r in range(lay.local_size)]
+        rank = tirx.Cast("int32", TS.cuda.func_call("tile_ops_cluster_rank", source_code=_CLUSTER_RANK,
+                                                    return_type="uint32"))
+        owner = lay.owner(lw.tid)
+        with T.If(owner if owner is not None else tirx.const(True, "bool")):
+            with T.Then():
+                for r in range(lay.local_size):
+                    for peer in range(n):
+                        T.evaluate(TS.cuda.func_call("tile_ops_cluster_store", ex.ptr_to([rank * elems + flat[r]]),
+                                                     tirx.const(peer, "uint32"), frag[r], source_code=_CLUSTER_STORE))
+        emit_ptx("barrier.cluster.arrive.release")
+        emit_ptx("barrier.cluster.wait.acquire")
+        op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
+        for r in range(lay.local_size):
+            v = ex[flat[r]]
+            for peer in range(1, n):
+                v = op(v, ex[peer * elems + flat[r]])
+            T.buffer_store(frag, v, [r])
+
     # ------------------------------------------------------------------ wgmma
 
     def gemm(self, g: Gemm):
@@ -422,6 +466,27 @@ _FENCE_REGISTER = """
 __forceinline__ __device__ void tile_ops_fence_register(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
 __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volatile("" : "+r"(r) :: "memory"); }
 """
+
+
+_CLUSTER_RANK = """
+__forceinline__ __device__ unsigned tile_ops_cluster_rank() {
+  unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
+}
+"""
+_CLUSTER_STORE = """
+__forceinline__ __device__ void tile_ops_cluster_store(float* p, unsigned peer, float v) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(r), "f"(v) : "memory");
+}
+"""
+
+
+def _flat_index(idx, shape):
+    flat = idx[0]
+    for i, d in zip(idx[1:], shape[1:]):
+        flat = flat * d + i
+    return flat
 
 
 def _contains(node, target) -> bool:

@@ -1,13 +1,18 @@
 """Fused GEMM + softmax: out = softmax(scale * (A @ B), dim=-1), the scores never leave the chip.
 
-One block owns ``block_M`` rows.  It walks N in ``block_N`` tiles: a pipelined GEMM over K gives
-the score tile, the running row max and sum are updated online (base-2 exponentials), and
-exp2(s - running max) goes to the output.  A last pass over the block's own output rescales each
-tile by exp2(max at that tile - final max) / final sum, so the GEMM runs once."""
+A row block of ``block_M`` rows is shared by ``split`` blocks, each owning a contiguous run of
+whole ``block_N`` column tiles (``block_columns``); with ``split > 1`` they form a thread-block
+cluster (sm_90a) and combine their row statistics with ``T.cluster_allreduce``.
+
+- One tile per block (the run is one tile): the score tile stays in registers: row max, exp2,
+  row sum (each combined over the cluster), normalize, store.  The output is written once.
+- Several tiles per block: a pipelined GEMM over K per tile, the running row max and sum updated
+  online (base-2 exponentials), exp2(s - running max) stored; a last pass over the block's own
+  output rescales each tile by exp2(max at that tile - final max) / final sum."""
 
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tile_ops
 import tile_ops.lang as T
@@ -17,6 +22,7 @@ from tile_ops.autotune import config_for
 from .gemm import _DT, _kib, _ESIZE, _pow2
 
 LOG2E = 1.4426950408889634
+MAX_CLUSTER = 8  # the portable thread-block cluster size
 
 
 @dataclass(frozen=True)
@@ -27,18 +33,44 @@ class SoftmaxConfig:
     num_stages: int = 3
     threads: int = 256
     policy: str = "square"  # T.gemm warp policy; "full_row" keeps each row in one warp (no cross-warp reduce)
+    split: int = 1  # blocks sharing a row block's columns: a thread-block cluster on sm_90a
+
+    def __post_init__(self):
+        if not 1 <= self.split <= MAX_CLUSTER:
+            raise ValueError(f"SoftmaxConfig.split={self.split}: must be in [1, {MAX_CLUSTER}] (a cluster's blocks)")
+
+
+def block_columns(N: int, cfg: SoftmaxConfig) -> int:
+    """Columns each of a row block's ``split`` blocks owns: whole column tiles."""
+    return -(-(-(-N // cfg.split)) // cfg.block_N) * cfg.block_N
+
+
+def _every_block_has_columns(N: int, cfg: SoftmaxConfig) -> bool:
+    return (cfg.split - 1) * block_columns(N, cfg) < N
+
+
+def _split_for(N: int, block_N: int) -> int:
+    """The cluster size that gives each block one column tile, or 1 (a block walks all N) when the
+    row is wider than a portable cluster of tiles."""
+    tiles = -(-N // block_N)
+    return tiles if tiles <= MAX_CLUSTER else 1
 
 
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxConfig:
-    # one block per 64 rows: the grid is M / block_M blocks, so smaller row blocks fill more SMs
-    if (arch or default_arch()) == "sm_90a":  # TMA stages of 64-wide K feed one wgmma warpgroup
-        return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, block_K=64, num_stages=4, threads=128)
+    if (arch or default_arch()) == "sm_90a":
+        if N <= 64:  # one 64-wide tile per row block, a block per 64 rows
+            return SoftmaxConfig(block_M=64, block_N=64, block_K=64, num_stages=4, threads=128)
+        if N <= MAX_CLUSTER * 256:  # a cluster of 128x256 tiles covers the row: one pass, scores in registers
+            return SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=_split_for(N, 256))
+        # wider rows: 64-row blocks walk N (TMA stages of 64-wide K feed one wgmma warpgroup)
+        return SoftmaxConfig(block_M=64, block_N=128, block_K=64, num_stages=4, threads=128)
     return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
 
 
 def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm_90a") -> list[SoftmaxConfig]:
     """The autotuner's candidates (tile_ops.autotune): row block x threads, column tile, (block_K, stages),
-    warp policy.  ``arch`` is the target: sm_90a (TMA stages + wgmma) pipelines 64-wide K steps deeper."""
+    warp policy.  ``arch`` is the target: sm_90a (TMA stages + wgmma) pipelines 64-wide K steps deeper,
+    and adds column splits over clusters."""
     depths = ((64, 3), (64, 4), (32, 4)) if arch == "sm_90a" else ((32, 3), (64, 2))
     space = []
     for bM, threads in ((64, 128), (128, 128), (128, 256)):
@@ -50,18 +82,30 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
     if arch == "sm_90a":  # 64-row tiles, two warpgroups splitting the columns (wgmma along N)
         space += [SoftmaxConfig(64, bN, 64, stages, 256, "full_col") for bN in (128, 256)
                   if bN <= max(128, _pow2(N)) for stages in (2, 3)]
+        # clusters: one column tile per block, or a few when the row is wider than 8 tiles
+        for bM, bN, threads, stages in ((128, 256, 256, 3), (128, 128, 256, 4), (64, 256, 128, 4)):
+            for split in (2, 4, 8):
+                cfg = SoftmaxConfig(bM, bN, 64, stages, threads, "full_row", split)
+                if _every_block_has_columns(N, cfg):
+                    space.append(cfg)
     return space
 
 
 def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
-    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the per-tile
-    running maxima (grow with N), the final max/sum rows and the cross-warp reduction scratch (none when
-    each row stays in one warp)."""
+    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, then either
+    the staged output tile (one tile per block) or the per-tile running maxima (grow with N), the final
+    max/sum rows and the cross-warp reduction scratch (none when each row stays in one warp); the
+    cluster exchange buffers."""
     esize = _ESIZE[dtype]
     tiles = _kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize) + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize)
     scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
-    rows = _kib(-(-N // cfg.block_N) * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4) + _kib(scratch_cols * cfg.block_M * 4)
-    return tiles + rows + 16 * cfg.num_stages
+    n_tiles = block_columns(N, cfg) // cfg.block_N
+    if n_tiles == 1:
+        rows = _kib(cfg.block_M * cfg.block_N * esize)
+    else:
+        rows = _kib(n_tiles * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4)
+    exchange = 2 * _kib(cfg.split * cfg.block_M * 4) if cfg.split > 1 else 0
+    return tiles + rows + _kib(scratch_cols * cfg.block_M * 4) + exchange + 16 * cfg.num_stages
 
 
 PARTS = ("all", "no_rescale", "gemm")
@@ -71,68 +115,127 @@ PARTS = ("all", "no_rescale", "gemm")
 def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: SoftmaxConfig = SoftmaxConfig(),
                  parts="all"):
     """``parts`` other than "all" are for attributing the kernel's time (bench_gemm_softmax.py --parts):
-    "no_rescale" leaves out the final pass (the output stays unnormalized), "gemm" also the softmax math
-    (each tile's scaled scores are cast and stored)."""
+    "no_rescale" leaves out the normalization (the final pass and the cluster exchange; the output stays
+    unnormalized), "gemm" also the softmax math (each tile's scaled scores are cast and stored)."""
     if parts not in PARTS:
         raise ValueError(f"gemm_softmax: parts={parts!r}, accepted: {', '.join(PARTS)}")
-    bM, bN, bK = cfg.block_M, cfg.block_N, cfg.block_K
-    n_tiles = T.ceildiv(N, bN)
+    bM, bN, bK, split = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split
+    cols = block_columns(N, cfg)
+    if not _every_block_has_columns(N, cfg):
+        fits = max(s for s in range(1, split) if _every_block_has_columns(N, replace(cfg, split=s)))
+        raise ValueError(f"gemm_softmax: split={split} leaves the last block of a row without columns (N={N}, "
+                         f"{cols} columns per block); split={fits} fits")
+    n_tiles = cols // bN
+    # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
+    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * bM * bN
+    staged = shared_memory_bytes(cfg, M, N, K, dtype) + max(0, extra) <= 227 * 1024
     c = scale * LOG2E  # softmax(scale*s) == 2^(c*s - c*max) / sum
+
+    def scores(A, B, A_s, B_s, S, row0, col0):
+        """S = the (bM, bN) score tile at (row0, col0) in log2 units; columns past N are -inf."""
+        T.clear(S)
+        for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
+            T.copy(A[row0, k * bK], A_s)
+            T.copy(B[k * bK, col0], B_s)
+            T.gemm(A_s, B_s, S, policy=cfg.policy)
+        for r, col in T.Parallel(bM, bN):
+            S[r, col] = T.if_then_else(col0 + col < N, S[r, col] * c, -T.infinity("float32"))
 
     @T.prim_func
     def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
-        with T.Kernel(T.ceildiv(M, bM), threads=cfg.threads) as bx:
+        with T.Kernel(split, T.ceildiv(M, bM), threads=cfg.threads, cluster=split) as (rank, bx):
             A_s = T.alloc_shared((bM, bK), dtype)
             B_s = T.alloc_shared((bK, bN), dtype)
             S = T.alloc_fragment((bM, bN), "float32")
-            P = T.alloc_fragment((bM, bN), out_dtype)
-            if parts != "gemm":  # the row statistics
-                m = T.alloc_fragment((bM,), "float32")
-                m_prev = T.alloc_fragment((bM,), "float32")
-                m_tile = T.alloc_fragment((bM,), "float32")
-                l = T.alloc_fragment((bM,), "float32")
-                l_tile = T.alloc_fragment((bM,), "float32")
-                m_hist = T.alloc_shared((n_tiles, bM), "float32")  # running max after each tile
-                if parts == "all":
-                    m_fin = T.alloc_shared((bM,), "float32")
-                    l_fin = T.alloc_shared((bM,), "float32")
-                T.fill(m, -T.infinity("float32"))
-                T.fill(l, 0)
-            for j in T.serial(n_tiles):
-                T.clear(S)
-                for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
-                    T.copy(A[bx * bM, k * bK], A_s)
-                    T.copy(B[k * bK, j * bN], B_s)
-                    T.gemm(A_s, B_s, S, policy=cfg.policy)
-                for r, col in T.Parallel(bM, bN):  # scale into log2 units; mask columns past N
-                    S[r, col] = T.if_then_else(j * bN + col < N, S[r, col] * c, -T.infinity("float32"))
-                if parts != "gemm":
-                    T.reduce_max(S, m_tile, dim=1)
-                    for r in T.Parallel(bM):
-                        m_prev[r] = m[r]
-                        m[r] = T.max(m[r], m_tile[r])
-                    for r, col in T.Parallel(bM, bN):
-                        S[r, col] = T.exp2(S[r, col] - m[r])
-                    T.reduce_sum(S, l_tile, dim=1)
-                    for r in T.Parallel(bM):
-                        l[r] = l[r] * T.exp2(m_prev[r] - m[r]) + l_tile[r]
-                        m_hist[j, r] = m[r]
-                T.copy(S, P)
-                T.copy(P, Out[bx * bM, j * bN])
-            if parts != "all":
-                return
-            for r in T.Parallel(bM):
-                m_fin[r] = m[r]
-                l_fin[r] = l[r]
-            for j, r in T.Parallel(n_tiles, bM):  # per (tile, row) factor: 2^(m_j - m_final) / l_final
-                m_hist[j, r] = T.exp2(m_hist[j, r] - m_fin[r]) / l_fin[r]
-            for j in T.serial(n_tiles):  # each thread re-reads exactly the elements it wrote
-                T.copy(Out[bx * bM, j * bN], P)
-                for r, col in T.Parallel(bM, bN):
-                    P[r, col] = P[r, col] * m_hist[j, r]
-                T.copy(P, Out[bx * bM, j * bN])
+            if n_tiles == 1:
+                scores(A, B, A_s, B_s, S, bx * bM, rank * cols)
+                _normalize_in_registers(S, split, parts)
+                if staged:  # coalesced (TMA on sm_90a) stores of the tile from shared memory
+                    P_s = T.alloc_shared((bM, bN), out_dtype)
+                    T.copy(S, P_s)
+                    T.copy(P_s, Out[bx * bM, rank * cols])
+                else:
+                    T.copy(S, Out[bx * bM, rank * cols])
+            else:
+                _walk(A, B, A_s, B_s, S, Out, scores, bx * bM, rank * cols, n_tiles, split, parts, out_dtype)
 
     return gemm_softmax_kernel
+
+
+def _normalize_in_registers(S, split: int, parts: str):
+    """softmax over the rows of the score tile S, whose row is split over the cluster's blocks."""
+    if parts == "gemm":
+        return
+    bM, bN = S.shape
+    m = T.alloc_fragment((bM,), "float32")
+    l = T.alloc_fragment((bM,), "float32")
+    T.reduce_max(S, m, dim=1)
+    if split > 1 and parts == "all":
+        T.cluster_allreduce(m, "max")
+    for r, col in T.Parallel(bM, bN):
+        S[r, col] = T.exp2(S[r, col] - m[r])
+    if parts != "all":
+        return
+    T.reduce_sum(S, l, dim=1)
+    if split > 1:
+        T.cluster_allreduce(l, "sum")
+    for r in T.Parallel(bM):
+        l[r] = 1.0 / l[r]
+    for r, col in T.Parallel(bM, bN):
+        S[r, col] = S[r, col] * l[r]
+
+
+def _walk(A, B, A_s, B_s, S, Out, scores, row0, col0, n_tiles: int, split: int, parts: str, out_dtype: str):
+    """The block walks its ``n_tiles`` column tiles with an online max and sum, storing exp2(s - running
+    max); then (over the cluster) the final max and sum, and a pass rescaling its own output."""
+    bM, bN = S.shape
+    P = T.alloc_fragment((bM, bN), out_dtype)
+    if parts != "gemm":  # the row statistics
+        m = T.alloc_fragment((bM,), "float32")
+        m_prev = T.alloc_fragment((bM,), "float32")
+        m_tile = T.alloc_fragment((bM,), "float32")
+        l = T.alloc_fragment((bM,), "float32")
+        l_tile = T.alloc_fragment((bM,), "float32")
+        m_hist = T.alloc_shared((n_tiles, bM), "float32")  # running max after each tile
+        if parts == "all":
+            m_fin = T.alloc_shared((bM,), "float32")
+            l_fin = T.alloc_shared((bM,), "float32")
+        T.fill(m, -T.infinity("float32"))
+        T.fill(l, 0)
+    for j in T.serial(n_tiles):
+        scores(A, B, A_s, B_s, S, row0, col0 + j * bN)
+        if parts != "gemm":
+            T.reduce_max(S, m_tile, dim=1)
+            for r in T.Parallel(bM):
+                m_prev[r] = m[r]
+                m[r] = T.max(m[r], m_tile[r])
+            for r, col in T.Parallel(bM, bN):
+                S[r, col] = T.exp2(S[r, col] - m[r])
+            T.reduce_sum(S, l_tile, dim=1)
+            for r in T.Parallel(bM):
+                l[r] = l[r] * T.exp2(m_prev[r] - m[r]) + l_tile[r]
+                m_hist[j, r] = m[r]
+        T.copy(S, P)
+        T.copy(P, Out[row0, col0 + j * bN])
+    if parts != "all":
+        return
+    if split > 1:  # the row's max and sum over the cluster (this block's sum rescaled to the final max)
+        for r in T.Parallel(bM):
+            m_prev[r] = m[r]
+        T.cluster_allreduce(m, "max")
+        for r in T.Parallel(bM):
+            l[r] = l[r] * T.exp2(m_prev[r] - m[r])
+        T.cluster_allreduce(l, "sum")
+    for r in T.Parallel(bM):
+        m_fin[r] = m[r]
+        l_fin[r] = l[r]
+    for j, r in T.Parallel(n_tiles, bM):  # per (tile, row) factor: 2^(m_j - m_final) / l_final
+        m_hist[j, r] = T.exp2(m_hist[j, r] - m_fin[r]) / l_fin[r]
+    for j in T.serial(n_tiles):  # each thread re-reads exactly the elements it wrote
+        T.copy(Out[row0, col0 + j * bN], P)
+        for r, col in T.Parallel(bM, bN):
+            P[r, col] = P[r, col] * m_hist[j, r]
+        T.copy(P, Out[row0, col0 + j * bN])
 
 
 

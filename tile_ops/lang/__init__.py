@@ -14,7 +14,7 @@ float16, bfloat16, float32, float64, int32 = "float16", "bfloat16", "float32", "
 
 _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Tensor", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
-    "ceildiv", "clear", "copy", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log", "log2",
+    "ceildiv", "clear", "cluster_allreduce", "copy", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log", "log2",
     "max", "min", "prim_func", "reduce_max", "reduce_sum", "serial", "unroll", "use_swizzle", "sqrt", "abs",
 }
 

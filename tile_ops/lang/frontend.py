@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tvm import tirx
 
 from . import ir
-from .ir import Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error, user_loc
+from .ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error, user_loc
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "uint8")
 
@@ -61,22 +61,29 @@ def prim_func(fn) -> ir.Program:
 
 
 class Kernel:
-    """``with T.Kernel(gx, gy=1, gz=1, threads=128) as (bx, by):`` — the launch grid and block."""
+    """``with T.Kernel(gx, gy=1, gz=1, threads=128, cluster=1) as (bx, by):`` — the launch grid and block.
 
-    def __init__(self, *grid, threads: int = 128):
+    ``cluster=n`` (sm_90a): each n neighbouring blocks along x form a thread-block cluster, scheduled
+    together, whose blocks combine fragments with ``T.cluster_allreduce``; bx % n is a block's rank."""
+
+    def __init__(self, *grid, threads: int = 128, cluster: int = 1):
         if not 1 <= len(grid) <= 3:
             raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
         if threads % 32 or not 32 <= threads <= 1024:
             raise error(user_loc(), f"threads={threads}: must be a multiple of 32 in [32, 1024]")
         self.grid = [int(ir.tirx_simplify(g)) for g in grid]
         self.threads = threads
+        if not 1 <= cluster <= 8 or self.grid[0] % cluster:
+            raise error(user_loc(), f"cluster={cluster}: must be in [1, 8] (the portable cluster size) and divide "
+                                    f"the grid's x extent {self.grid[0]}")
+        self.cluster = cluster
 
     def __enter__(self):
         t = ir.tracer()
         if t.kernel is not None:
             raise error(user_loc(), "only one T.Kernel block per program")
         names = ["bx", "by", "bz"][: len(self.grid)]
-        k = ir.Kernel(self.grid, self.threads, [tirx.Var(n, "int32") for n in names])
+        k = ir.Kernel(self.grid, self.threads, [tirx.Var(n, "int32") for n in names], cluster=self.cluster)
         k.loc = user_loc()
         t.kernel = k
         t.bodies.append(k.body)
@@ -174,6 +181,20 @@ def reduce_max(src, dst, dim=-1, clear=True):
 
 def reduce_sum(src, dst, dim=-1, clear=True):
     emit(Reduce("sum", src, dst, dim, clear))
+
+
+def cluster_allreduce(buffer, op):
+    """Reduce a float32 fragment elementwise (``op``: "max" or "sum") over the blocks of the kernel's
+    cluster (``T.Kernel(..., cluster=n)``); every block gets the result.  E.g. row statistics of a
+    softmax whose columns are split over the cluster's blocks."""
+    if op not in ("max", "sum"):
+        raise error(user_loc(), f"T.cluster_allreduce: op={op!r}, accepted: 'max', 'sum'")
+    if not isinstance(buffer, TileBuffer) or buffer.scope != "fragment" or buffer.dtype != "float32":
+        raise error(user_loc(), "T.cluster_allreduce: the buffer must be a whole float32 fragment")
+    k = ir.tracer().kernel
+    if k is None or k.cluster == 1:
+        raise error(user_loc(), "T.cluster_allreduce needs a clustered kernel: T.Kernel(..., cluster=n) with n > 1")
+    emit(ClusterReduce(op, buffer))
 
 
 def use_swizzle(panel_size: int = 8):

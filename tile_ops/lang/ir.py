@@ -191,6 +191,13 @@ class Reduce(Node):
 
 
 @dataclass
+class ClusterReduce(Node):
+    """Every block of a thread-block cluster ends with ``buffer`` reduced (elementwise) over the cluster."""
+    kind: str  # "max" | "sum"
+    buffer: TileBuffer
+
+
+@dataclass
 class For(Node):
     var: tirx.Var
     extent: Any
@@ -214,6 +221,7 @@ class Kernel(Node):
     body: list = field(default_factory=list)
     allocs: list = field(default_factory=list)
     swizzle_panel: int = 0
+    cluster: int = 1  # neighbouring blocks along grid x that form a thread-block cluster (sm_90a)
 
 
 @dataclass
