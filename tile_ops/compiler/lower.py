@@ -6,6 +6,7 @@ pipelines.  TVM's CUDA code generator then turns the PrimFunc into CUDA source (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import tvm.ir.prim.expr as px
 from tvm import tirx
@@ -98,11 +99,12 @@ class Lowerer:
                 block = self.threads + (PRODUCER_THREADS if self.ws else 0)
                 self.tid = T.thread_id([block])
                 self.smem_bytes = self._declare_memory()
-                if self.cluster > 1:
-                    self.hopper.cluster_start()
                 if self.ws:
                     self.hopper.warp_specialized(k.body, ids[0])
                 else:
+                    if self.hopper:
+                        self.hopper.tile_iter = 0
+                        self.hopper.init_barriers()
                     self.body(k.body)
             func = ib.get()
         tensormaps = {tm.var.name: tm.spec for tm in self.hopper.tensormaps.values()} if self.hopper else {}
@@ -164,9 +166,10 @@ class Lowerer:
                 offset += self._align(elems * stages * dtype_bits(b.dtype) // 8)
         scratch_offset = offset
         offset += _align(self._scratch_bytes())
-        for node in self._cluster_reduces():
-            tiles.append((node, offset, self.cluster * _elems(node.buffer.shape), 1, None))
-            offset += _align(self.cluster * _elems(node.buffer.shape) * 4)
+        for node in self.cluster_reduces:  # two sets of slots: consecutive tiles alternate (see cluster_allreduce)
+            slots = 2 * self.cluster * _elems(node.buffer.shape)
+            tiles.append((node, offset, slots, 1, None))
+            offset += _align(slots * 4)
         barrier_offset = offset
         total = barrier_offset + (self.hopper.barrier_bytes() if self.hopper else 0)
         return tiles, scratch_offset, barrier_offset, total
@@ -199,7 +202,7 @@ class Lowerer:
             self.scratch = T.decl_buffer((max(1, self._scratch_bytes() // 4),), "float32", data=arena.data,
                                          scope="shared.dyn", elem_offset=self.scratch_offset // 4)
             IRBuilder.name("reduce_scratch", self.scratch)
-            if self.ws:
+            if self.hopper:
                 self.hopper.bind_barriers(arena, barrier_offset)
         if total > SMEM_LIMIT:
             raise error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit is "
@@ -215,7 +218,8 @@ class Lowerer:
                     need = max(need, lay.w.M * lay.w.wn * 4)
         return need
 
-    def _cluster_reduces(self) -> list:
+    @cached_property
+    def cluster_reduces(self) -> list:
         return [n for n in walk(self.kernel.body) if isinstance(n, ClusterReduce)]
 
     @staticmethod

@@ -36,6 +36,7 @@ REGISTERS = 65536  # per SM
 CORESIDENT_FRAGMENT_WORDS = 128
 PRODUCER_REGISTERS = 40  # per producer thread after setmaxnreg.dec: it only issues TMA and waits
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
+CLUSTER_SMS = 8  # the largest portable cluster: H200 GPCs hold two of them (16 of their 16-18 SMs)
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 _DESC_MODE = {128: 1, 64: 2, 32: 3}  # wgmma matrix-descriptor layout type
 _L2_PROMOTION_256B = 3
@@ -146,6 +147,8 @@ class Hopper:
         cores busy, which is what ping-pong consumer warpgroups achieve inside one CTA."""
         if not self.ws or self.lw.threads != 128 or self._fragment_words() > CORESIDENT_FRAGMENT_WORDS:
             return 1
+        if self.lw.cluster > 1:  # clusters are scheduled whole: keep one CTA per SM
+            return 1
         if math.prod(self.lw.kernel.grid) <= SMS:  # every CTA has an SM of its own anyway
             return 1
         return 2 if 2 * (self.lw.memory_plan()[3] + 1024) <= SM_SHARED_BYTES else 1
@@ -157,6 +160,10 @@ class Hopper:
                    for b in lw.kernel.allocs if b.scope == "fragment")
 
     def resident_ctas(self) -> int:
+        """CTAs that run at once: one per SM (or two); clustered kernels launch a multiple of the cluster
+        that the GPCs hold whole (every H200 GPC has at least 16 SMs, so 128 of them in clusters of <= 8)."""
+        if self.lw.cluster > 1:
+            return SMS // CLUSTER_SMS * CLUSTER_SMS
         return SMS * self.ctas_per_sm
 
     def consumer_registers(self) -> int | None:
@@ -168,13 +175,49 @@ class Hopper:
         budget = REGISTERS // per_sm - PRODUCER_REGISTERS * PRODUCER_THREADS
         return min(240, budget // (128 * n_wg) // 8 * 8)
 
+    def _pipeline_barriers(self) -> int:
+        return 2 * self.ws.stages if self.ws else 0
+
     def barrier_bytes(self) -> int:
-        return 2 * self.ws.stages * 8 if self.ws else 0
+        """The pipeline's full/empty mbarriers, then two per T.cluster_allreduce (one per tile parity)."""
+        return 8 * (self._pipeline_barriers() + 2 * len(self.lw.cluster_reduces))
 
     def bind_barriers(self, arena, offset: int):
-        S = self.ws.stages
-        self.bars = T.decl_buffer((2 * S,), "uint64", data=arena.data, scope="shared.dyn", elem_offset=offset // 8)
-        IRBuilder.name("mbarriers", self.bars)
+        if self.barrier_bytes():
+            self.bars = T.decl_buffer((self.barrier_bytes() // 8,), "uint64", data=arena.data, scope="shared.dyn",
+                                      elem_offset=offset // 8)
+            IRBuilder.name("mbarriers", self.bars)
+
+    def exchanged(self, i: int, parity):
+        """The mbarrier on which T.cluster_allreduce ``i``'s values of tiles of ``parity`` complete."""
+        return self.bars.ptr_to([self._pipeline_barriers() + 2 * i + parity])
+
+    def init_barriers(self):
+        """Thread 0 initializes the pipeline's and the cluster exchanges' mbarriers; then every thread of a
+        cluster's blocks arrives on the cluster barrier (release: the initialized barriers are visible
+        to the peers that arrive on them once they have waited on it).  The threads that touch a peer
+        wait first: the consumers (``warp_specialized``), or every thread without warp specialization."""
+        lw = self.lw
+        if not self.barrier_bytes():
+            return
+        with T.If(lw.tid == 0):
+            with T.Then():
+                for s in range(self.ws.stages if self.ws else 0):
+                    emit_ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
+                    emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), lw.threads // 32)  # see release
+                for i, node in enumerate(lw.cluster_reduces):  # every owner thread of every block arrives
+                    for parity in (0, 1):
+                        emit_ptx("mbarrier.init.shared::cta.b64", self.exchanged(i, parity),
+                                 lw.cluster * self._owners(node))
+                emit_ptx("fence.mbarrier_init.release.cluster")
+        T.evaluate(TS.cuda.cta_sync())
+        if lw.cluster > 1:
+            emit_ptx("barrier.cluster.arrive.release.aligned")
+            if not self.ws:
+                emit_ptx("barrier.cluster.wait.acquire.aligned")
+
+    def _owners(self, node) -> int:
+        return self.lw.infer.layouts[node.buffer].owners(self.lw.threads)
 
     def full(self, s):
         return self.bars.ptr_to([s])
@@ -187,8 +230,7 @@ class Hopper:
         cta, cta + CTAs, ...  The producer runs ahead into the next tile while the consumers store this
         one's results, which hides the epilogue and the pipeline fill."""
         total = math.prod(grid)
-        # a cluster's blocks exchange data at barriers the producer does not join: one tile per CTA
-        if not self.ws or total <= self.resident_ctas() or self.lw.cluster > 1:
+        if not self.ws or total <= self.resident_ctas():
             self.persistent = None
             return grid
         self.persistent = (total, grid)
@@ -197,6 +239,7 @@ class Hopper:
     @contextmanager
     def tiles(self, cta):
         lw = self.lw
+        self.tile_iter = 0
         if self.persistent is None:
             yield
             return
@@ -204,6 +247,7 @@ class Hopper:
         ctas = self.resident_ctas()
         with T.serial(0, tirx.floordiv(total - cta + (ctas - 1), ctas)) as it:
             IRBuilder.name("tile_iter", it)
+            self.tile_iter = it
             t = cta + it * ctas
             ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
             lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
@@ -212,13 +256,7 @@ class Hopper:
     def warp_specialized(self, body, cta):
         lw, ws = self.lw, self.ws
         consumers = lw.threads
-        with T.If(lw.tid == 0):
-            with T.Then():
-                for s in range(ws.stages):
-                    emit_ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
-                    emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), consumers // 32)  # see release
-                emit_ptx("fence.mbarrier_init.release.cluster")
-        T.evaluate(TS.cuda.cta_sync())
+        self.init_barriers()
         regs = self.consumer_registers()
         with T.If(lw.tid >= consumers):
             with T.Then():
@@ -347,43 +385,40 @@ class Hopper:
 
     # ------------------------------------------------------------------ thread-block clusters
 
-    def cluster_start(self):
-        """Every thread arrives on the cluster barrier at entry; the threads that will touch a peer's
-        shared memory wait on it first (the consumers, or everyone without warp specialization), so
-        no block writes into a peer that has not started.  The producer warpgroup never waits: it
-        exits when its loads are issued, and an exited thread counts as arrived at later phases."""
-        emit_ptx("barrier.cluster.arrive.relaxed.aligned")
-        if not self.ws:
-            emit_ptx("barrier.cluster.wait.acquire.aligned")
-
     def cluster_allreduce(self, node):
         """One owner thread per element stores its value into slot ``rank`` of every block's exchange
-        buffer (``st.shared::cluster`` at the ``mapa`` address of the same offset in the peer), a
-        cluster barrier (release/acquire) publishes the stores, and every thread reduces the slots of
-        its elements.  Each T.cluster_allreduce has its own buffer, so a slow peer still reading one
-        exchange is never overwritten by the next; nothing touches a peer after the last barrier, so
-        blocks may exit independently."""
+        buffer (``st.shared::cluster`` at the ``mapa`` address of the same offset in the peer), then
+        arrives (release, cluster scope) on that block's exchange mbarrier; every consumer waits on its
+        own barrier (acquire, cluster scope) and reduces the slots of its elements.  Only the consumers
+        take part, so a persistent producer runs ahead freely.  Buffer and barrier alternate with the
+        tile's parity: a peer can be at most one exchange ahead (it needs this block's values of the
+        next tile, sent after this block has read this one's), so it never overwrites unread values,
+        and nothing reaches a block after its last wait, so blocks exit independently."""
         lw = self.lw
         buf, n = node.buffer, lw.cluster
+        i = next(j for j, c in enumerate(lw.cluster_reduces) if c is node)
         lay, frag, ex = lw.infer.layouts[buf], lw.frags[buf], lw.exchange[id(node)]
         elems = math.prod(buf.shape)
+        parity = tirx.floormod(self.tile_iter, 2)
+        base = parity * (n * elems)
         flat = [_flat_index(lay.coords(lw.tid, r), buf.shape) for r in range(lay.local_size)]
-        rank = tirx.Cast("int32", TS.cuda.func_call("tile_ops_cluster_rank", source_code=_CLUSTER_RANK,
-                                                    return_type="uint32"))
+        rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
         owner = lay.owner(lw.tid)
         with T.If(owner if owner is not None else tirx.const(True, "bool")):
             with T.Then():
                 for r in range(lay.local_size):
                     for peer in range(n):
-                        T.evaluate(TS.cuda.func_call("tile_ops_cluster_store", ex.ptr_to([rank * elems + flat[r]]),
-                                                     tirx.const(peer, "uint32"), frag[r], source_code=_CLUSTER_STORE))
-        emit_ptx("barrier.cluster.arrive.release")
-        emit_ptx("barrier.cluster.wait.acquire")
+                        T.evaluate(_call("tile_ops_cluster_store", ex.ptr_to([base + rank * elems + flat[r]]),
+                                         tirx.const(peer, "uint32"), frag[r]))
+                for peer in range(n):
+                    T.evaluate(_call("tile_ops_cluster_arrive", self.exchanged(i, parity), tirx.const(peer, "uint32")))
+        phase = tirx.Cast("uint32", tirx.floormod(tirx.floordiv(self.tile_iter, 2), 2))
+        T.evaluate(_call("tile_ops_cluster_wait", self.exchanged(i, parity), phase))
         op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
         for r in range(lay.local_size):
-            v = ex[flat[r]]
+            v = ex[base + flat[r]]
             for peer in range(1, n):
-                v = op(v, ex[peer * elems + flat[r]])
+                v = op(v, ex[base + peer * elems + flat[r]])
             T.buffer_store(frag, v, [r])
 
     # ------------------------------------------------------------------ wgmma
@@ -468,18 +503,39 @@ __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volat
 """
 
 
-_CLUSTER_RANK = """
+_CLUSTER_HELPERS = {  # inline PTX for the cluster exchange, one CUDA function each
+    "tile_ops_cluster_rank": """
 __forceinline__ __device__ unsigned tile_ops_cluster_rank() {
   unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
 }
-"""
-_CLUSTER_STORE = """
+""",
+    "tile_ops_cluster_store": """
 __forceinline__ __device__ void tile_ops_cluster_store(float* p, unsigned peer, float v) {
   unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
   asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(r), "f"(v) : "memory");
 }
-"""
+""",
+    "tile_ops_cluster_arrive": """
+__forceinline__ __device__ void tile_ops_cluster_arrive(uint64_t* bar, unsigned peer) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(bar), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(r) : "memory");
+}
+""",
+    "tile_ops_cluster_wait": """
+__forceinline__ __device__ void tile_ops_cluster_wait(uint64_t* bar, unsigned parity) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+  asm volatile("{\\n .reg .pred done;\\n TILE_OPS_CLUSTER_WAIT_%=:\\n"
+               " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\\n"
+               " @!done bra TILE_OPS_CLUSTER_WAIT_%=;\\n}" :: "r"(a), "r"(parity) : "memory");
+}
+""",
+}
+
+
+def _call(name, *args, return_type="void"):
+    return TS.cuda.func_call(name, *args, source_code=_CLUSTER_HELPERS[name], return_type=return_type)
 
 
 def _flat_index(idx, shape):

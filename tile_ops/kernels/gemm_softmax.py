@@ -104,7 +104,7 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
         rows = _kib(cfg.block_M * cfg.block_N * esize)
     else:
         rows = _kib(n_tiles * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4)
-    exchange = 2 * _kib(cfg.split * cfg.block_M * 4) if cfg.split > 1 else 0
+    exchange = 4 * _kib(cfg.split * cfg.block_M * 4) if cfg.split > 1 else 0  # max and sum, two tile parities
     return tiles + rows + _kib(scratch_cols * cfg.block_M * 4) + exchange + 16 * cfg.num_stages
 
 
@@ -168,7 +168,6 @@ def _normalize_in_registers(S, split: int, parts: str):
         return
     bM, bN = S.shape
     m = T.alloc_fragment((bM,), "float32")
-    l = T.alloc_fragment((bM,), "float32")
     T.reduce_max(S, m, dim=1)
     if split > 1 and parts == "all":
         T.cluster_allreduce(m, "max")
@@ -176,6 +175,7 @@ def _normalize_in_registers(S, split: int, parts: str):
         S[r, col] = T.exp2(S[r, col] - m[r])
     if parts != "all":
         return
+    l = T.alloc_fragment((bM,), "float32")
     T.reduce_sum(S, l, dim=1)
     if split > 1:
         T.cluster_allreduce(l, "sum")
