@@ -26,6 +26,13 @@ using CUstream = struct CUstream_st*;
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 constexpr int kStaticSmemLimit = 48 * 1024;
+struct CUlaunchAttribute;  // only passed as a null list here
+struct CUlaunchConfig {    // cuda.h's CUlaunchConfig_st
+  unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+  CUstream hStream;
+  CUlaunchAttribute* attrs;
+  unsigned numAttrs;
+};
 
 // TMA descriptor.  The driver docs ask for 64-byte alignment; cuda.h 13 declares it alignas(128),
 // so we take the stricter one (it satisfies both).

@@ -11,6 +11,7 @@
 //   get_function(module: int, name: str, dynamic_smem_bytes: int) -> int
 //   launch(function, grid, block, smem, stream, args: list[int | bytes], kernel_name)
 //   unload_module(module: int) -> None
+//   max_active_clusters(function: int, block_threads: int, smem: int) -> int  (-1: unknown)
 //   driver_available() -> bool
 //   encode_tensor_map(dtype, global_address, dims, strides_bytes, box, element_strides, swizzle,
 //                     interleave=0, l2_promotion=2, oob_fill=0, device=None) -> bytes  (a CUtensorMap)
@@ -42,7 +43,7 @@ namespace py = pybind11;
 namespace tile_ops {
 namespace {
 
-constexpr int kApiVersion = 3;  // bump when the Python-visible API changes
+constexpr int kApiVersion = 4;  // bump when the Python-visible API changes
 
 struct Driver {
   CUresult (*cuInit)(unsigned int);
@@ -62,6 +63,8 @@ struct Driver {
   CUresult (*cuTensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, uint32_t, void*,
                                      const uint64_t*, const uint64_t*, const uint32_t*,
                                      const uint32_t*, int, int, int, int);
+  // Optional (CUDA 12.0+): only max_active_clusters needs it.
+  CUresult (*cuOccupancyMaxActiveClusters)(int*, CUfunction, const CUlaunchConfig*);
 };
 
 std::mutex g_mutex;            // guards everything below
@@ -148,6 +151,8 @@ void try_load_driver_locked() {
 #undef TILE_OPS_SYM
   d.cuTensorMapEncodeTiled =
       reinterpret_cast<decltype(d.cuTensorMapEncodeTiled)>(dlsym(lib, "cuTensorMapEncodeTiled"));
+  d.cuOccupancyMaxActiveClusters = reinterpret_cast<decltype(d.cuOccupancyMaxActiveClusters)>(
+      dlsym(lib, "cuOccupancyMaxActiveClusters"));
   if (missing) {
     g_load_error = prefix + "symbol " + missing_name + " not found (driver too old?)" + suffix;
     return;  // keep the handle open: harmless, and dlclose of libcuda is not worth the risk
@@ -246,6 +251,29 @@ void unload_module(uint64_t module_handle) {
   g_modules.erase(it);
   ContextScope scope(ctx, nullptr);
   TILE_OPS_CHECK(g_drv.cuModuleUnload(module), "cuModuleUnload", nullptr);
+}
+
+// How many clusters of a kernel with compile-time cluster dims (__cluster_dims__) can be resident at
+// once: a persistent clustered kernel launches that many.  GPCs hold whole clusters, so it is not the
+// SM count over the cluster size.  -1 when the driver cannot say (older than CUDA 12.0).
+int max_active_clusters(uint64_t function, unsigned block_threads, unsigned smem) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  require_driver_locked();
+  CUfunction fn = reinterpret_cast<CUfunction>(function);
+  auto it = g_functions.find(fn);
+  if (it == g_functions.end())
+    throw py::value_error("tile_ops: max_active_clusters: unknown function handle (not from get_function)");
+  if (g_drv.cuOccupancyMaxActiveClusters == nullptr) return -1;
+  ContextScope scope(it->second.ctx, nullptr);
+  CUlaunchConfig config{};
+  config.gridDimX = config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = block_threads;
+  config.blockDimY = config.blockDimZ = 1;
+  config.sharedMemBytes = smem;
+  int clusters = 0;
+  TILE_OPS_CHECK(g_drv.cuOccupancyMaxActiveClusters(&clusters, fn, &config), "cuOccupancyMaxActiveClusters",
+                 nullptr);
+  return clusters;
 }
 
 // Reads exactly 3 non-negative ints from a tuple/list into out[3].
@@ -559,6 +587,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Launch a kernel; each arg is an int (a 64-bit value, e.g. a device pointer) or bytes\n"
         "passed by value from an aligned copy (e.g. a CUtensorMap from encode_tensor_map).");
   m.def("unload_module", &unload_module, py::arg("module"));
+  m.def("max_active_clusters", &max_active_clusters, py::arg("function"), py::arg("block_threads"),
+        py::arg("smem"), "Clusters of a __cluster_dims__ kernel that fit at once; -1 if the driver cannot say.");
   m.def("driver_available", &driver_available,
         "True if libcuda.so.1 loads and cuInit succeeds.");
   m.def("encode_tensor_map", &encode_tensor_map, py::arg("dtype"), py::arg("global_address"),

@@ -121,3 +121,50 @@ def test_entry_args_call_the_launchers_encoder_with_its_signature():
     args = EntryArgs(_meta())  # looks up get_launcher().encode_tensor_map on first use
     with pytest.raises(RuntimeError, match="libcuda"):  # past argument binding, as far as the (missing) driver
         args.build([0x1000, 0x2000, 0x3000], device=0)
+
+
+class _FakeFunction:
+    def __init__(self, clusters):
+        self.clusters, self.calls = clusters, []
+
+    def max_active_clusters(self, device, block_threads):
+        self.calls.append((device, block_threads))
+        return self.clusters
+
+
+def _persistent(cluster=1, tiles=512, ctas_per_sm=1, grid=(132, 1, 1)):
+    import dataclasses
+
+    return Kernel(dataclasses.replace(_meta(), grid=grid, cluster=cluster, persistent_tiles=tiles,
+                                      ctas_per_sm=ctas_per_sm), "", b"")
+
+
+def test_persistent_clustered_grid_is_the_clusters_that_fit(monkeypatch):
+    """A persistent kernel in clusters of 8 launches the clusters the device holds at once (15 on a GPU
+    whose GPCs cannot all take two), never more CTAs than tiles; asked once per device."""
+    k = _persistent(cluster=8, grid=(128, 1, 1))
+    k._function = fn = _FakeFunction(15)
+    assert k.grid_on(0) == (120, 1, 1) and k.grid_on(0) == (120, 1, 1) and fn.calls == [(0, 384)]
+    small = _persistent(cluster=8, tiles=64, grid=(64, 1, 1))
+    small._function = _FakeFunction(15)
+    assert small.grid_on(0) == (64, 1, 1)
+    unknown = _persistent(cluster=8, grid=(128, 1, 1))
+    unknown._function = _FakeFunction(-1)  # a driver without cuOccupancyMaxActiveClusters
+    assert unknown.grid_on(0) == (128, 1, 1)
+
+
+def test_persistent_grid_follows_the_sm_count(monkeypatch):
+    """One CTA per SM (or two) of the device it runs on: a 114-SM H100 PCIe must not get the H200's 132
+    (18 CTAs would run a second wave of everything they own)."""
+    import importlib
+
+    kernel_mod = importlib.import_module("tile_ops.jit.kernel")
+
+    monkeypatch.setattr(kernel_mod, "_sm_count", lambda index: 114)
+    assert _persistent().grid_on(0) == (114, 1, 1)
+    assert _persistent(ctas_per_sm=2).grid_on(0) == (228, 1, 1)
+    assert _persistent(tiles=100).grid_on(0) == (100, 1, 1)
+    monkeypatch.setattr(kernel_mod, "_sm_count", lambda index: None)  # no CUDA torch: the compile-time grid
+    assert _persistent().grid_on(0) == (132, 1, 1)
+    plain = Kernel(_meta(), "", b"")
+    assert plain.grid_on(0) == (2, 1, 1)  # not persistent: the program's grid

@@ -24,6 +24,9 @@ class CompiledProgram:
     layouts: dict = field(default_factory=dict)
     tir: str = ""
     tensormaps: dict = field(default_factory=dict)  # CUDA parameter name -> TMA descriptor spec
+    ctas_per_sm: int = 1
+    cluster: int = 1
+    persistent_tiles: int = 0
 
 
 def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
@@ -33,4 +36,5 @@ def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
     lowered = lower(prog, arch)
     source, entry, kept = emit_cuda(lowered, arch)
     return CompiledProgram(source, entry, arch, lowered.grid, lowered.block, lowered.smem_bytes,
-                           lowered.params, kept, lowered.layouts, lowered.func.script(), lowered.tensormaps)
+                           lowered.params, kept, lowered.layouts, lowered.func.script(), lowered.tensormaps,
+                           lowered.ctas_per_sm, lowered.cluster, lowered.persistent_tiles)

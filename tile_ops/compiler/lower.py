@@ -43,6 +43,7 @@ class LoweredKernel:
     tensormaps: dict  # CUDA parameter name -> tensor-map spec for the launcher
     ctas_per_sm: int = 1  # CTAs meant to be resident per SM (__launch_bounds__'s minimum blocks)
     cluster: int = 1  # blocks per thread-block cluster along x (__cluster_dims__)
+    persistent_tiles: int = 0  # > 0: CTAs loop over this many tiles with a stride of gridDim.x (see Kernel.grid)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Lowerer:
             [(p.name, p.shape, p.dtype) for p in self.prog.params],
             {b.name: self._describe(b) for b in k.allocs}, tensormaps,
             self.hopper.ctas_per_sm if self.hopper else 1, self.cluster,
+            self.hopper.persistent[0] if self.hopper and self.hopper.persistent else 0,
         )
 
     def _describe(self, b) -> str:

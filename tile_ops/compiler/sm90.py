@@ -62,6 +62,7 @@ class Hopper:
     def __init__(self, lw):
         self.lw = lw
         self.tensormaps: dict = {}  # (global buffer, box) -> TensorMap
+        self.persistent = None  # (tiles, program grid) once persistent_grid chose a tile loop
         self.ws = self._plan()
 
     # ------------------------------------------------------------------ planning
@@ -227,8 +228,9 @@ class Hopper:
 
     def persistent_grid(self, grid: list):
         """Launch one CTA per SM when there is more than one wave of tiles; each CTA then walks tiles
-        cta, cta + CTAs, ...  The producer runs ahead into the next tile while the consumers store this
-        one's results, which hides the epilogue and the pipeline fill."""
+        cta, cta + gridDim.x, ...  The producer runs ahead into the next tile while the consumers store
+        this one's results, which hides the epilogue and the pipeline fill.  The grid returned is the
+        H200's; the launcher sizes it to the device it runs on (Kernel.grid_on)."""
         total = math.prod(grid)
         if not self.ws or total <= self.resident_ctas():
             self.persistent = None
@@ -244,8 +246,8 @@ class Hopper:
             yield
             return
         total, (gx, gy, _) = self.persistent
-        ctas = self.resident_ctas()
-        with T.serial(0, tirx.floordiv(total - cta + (ctas - 1), ctas)) as it:
+        ctas = _call("tile_ops_grid_x", return_type="int32")  # the launcher sizes the grid to the device
+        with T.serial(0, tirx.truncdiv(total - cta + (ctas - 1), ctas)) as it:  # all terms >= 0
             IRBuilder.name("tile_iter", it)
             self.tile_iter = it
             t = cta + it * ctas
@@ -503,7 +505,10 @@ __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volat
 """
 
 
-_CLUSTER_HELPERS = {  # inline PTX for the cluster exchange, one CUDA function each
+_HELPERS = {  # CUDA functions for what TIRx has no intrinsic for, one each
+    "tile_ops_grid_x": """
+__forceinline__ __device__ int tile_ops_grid_x() { return gridDim.x; }
+""",
     "tile_ops_cluster_rank": """
 __forceinline__ __device__ unsigned tile_ops_cluster_rank() {
   unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
@@ -535,7 +540,7 @@ __forceinline__ __device__ void tile_ops_cluster_wait(uint64_t* bar, unsigned pa
 
 
 def _call(name, *args, return_type="void"):
-    return TS.cuda.func_call(name, *args, source_code=_CLUSTER_HELPERS[name], return_type=return_type)
+    return TS.cuda.func_call(name, *args, source_code=_HELPERS[name], return_type=return_type)
 
 
 def _flat_index(idx, shape):

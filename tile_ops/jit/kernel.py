@@ -26,6 +26,11 @@ class KernelMeta:
     layouts: dict = field(default_factory=dict)
     # kept name -> TMA descriptor spec {"tensor", "dtype", "dims", ...} (INTERFACES.md); absent in old cache entries
     tensormaps: dict = field(default_factory=dict)
+    # a persistent kernel (persistent_tiles > 0) launches as many CTAs as fit at once (Kernel.grid_on);
+    # ``grid`` is the H200's count (132 SMs, or 16 clusters of 8)
+    ctas_per_sm: int = 1
+    cluster: int = 1
+    persistent_tiles: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -101,6 +106,15 @@ def _device_index(device) -> int:
     return torch.cuda.current_device()
 
 
+def _sm_count(index: int) -> int | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    except Exception:  # noqa: BLE001 - no CUDA torch (CPU tests on a fake driver)
+        return None
+
+
 def _current_stream_getter():
     """``stream(device_index)`` -> the current torch stream's raw handle.  torch's CUDA builds have a
     C getter; building a ``torch.cuda.Stream`` object per call costs microseconds."""
@@ -119,6 +133,7 @@ class Kernel:
         self.meta, self.source, self.cubin = meta, source, cubin
         self._function = None
         self._bound: dict = {}  # torch.device -> launch(ptrs), see launcher
+        self._grids: dict = {}  # device index -> launch grid (grid_on)
         self._entry_args = EntryArgs(meta)
         self._in_pos = [i for i in range(len(meta.params)) if i not in meta.out_idx]
 
@@ -161,6 +176,27 @@ class Kernel:
         outs = [args[i] for i in m.out_idx]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def grid_on(self, index: int) -> tuple:
+        """The launch grid on device ``index``: ``meta.grid``, except for a persistent kernel, whose CTAs
+        stride over its tiles by gridDim.x: as many as the device holds at once (SMs x CTAs per SM, or,
+        clustered, the clusters that fit, which depends on how the GPCs split the SMs), at most one per
+        tile.  Without CUDA (fake drivers in tests) or an occupancy answer, ``meta.grid``."""
+        m = self.meta
+        if not m.persistent_tiles:
+            return m.grid
+        grid = self._grids.get(index)
+        if grid is None:
+            resident = None
+            if m.cluster > 1:
+                clusters = self._fn().max_active_clusters(index, m.block[0])
+                resident = clusters * m.cluster if clusters > 0 else None
+            else:
+                sms = _sm_count(index)
+                resident = sms * m.ctas_per_sm if sms else None
+            ctas = m.grid[0] if resident is None else min(resident, m.persistent_tiles)
+            grid = self._grids[index] = (ctas, 1, 1)
+        return grid
+
     def launch_ptrs(self, ptrs, device):
         """Fast path for callers that validated their tensors: one pointer per parameter, in order."""
         self.launcher(device)(ptrs)
@@ -179,7 +215,7 @@ class Kernel:
         fn, m = self._fn(), self.meta
         launch, handle = fn.bind(index)
         build, stream = self._entry_args.build, _current_stream_getter()
-        grid, block, smem, name = m.grid, m.block, fn.smem_bytes, fn.name
+        grid, block, smem, name = self.grid_on(index), m.block, fn.smem_bytes, fn.name
 
         def bound(ptrs):
             launch(handle, grid, block, smem, stream(index), build(ptrs, index), name)
@@ -193,9 +229,10 @@ class Kernel:
         ``(buffer, tensor map spec or None)``.  ``scratch`` (the first free buffer) is unused: a
         single kernel needs none."""
         fn, m = self._fn(), self.meta
-        _, handle = fn.bind(_device_index(device))
+        index = _device_index(device)
+        _, handle = fn.bind(index)
         args = [(buffers[pos], None if tmap is None else m.tensormaps[tmap]) for pos, tmap in self._entry_args.sources]
-        return [], [(handle, m.grid, m.block, fn.smem_bytes, fn.name, args)]
+        return [], [(handle, self.grid_on(index), m.block, fn.smem_bytes, fn.name, args)]
 
     def launch(self, *tensors, stream=None):
         """Launch on explicit tensors for every parameter (inputs and outputs), checked first."""
@@ -221,4 +258,5 @@ class Kernel:
         ptrs = [t.data_ptr() for t in tensors]
         if stream is None:
             return self.launcher(device)(ptrs)
-        self._fn().launch(m.grid, m.block, self._entry_args.build(ptrs, device.index), stream, device.index)
+        index = _device_index(device)
+        self._fn().launch(self.grid_on(index), m.block, self._entry_args.build(ptrs, index), stream, index)

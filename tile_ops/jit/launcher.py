@@ -19,7 +19,7 @@ from .cache import cache_dir
 __all__ = ["get_launcher", "launcher_sources", "CudaFunction"]
 
 # Must match kApiVersion in csrc/launcher.cpp; an extension reporting another version is stale.
-API_VERSION = 3
+API_VERSION = 4
 SOURCES = ("launcher.cpp", "plans.cpp")
 
 _launcher: ModuleType | None = None
@@ -131,6 +131,11 @@ class CudaFunction:
                stream: int, device: int) -> None:
         launch, function = self.bind(device)
         launch(function, grid, block, self.smem_bytes, stream, args, self.name)
+
+    def max_active_clusters(self, device: int, block_threads: int) -> int:
+        """Clusters of this (__cluster_dims__) kernel resident at once on ``device``; -1 if unknown."""
+        _, function = self.bind(device)
+        return get_launcher().max_active_clusters(function, block_threads, self.smem_bytes)
 
     def unload(self) -> None:
         """Unload the cubin from every device it was loaded on (it reloads on the next launch)."""
