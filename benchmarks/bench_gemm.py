@@ -51,7 +51,11 @@ EXTRA_CONFIGS = {
                GemmConfig(64, 256, 64, 4, 128, 0), GemmConfig(64, 256, 64, 4, 128, 0, split_k=4),
                GemmConfig(64, 64, 64, 8, 128, 0), GemmConfig(64, 128, 64, 8, 128, 0, split_k=2),
                # 1000^3: two consumer warpgroups on the 64 tiles of 128x128
-               GemmConfig(128, 128, 64, 4, 256, 8, epilogue="shared")],
+               GemmConfig(128, 128, 64, 4, 256, 8, epilogue="shared"),
+               # clusters of 2 neighbouring M tiles: B's tile multicast, half the B bytes from L2 per CTA
+               GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared", cluster=2),
+               GemmConfig(128, 256, 64, 3, 256, 0, epilogue="shared", cluster=2),
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2)],
 }
 PAIRED_ROUNDS = 3
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}  # relative Frobenius error vs float64
@@ -60,12 +64,20 @@ PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.a
 
 def config_name(cfg):
     return (f"{cfg.block_M}x{cfg.block_N}x{cfg.block_K}/s{cfg.num_stages}/t{cfg.threads}"
-            + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + ("/tma-store" if cfg.epilogue == "shared" else ""))
+            + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + ("/tma-store" if cfg.epilogue == "shared" else "")
+            + (f"/cluster{cfg.cluster}" if cfg.cluster > 1 else "") + ("" if cfg.swizzle else "/no-raster"))
 
 
 def kernels_for(M, N, K, dtype, configs, arch):
-    # build_gemm: a split-K config is two kernels (partials, reduction) launched as one
-    return {cfg: build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch) for cfg in configs}
+    """{config: kernel}; build_gemm: a split-K config is two kernels (partials, reduction) launched as one.
+    A config the shape does not allow (a cluster not dividing the M tiles) is said and left out."""
+    out = {}
+    for cfg in configs:
+        try:
+            out[cfg] = build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
+        except ValueError as e:
+            print(f"{M}x{N}x{K} {dtype} {config_name(cfg)}: {e}", file=sys.stderr)
+    return out
 
 
 def tilelang_best(a, b, ref, dt, tflops):

@@ -420,7 +420,11 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
     assert "mbarrier.arrive.release.cluster.shared::cluster" in k.source
     assert "mbarrier.try_wait.parity.acquire.cluster" in k.source
     mix = k.instruction_mix()
-    assert mix["UCGABAR_ARV"] == 1 and mix["UCGABAR_WAIT"] == 1, mix  # only at entry: peers have started
+    # only at entry (consumers and the producer wait): peers have started before anything reaches them
+    assert mix["UCGABAR_ARV"] == 1 and mix["UCGABAR_WAIT"] == 2, mix
+    # A's tile is the same in every block of the cluster: each loads 16 of its 128 rows into all 8
+    assert k.meta.tensormaps["A_tmap"]["box"] == [64, 16] and k.meta.tensormaps["B_tmap"]["box"] == [64, 64]
+    assert "bytes.multicast::cluster" in k.source
     assert mix["UTMASTG"] == 4 and mix["HGMMA"] > 0  # one TMA store per 64-column panel, no rescale pass
 
 

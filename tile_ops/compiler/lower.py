@@ -65,9 +65,6 @@ class Lowerer:
         if self.cluster > 1 and not self.sm90:
             raise error(self.kernel.loc, f"cluster={self.cluster}: thread-block clusters need the sm_90a (Hopper) "
                                          f"target, this kernel is compiled for {arch}")
-        if self.cluster > 1 and self.kernel.swizzle_panel:
-            raise error(self.kernel.loc, "T.use_swizzle cannot reorder a clustered grid (a block's cluster rank is "
-                                         "its x index)")
         self.infer = LayoutInference(self.kernel, self.buffers, wgmma=self.sm90).run()
         self.ana = Analyzer()
         self.stages = self._stage_counts()
@@ -127,18 +124,21 @@ class Lowerer:
         return b.scope
 
     def _rasterize(self, ids):
-        """T.use_swizzle: walk the grid in panels of `panel` columns so consecutive blocks share tiles in L2."""
+        """T.use_swizzle: walk the grid in panels of `panel` columns so consecutive blocks share tiles in L2.
+        A cluster's blocks (neighbours along x) move as one column: the panels are of clusters."""
         panel = self.kernel.swizzle_panel
         if not panel:
             return ids
-        gx, gy = self.kernel.grid[0], self.kernel.grid[1]
-        bx, by = ids[0], ids[1]
+        n = self.cluster
+        gx, gy = self.kernel.grid[0] // n, self.kernel.grid[1]
+        bx, by = tirx.floordiv(ids[0], n), ids[1]
         linear = by * gx + bx
         per_panel = panel * gy
         pidx = tirx.floordiv(linear, per_panel)
         within = tirx.floormod(linear, per_panel)
         width = tirx.min(panel, gx - pidx * panel)
-        return [pidx * panel + tirx.floormod(within, width), tirx.floordiv(within, width)] + ids[2:]
+        x = pidx * panel + tirx.floormod(within, width)
+        return [x * n + tirx.floormod(ids[0], n) if n > 1 else x, tirx.floordiv(within, width)] + ids[2:]
 
     # ------------------------------------------------------------------ memory
 

@@ -23,6 +23,8 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..lang.ir import Copy, For, Gemm
+from tvm.tirx.analysis import undefined_vars
+
 from .exprs import collect_loads
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
@@ -36,7 +38,7 @@ REGISTERS = 65536  # per SM
 CORESIDENT_FRAGMENT_WORDS = 128
 PRODUCER_REGISTERS = 40  # per producer thread after setmaxnreg.dec: it only issues TMA and waits
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
-CLUSTER_SMS = 8  # the largest portable cluster: H200 GPCs hold two of them (16 of their 16-18 SMs)
+CLUSTER_SMS = 8  # the largest portable cluster size
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 _DESC_MODE = {128: 1, 64: 2, 32: 3}  # wgmma matrix-descriptor layout type
 _L2_PROMOTION_256B = 3
@@ -56,6 +58,7 @@ class WarpSpecialization:
     stores: list  # shared->global tile copies outside the loop (the epilogue), issued as TMA stores
     stages: int
     deferred_wait: bool  # the loop only issues gemms: keep one wgmma group in flight across iterations
+    multicast: list  # loads every block of the cluster makes alike: each loads 1/n of the rows for all n
 
 
 class Hopper:
@@ -83,7 +86,19 @@ class Hopper:
         deferred = bool(compute) and all(isinstance(s, Gemm) and self.is_wgmma(s) for s in compute)
         stores = [c for c in walk(k.body) if isinstance(c, Copy) and not _contains(loop, c)
                   and c.src.buffer.scope == "shared" and c.dst.buffer.scope == "global" and self._tma_ok(c)]
-        return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred)
+        same_steps = not any(_uses(o.extent, k.block_vars[0]) for o in outer + [loop])  # lockstep pipelines
+        multicast = [c for c in loads if same_steps and self._multicast_ok(c)]
+        return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred, multicast)
+
+    def _multicast_ok(self, c: Copy) -> bool:
+        """A load whose global window does not depend on the block's rank in its cluster (grid x) reads
+        the same tile in every block of the cluster: split into n row slices of whole 8-row swizzle
+        atoms, each block loads one slice into all n blocks (TMA multicast)."""
+        n, rank_var = self.lw.cluster, self.lw.kernel.block_vars[0]
+        rows = c.dst.buffer.shape[0]
+        if n == 1 or rows % (8 * n):
+            return False
+        return not any(_uses(x, rank_var) for x in c.src.starts)
 
     def _tma_ok(self, c: Copy) -> bool:
         """A tile copy between global and shared memory TMA can do: same dtype, a swizzled 2-D tile
@@ -112,13 +127,15 @@ class Hopper:
         """Encode one tensor map per (tensor, box) on the host; TVM passes each to the kernel as a
         ``const __grid_constant__ CUtensorMap`` parameter, which our launcher encodes at launch."""
         for c in self.ws.loads + self.ws.stores:
-            self._tensormap(c)
+            self._tensormap(c, self._slices(c))
 
-    def _tensormap(self, c: Copy) -> TensorMap:
+    def _tensormap(self, c: Copy, slices: int = 1) -> TensorMap:
+        """The tensor map of a copy's global side with a box of one swizzle panel by the tile's rows (or
+        by 1/``slices`` of them: a multicast load's share)."""
         g, t, _ = _global_side(c)
         lay = SharedLayout(t.shape[0], t.shape[1], dtype_bits(t.dtype))
         rank = len(g.shape)
-        box = [lay.panel, lay.rows] + [1] * (rank - 2)
+        box = [lay.panel, lay.rows // slices] + [1] * (rank - 2)
         key = (g, tuple(box))
         if key in self.tensormaps:
             return self.tensormaps[key]
@@ -161,10 +178,11 @@ class Hopper:
                    for b in lw.kernel.allocs if b.scope == "fragment")
 
     def resident_ctas(self) -> int:
-        """CTAs that run at once: one per SM (or two); clustered kernels launch a multiple of the cluster
-        that the GPCs hold whole (every H200 GPC has at least 16 SMs, so 128 of them in clusters of <= 8)."""
-        if self.lw.cluster > 1:
-            return SMS // CLUSTER_SMS * CLUSTER_SMS
+        """CTAs that run at once on an H200: one per SM (or two); for clustered kernels an estimate (GPCs hold
+        whole clusters; pairs fit the SM pairs), which the launcher replaces with the driver's count."""
+        n = self.lw.cluster
+        if n > 1:
+            return SMS // n * n if n <= 2 else SMS // CLUSTER_SMS * CLUSTER_SMS
         return SMS * self.ctas_per_sm
 
     def consumer_registers(self) -> int | None:
@@ -193,6 +211,15 @@ class Hopper:
         """The mbarrier on which T.cluster_allreduce ``i``'s values of tiles of ``parity`` complete."""
         return self.bars.ptr_to([self._pipeline_barriers() + 2 * i + parity])
 
+    def _slices(self, c: Copy) -> int:
+        return self.lw.cluster if any(c is m for m in self.ws.multicast) else 1
+
+    def _release_count(self) -> int:
+        """Arrivals that free a stage: one per consumer warp, of every block of the cluster when the
+        stage holds multicast rows (a peer's producer writes into this block's stage too)."""
+        per_block = self.lw.threads // 32
+        return per_block * self.lw.cluster if self.ws.multicast else per_block
+
     def init_barriers(self):
         """Thread 0 initializes the pipeline's and the cluster exchanges' mbarriers; then every thread of a
         cluster's blocks arrives on the cluster barrier (release: the initialized barriers are visible
@@ -205,7 +232,7 @@ class Hopper:
             with T.Then():
                 for s in range(self.ws.stages if self.ws else 0):
                     emit_ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
-                    emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), lw.threads // 32)  # see release
+                    emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), self._release_count())  # see release
                 for i, node in enumerate(lw.cluster_reduces):  # every owner thread of every block arrives
                     for parity in (0, 1):
                         emit_ptx("mbarrier.init.shared::cta.b64", self.exchanged(i, parity),
@@ -268,9 +295,13 @@ class Hopper:
                     with T.Then():
                         for tm in self.tensormaps.values():  # descriptor fetch off the first load's path
                             emit_ptx("prefetch.tensormap", T.address_of(tm.var))
+                        if ws.multicast:  # peers' shared memory exists and their barriers are initialized
+                            emit_ptx("barrier.cluster.wait.acquire")
                         cnt = self.step_counter()
                         with self.tiles(cta):
                             self.producer_nest(self.ws.outer, {}, cnt)
+                        if ws.multicast:
+                            self.producer_tail(cnt)
             with T.Else():
                 if regs:
                     emit_ptx("setmaxnreg.inc.sync.aligned.u32", regs)
@@ -309,18 +340,39 @@ class Hopper:
                 self.tma_load(c, {**vm, node.var: k}, s)
             T.buffer_store(cnt, cnt[0] + 1, [0])
 
+    def producer_tail(self, cnt):
+        """Before the producer exits, wait until every stage is released once more: the peers' consumers
+        arrive on this block's empty barriers, so the block must outlive their last arrivals."""
+        S = self.ws.stages
+        for _ in range(S):
+            s = tirx.floormod(cnt[0], S)
+            T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
+            T.buffer_store(cnt, cnt[0] + 1, [0])
+
     def tma_load(self, c: Copy, vm, stage):
+        """One box per swizzle panel; a multicast load's box is this block's 1/n of the rows, written
+        into the same place of every block of the cluster (each block's full barrier counts them)."""
         lw = self.lw
         t = lw.shared[c.dst.buffer]
-        tm = self._tensormap(c)
+        n = self._slices(c)
+        tm = self._tensormap(c, n)
         starts = [lw.expr(x, vm) for x in c.src.starts]
         coords = list(reversed(starts))
         rank = len(coords)
+        kind = f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        if n > 1:
+            me = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
+            rows = t.layout.rows // n
         for p in range(t.layout.cols // t.layout.panel):
-            dst = t.view.ptr_to([lw.stage_base(t, stage) + p * t.layout.panel_elems])
+            dst = lw.stage_base(t, stage) + p * t.layout.panel_elems
             cs = [coords[0] + p * t.layout.panel] + coords[1:]
-            emit_ptx(f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes",
-                 dst, T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage))
+            if n == 1:
+                emit_ptx(kind, t.view.ptr_to([dst]), T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage))
+                continue
+            cs[1] = cs[1] + me * rows
+            emit_ptx(kind + ".multicast::cluster", t.view.ptr_to([dst + me * rows * t.layout.panel]),
+                     T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage),
+                     tirx.const((1 << n) - 1, "uint16"))
 
     def tma_store(self, c: Copy, vm):
         """The epilogue's shared->global tile copy through TMA.  The body's barrier before it already
@@ -383,7 +435,10 @@ class Hopper:
         per-thread arrive."""
         with T.If(tirx.floormod(self.lw.tid, 32) == 0):
             with T.Then():
-                emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
+                if not self.ws.multicast:
+                    emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
+                for peer in range(self.lw.cluster if self.ws.multicast else 0):  # every block's copy of stage s
+                    T.evaluate(_call("tile_ops_cluster_arrive", self.empty(s), tirx.const(peer, "uint32")))
 
     # ------------------------------------------------------------------ thread-block clusters
 
@@ -568,6 +623,10 @@ def _pipelined_loops(body, outer):
             if n.kind == "pipelined":
                 yield n, list(outer)
             yield from _pipelined_loops(n.body, outer + [n])
+
+
+def _uses(e, var) -> bool:
+    return not isinstance(e, (int, float)) and any(v.same_as(var) for v in undefined_vars(e))
 
 
 def _pure(e) -> bool:

@@ -23,8 +23,11 @@ class GemmConfig:
     policy: str = "square"  # T.gemm warp policy: "square" | "full_row" | "full_col"
     split_k: int = 1  # > 1: K split over this many CTAs per tile, fp32 partials reduced by a second kernel
     epilogue: str = "direct"  # "direct": registers -> global; "shared": through a shared tile (TMA store on sm_90a)
+    cluster: int = 1  # > 1 (sm_90a): clusters of neighbouring M tiles of one N tile, B's tile multicast to them
 
     def __post_init__(self):
+        if not 1 <= self.cluster <= 8:
+            raise ValueError(f"GemmConfig.cluster={self.cluster}: must be in [1, 8]")
         if self.split_k < 1:
             raise ValueError(f"GemmConfig.split_k={self.split_k}: must be >= 1")
         if self.epilogue not in ("direct", "shared"):
@@ -146,8 +149,15 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
 
+    clustered = cfg.cluster > 1  # grid x is the cluster's dim: M tiles, so the cluster's blocks share B's tile
+    grid = [T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits]
+    if clustered and grid[1] % cfg.cluster:
+        raise ValueError(f"gemm: cluster={cfg.cluster} must divide the {grid[1]} row tiles of M={M} (block_M={bM})")
+
     def body(A, B, Bias, C):
-        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits, threads=cfg.threads) as (bx, by, bz):
+        with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
+                      cluster=cfg.cluster) as ids:
+            by, bx, bz = ids if clustered else (ids[1], ids[0], ids[2])
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
             A_s = T.alloc_shared(A_tile, dtype)
