@@ -99,6 +99,7 @@ def main():
     p.add_argument("--arch", default=default_arch(), choices=sorted(PATHS))
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time a few block configs, report the best")
+    p.add_argument("--config-filter", help="with --configs: only the extra configs whose name contains this")
     p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
     p.add_argument("--tilelang", action="store_true", help="add TileLang's 20-line GEMM (needs tilelang)")
     p.add_argument("--compile-only", action="store_true",
@@ -110,7 +111,8 @@ def main():
     args.png = png_path_or_none(args.png)
     jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes
             if not args.shapes or f"{M}x{N}x{K}" in args.shapes.split(",")]
-    extra = EXTRA_CONFIGS[args.arch] if args.configs else []
+    extra = [c for c in EXTRA_CONFIGS[args.arch] if not args.config_filter or args.config_filter in config_name(c)] \
+        if args.configs else []
     configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + [
         c for c in extra if c.split_k == 1 or job[0] * job[1] <= 1024 * 1024])) for job in jobs}  # split K: short grids
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
