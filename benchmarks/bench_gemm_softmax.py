@@ -72,17 +72,19 @@ def main():
     p.add_argument("--configs", action="store_true", help="also time a few other fused configs, report the best")
     p.add_argument("--parts", action="store_true", help="also time the reported config without its rescale pass "
                                                          "and without its softmax math")
+    p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
+    shapes = [s for s in SHAPES if not args.shapes or "x".join(map(str, s)) in args.shapes.split(",")]
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:
         fused = list(pool.map(lambda s: build(s, list(dict.fromkeys([default_config(*s)] + (
-            EXTRA_CONFIGS if args.configs else [])))), SHAPES))
+            EXTRA_CONFIGS if args.configs else [])))), shapes))
         plain = list(pool.map(lambda s: gemm(*s, 1, 1, 1, False, False, False, "float16", "float16",
-                                             gemm_config(*s)), SHAPES))
+                                             gemm_config(*s)), shapes))
     rows = []
-    for (M, N, K), kernels, kg in zip(SHAPES, fused, plain):
+    for (M, N, K), kernels, kg in zip(shapes, fused, plain):
         a = torch.randn(M, K, dtype=torch.float16, device="cuda")
         b = torch.randn(K, N, dtype=torch.float16, device="cuda")
         out = torch.empty(M, N, dtype=torch.float16, device="cuda")

@@ -11,7 +11,7 @@
 //   get_function(module: int, name: str, dynamic_smem_bytes: int) -> int
 //   launch(function, grid, block, smem, stream, args: list[int | bytes], kernel_name)
 //   unload_module(module: int) -> None
-//   max_active_clusters(function: int, block_threads: int, smem: int) -> int  (-1: unknown)
+//   max_active_clusters(function: int, cluster: int, block_threads: int, smem: int) -> int  (-1: unknown)
 //   driver_available() -> bool
 //   encode_tensor_map(dtype, global_address, dims, strides_bytes, box, element_strides, swizzle,
 //                     interleave=0, l2_promotion=2, oob_fill=0, device=None) -> bytes  (a CUtensorMap)
@@ -256,7 +256,7 @@ void unload_module(uint64_t module_handle) {
 // How many clusters of a kernel with compile-time cluster dims (__cluster_dims__) can be resident at
 // once: a persistent clustered kernel launches that many.  GPCs hold whole clusters, so it is not the
 // SM count over the cluster size.  -1 when the driver cannot say (older than CUDA 12.0).
-int max_active_clusters(uint64_t function, unsigned block_threads, unsigned smem) {
+int max_active_clusters(uint64_t function, unsigned cluster, unsigned block_threads, unsigned smem) {
   std::lock_guard<std::mutex> lock(g_mutex);
   require_driver_locked();
   CUfunction fn = reinterpret_cast<CUfunction>(function);
@@ -266,7 +266,8 @@ int max_active_clusters(uint64_t function, unsigned block_threads, unsigned smem
   if (g_drv.cuOccupancyMaxActiveClusters == nullptr) return -1;
   ContextScope scope(it->second.ctx, nullptr);
   CUlaunchConfig config{};
-  config.gridDimX = config.gridDimY = config.gridDimZ = 1;
+  config.gridDimX = cluster;  // a grid of one cluster (the driver rejects grids the cluster does not divide)
+  config.gridDimY = config.gridDimZ = 1;
   config.blockDimX = block_threads;
   config.blockDimY = config.blockDimZ = 1;
   config.sharedMemBytes = smem;
@@ -587,7 +588,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Launch a kernel; each arg is an int (a 64-bit value, e.g. a device pointer) or bytes\n"
         "passed by value from an aligned copy (e.g. a CUtensorMap from encode_tensor_map).");
   m.def("unload_module", &unload_module, py::arg("module"));
-  m.def("max_active_clusters", &max_active_clusters, py::arg("function"), py::arg("block_threads"),
+  m.def("max_active_clusters", &max_active_clusters, py::arg("function"), py::arg("cluster"), py::arg("block_threads"),
         py::arg("smem"), "Clusters of a __cluster_dims__ kernel that fit at once; -1 if the driver cannot say.");
   m.def("driver_available", &driver_available,
         "True if libcuda.so.1 loads and cuInit succeeds.");

@@ -127,8 +127,8 @@ class _FakeFunction:
     def __init__(self, clusters):
         self.clusters, self.calls = clusters, []
 
-    def max_active_clusters(self, device, block_threads):
-        self.calls.append((device, block_threads))
+    def max_active_clusters(self, device, cluster, block_threads):
+        self.calls.append((device, cluster, block_threads))
         return self.clusters
 
 
@@ -144,7 +144,7 @@ def test_persistent_clustered_grid_is_the_clusters_that_fit(monkeypatch):
     whose GPCs cannot all take two), never more CTAs than tiles; asked once per device."""
     k = _persistent(cluster=8, grid=(128, 1, 1))
     k._function = fn = _FakeFunction(15)
-    assert k.grid_on(0) == (120, 1, 1) and k.grid_on(0) == (120, 1, 1) and fn.calls == [(0, 384)]
+    assert k.grid_on(0) == (120, 1, 1) and k.grid_on(0) == (120, 1, 1) and fn.calls == [(0, 8, 384)]
     small = _persistent(cluster=8, tiles=64, grid=(64, 1, 1))
     small._function = _FakeFunction(15)
     assert small.grid_on(0) == (64, 1, 1)

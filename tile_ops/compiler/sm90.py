@@ -438,7 +438,7 @@ class Hopper:
                 if not self.ws.multicast:
                     emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
                 for peer in range(self.lw.cluster if self.ws.multicast else 0):  # every block's copy of stage s
-                    T.evaluate(_call("tile_ops_cluster_arrive", self.empty(s), tirx.const(peer, "uint32")))
+                    T.evaluate(_call("tile_ops_cluster_release", self.empty(s), tirx.const(peer, "uint32")))
 
     # ------------------------------------------------------------------ thread-block clusters
 
@@ -581,6 +581,15 @@ __forceinline__ __device__ void tile_ops_cluster_arrive(uint64_t* bar, unsigned 
   unsigned a = (unsigned)__cvta_generic_to_shared(bar), r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(r) : "memory");
+}
+""",
+    # a stage's release orders only this warp's reads of it (done: the wgmma wait), so the arrive is
+    # relaxed to CTA scope; the cluster-scope release of tile_ops_cluster_arrive costs a fence each
+    "tile_ops_cluster_release": """
+__forceinline__ __device__ void tile_ops_cluster_release(uint64_t* bar, unsigned peer) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(bar), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(r) : "memory");
 }
 """,
     "tile_ops_cluster_wait": """

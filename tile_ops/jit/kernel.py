@@ -188,7 +188,7 @@ class Kernel:
         if grid is None:
             resident = None
             if m.cluster > 1:
-                clusters = self._fn().max_active_clusters(index, m.block[0])
+                clusters = self._fn().max_active_clusters(index, m.cluster, m.block[0])
                 resident = clusters * m.cluster if clusters > 0 else None
             else:
                 sms = _sm_count(index)

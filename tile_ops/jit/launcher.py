@@ -132,10 +132,11 @@ class CudaFunction:
         launch, function = self.bind(device)
         launch(function, grid, block, self.smem_bytes, stream, args, self.name)
 
-    def max_active_clusters(self, device: int, block_threads: int) -> int:
-        """Clusters of this (__cluster_dims__) kernel resident at once on ``device``; -1 if unknown."""
+    def max_active_clusters(self, device: int, cluster: int, block_threads: int) -> int:
+        """Clusters of this kernel (compiled with __cluster_dims__(cluster, 1, 1)) resident at once on
+        ``device``; -1 if the driver cannot say."""
         _, function = self.bind(device)
-        return get_launcher().max_active_clusters(function, block_threads, self.smem_bytes)
+        return get_launcher().max_active_clusters(function, cluster, block_threads, self.smem_bytes)
 
     def unload(self) -> None:
         """Unload the cubin from every device it was loaded on (it reloads on the next launch)."""
