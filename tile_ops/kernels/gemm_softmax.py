@@ -49,21 +49,20 @@ def _every_block_has_columns(N: int, cfg: SoftmaxConfig) -> bool:
     return (cfg.split - 1) * block_columns(N, cfg) < N
 
 
-def _split_for(N: int, block_N: int) -> int:
-    """The cluster size that gives each block one column tile, or 1 (a block walks all N) when the
-    row is wider than a portable cluster of tiles."""
-    tiles = -(-N // block_N)
-    return tiles if tiles <= MAX_CLUSTER else 1
+def _widest_split(N: int, cfg: SoftmaxConfig) -> int:
+    """The largest cluster (<= 8 blocks) over which a row of N columns splits into whole tiles, each block
+    getting some: ceil(N / block_N) blocks of one tile when that is <= 8."""
+    return max(s for s in range(1, MAX_CLUSTER + 1) if _every_block_has_columns(N, replace(cfg, split=s)))
 
 
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxConfig:
+    """sm_90a: 128x256 tiles, a row split over a cluster of up to 8 blocks (one tile each up to N = 2048,
+    then short walks): bench_gemm_softmax.py --configs on the H200, NOTES.md v5."""
     if (arch or default_arch()) == "sm_90a":
         if N <= 64:  # one 64-wide tile per row block, a block per 64 rows
             return SoftmaxConfig(block_M=64, block_N=64, block_K=64, num_stages=4, threads=128)
-        if N <= MAX_CLUSTER * 256:  # a cluster of 128x256 tiles covers the row: one pass, scores in registers
-            return SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=_split_for(N, 256))
-        # wider rows: 64-row blocks walk N (TMA stages of 64-wide K feed one wgmma warpgroup)
-        return SoftmaxConfig(block_M=64, block_N=128, block_K=64, num_stages=4, threads=128)
+        tiles = SoftmaxConfig(128, 256, 64, 3, 256, "full_row")
+        return replace(tiles, split=_widest_split(N, tiles))
     return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
 
 
