@@ -84,7 +84,7 @@ def host_stages(a, b):
     index = a.device.index
     kernel = importlib.import_module("tile_ops.kernels.gemm").get_gemm_kernel(a[None], b[None], out[None])[0]
     lib_launch, handle = kernel._fn().bind(index)
-    grid, block, smem, name = kernel.meta.grid, kernel.meta.block, kernel._fn().smem_bytes, kernel._fn().name
+    grid, block, smem, name = kernel.grid_on(index), kernel.meta.block, kernel._fn().smem_bytes, kernel._fn().name
     ptrs = [a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()]
     stream, args = torch._C._cuda_getCurrentRawStream(index), kernel._entry_args.build(ptrs, index)
     stages = {

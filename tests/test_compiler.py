@@ -436,6 +436,20 @@ def test_cluster_allreduce_owner_threads_write_each_row_once():
     assert "__cluster_dims__(2, 1, 1)" in c.source and "% 4) == 0) {" in c.source
 
 
+@needs_nvcc
+@pytest.mark.parametrize("N, split", [(640, 3), (2304, 5), (3072, 6)])
+def test_persistent_clustered_grid_is_whole_clusters(N, split):
+    """Rows of 3, 5 or 6 tiles split over clusters of that size: the persistent grid (before the
+    launcher asks the driver) is a multiple of the cluster, so a cluster's blocks walk the same tiles."""
+    from tile_ops.kernels.gemm_softmax import default_config
+
+    cfg = default_config(8192, N, 1024, "sm_90a")
+    assert cfg.split == split
+    k = gemm_softmax(8192, N, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    assert k.meta.persistent_tiles == 64 * split and k.meta.grid[0] % split == 0 and k.meta.grid[0] <= 132
+    assert f"__cluster_dims__({split}, 1, 1)" in k.source
+
+
 def test_cluster_errors_say_what_is_accepted():
     with pytest.raises(tile_ops.lang.TileLangError, match="sm_90a"):
         compile_program(_row_max_over_cluster(), "sm_80")
@@ -443,6 +457,18 @@ def test_cluster_errors_say_what_is_accepted():
         _row_max_over_cluster(cluster=3, grid_x=4)
     with pytest.raises(tile_ops.lang.TileLangError, match=r"needs a clustered kernel"):
         _row_max_over_cluster(cluster=1, grid_x=2)
+
+    def in_a_loop():
+        @T.prim_func
+        def exchange_per_step(X: T.Tensor((64, 128), "float32")):
+            with T.Kernel(2, threads=128, cluster=2) as bx:
+                m = T.alloc_fragment((64,), "float32")
+                for i in T.serial(2):
+                    T.cluster_allreduce(m, "max")
+        return exchange_per_step
+
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"top level, not inside a loop"):
+        in_a_loop()
     from tile_ops.kernels.gemm_softmax import SoftmaxConfig
 
     with pytest.raises(ValueError, match=r"split=9: must be in \[1, 8\]"):

@@ -57,3 +57,10 @@ def collect_loads(expr) -> list:
 
     rewrite(expr, on_load=on_load)
     return found
+
+
+def uses(e, var) -> bool:
+    """Whether expression ``e`` mentions ``var``."""
+    from tvm.tirx.analysis import undefined_vars
+
+    return not isinstance(e, (int, float)) and any(v.same_as(var) for v in undefined_vars(e))

@@ -15,12 +15,11 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.sym.analyzer import Analyzer
 from tvm.tirx import op as top
-from tvm.tirx.analysis import undefined_vars
 from tvm.tirx.script import builder as T
 
 from ..lang import ir
 from ..lang.ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
-from .exprs import collect_loads, rewrite
+from .exprs import collect_loads, rewrite, uses
 from .infer import LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
 from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx
@@ -634,7 +633,7 @@ class Lowerer:
         depends on j, the scalar where not; None where ``e`` is more than arithmetic and casts of
         contiguous loads, or has a value wider than 16 bytes (CUDA has no such vector types): the
         caller then takes a narrower vector or stays scalar."""
-        if not _uses(e, j):
+        if not uses(e, j):
             return self.expr(e, vm, guard=True)
         if vec * dtype_bits(str(e.ty)) > 128:
             return None
@@ -655,7 +654,7 @@ class Lowerer:
         """``buf[..., base + j]`` with j nowhere else, and ``vec`` elements from ``base + j`` (j a multiple
         of vec) one aligned access."""
         base = self.ana.simplify(idx[-1] - j)
-        if any(_uses(i, j) for i in [base, *idx[:-1]]):
+        if any(uses(i, j) for i in [base, *idx[:-1]]):
             return False
         return self._vector_ok(buf, self.expr(base), vec)
 
@@ -793,10 +792,6 @@ def _cast(v, dtype):
         return tirx.const(v, dtype)
     dtype = _vtype(dtype, v.ty.dtype.lanes)
     return v if str(v.ty) == dtype else tirx.Cast(dtype, v)
-
-
-def _uses(e, var) -> bool:
-    return not isinstance(e, (int, float)) and any(v.same_as(var) for v in undefined_vars(e))
 
 
 def _broadcast(v, vec):

@@ -23,9 +23,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..lang.ir import Copy, For, Gemm
-from tvm.tirx.analysis import undefined_vars
-
-from .exprs import collect_loads
+from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
 
@@ -86,7 +84,7 @@ class Hopper:
         deferred = bool(compute) and all(isinstance(s, Gemm) and self.is_wgmma(s) for s in compute)
         stores = [c for c in walk(k.body) if isinstance(c, Copy) and not _contains(loop, c)
                   and c.src.buffer.scope == "shared" and c.dst.buffer.scope == "global" and self._tma_ok(c)]
-        same_steps = not any(_uses(o.extent, k.block_vars[0]) for o in outer + [loop])  # lockstep pipelines
+        same_steps = not any(uses(o.extent, k.block_vars[0]) for o in outer + [loop])  # lockstep pipelines
         multicast = [c for c in loads if same_steps and self._multicast_ok(c)]
         return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred, multicast)
 
@@ -98,7 +96,7 @@ class Hopper:
         rows = c.dst.buffer.shape[0]
         if n == 1 or rows % (8 * n):
             return False
-        return not any(_uses(x, rank_var) for x in c.src.starts)
+        return not any(uses(x, rank_var) for x in c.src.starts)
 
     def _tma_ok(self, c: Copy) -> bool:
         """A tile copy between global and shared memory TMA can do: same dtype, a swizzled 2-D tile
@@ -181,8 +179,8 @@ class Hopper:
         """CTAs that run at once on an H200: one per SM (or two); for clustered kernels an estimate (GPCs hold
         whole clusters; pairs fit the SM pairs), which the launcher replaces with the driver's count."""
         n = self.lw.cluster
-        if n > 1:
-            return SMS // n * n if n <= 2 else SMS // CLUSTER_SMS * CLUSTER_SMS
+        if n > 1:  # a multiple of n: the blocks of a cluster must walk the same tiles in lockstep
+            return SMS // n * n if n <= 2 else SMS // CLUSTER_SMS * CLUSTER_SMS // n * n
         return SMS * self.ctas_per_sm
 
     def consumer_registers(self) -> int | None:
@@ -449,8 +447,9 @@ class Hopper:
         own barrier (acquire, cluster scope) and reduces the slots of its elements.  Only the consumers
         take part, so a persistent producer runs ahead freely.  Buffer and barrier alternate with the
         tile's parity: a peer can be at most one exchange ahead (it needs this block's values of the
-        next tile, sent after this block has read this one's), so it never overwrites unread values,
-        and nothing reaches a block after its last wait, so blocks exit independently."""
+        next tile, sent after a consumer barrier that follows this block's reads of this one's), so it
+        never overwrites unread values; nothing of the exchange reaches a block after its last wait.
+        One exchange per tile: the frontend refuses T.cluster_allreduce inside a loop."""
         lw = self.lw
         buf, n = node.buffer, lw.cluster
         i = next(j for j, c in enumerate(lw.cluster_reduces) if c is node)
@@ -461,6 +460,9 @@ class Hopper:
         flat = [_flat_index(lay.coords(lw.tid, r), buf.shape) for r in range(lay.local_size)]
         rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
         owner = lay.owner(lw.tid)
+        # every consumer is done reading this buffer's previous use (two tiles ago) before the owners'
+        # arrivals let a peer run ahead and overwrite it
+        lw.sync()
         with T.If(owner if owner is not None else tirx.const(True, "bool")):
             with T.Then():
                 for r in range(lay.local_size):
@@ -632,10 +634,6 @@ def _pipelined_loops(body, outer):
             if n.kind == "pipelined":
                 yield n, list(outer)
             yield from _pipelined_loops(n.body, outer + [n])
-
-
-def _uses(e, var) -> bool:
-    return not isinstance(e, (int, float)) and any(v.same_as(var) for v in undefined_vars(e))
 
 
 def _pure(e) -> bool:

@@ -194,6 +194,7 @@ class Kernel:
                 sms = _sm_count(index)
                 resident = sms * m.ctas_per_sm if sms else None
             ctas = m.grid[0] if resident is None else min(resident, m.persistent_tiles)
+            assert ctas % m.cluster == 0, (ctas, m.cluster)  # whole clusters walk the same tiles in lockstep
             grid = self._grids[index] = (ctas, 1, 1)
         return grid
 

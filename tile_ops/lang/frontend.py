@@ -191,9 +191,12 @@ def cluster_allreduce(buffer, op):
         raise error(user_loc(), f"T.cluster_allreduce: op={op!r}, accepted: 'max', 'sum'")
     if not isinstance(buffer, TileBuffer) or buffer.scope != "fragment" or buffer.dtype != "float32":
         raise error(user_loc(), "T.cluster_allreduce: the buffer must be a whole float32 fragment")
-    k = ir.tracer().kernel
-    if k is None or k.cluster == 1:
+    t = ir.tracer()
+    if t.kernel is None or t.kernel.cluster == 1:
         raise error(user_loc(), "T.cluster_allreduce needs a clustered kernel: T.Kernel(..., cluster=n) with n > 1")
+    if len(t.bodies) > 1:  # exchange slots alternate per tile, not per loop iteration
+        raise error(user_loc(), "T.cluster_allreduce must be at the kernel's top level, not inside a loop "
+                                "(combine once per tile, after the loop)")
     emit(ClusterReduce(op, buffer))
 
 
