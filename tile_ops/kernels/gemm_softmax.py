@@ -41,8 +41,9 @@ class SoftmaxConfig:
 
 
 def block_columns(N: int, cfg: SoftmaxConfig) -> int:
-    """Columns each of a row block's ``split`` blocks owns: whole column tiles."""
-    return -(-(-(-N // cfg.split)) // cfg.block_N) * cfg.block_N
+    """Columns each of a row block's ``split`` blocks owns: its share of N, rounded up to whole tiles."""
+    share = -(-N // cfg.split)
+    return -(-share // cfg.block_N) * cfg.block_N
 
 
 def _every_block_has_columns(N: int, cfg: SoftmaxConfig) -> bool:
