@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_ms, fastest_correct, png_path_or_none, print_table, save  # noqa: E402
+from common import bench_ms, fastest_correct, pick_shapes, png_path_or_none, print_table, save  # noqa: E402
 import tilelang_matmul  # noqa: E402
 
 from tile_ops.jit import default_arch  # noqa: E402
@@ -109,8 +109,7 @@ def main():
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
-    jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in shapes
-            if not args.shapes or f"{M}x{N}x{K}" in args.shapes.split(",")]
+    jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in pick_shapes(shapes, args.shapes)]
     extra = [c for c in EXTRA_CONFIGS[args.arch] if not args.config_filter or args.config_filter in config_name(c)] \
         if args.configs else []
     configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + [

@@ -4,8 +4,8 @@
 
 ``--configs`` also times a few other configs of the fused kernel (each checked against float64 first) and
 reports the fastest; the table's ``config`` column names it.  ``--parts`` adds, for the reported config,
-the kernel without its final rescale pass and without its softmax math (``gemm_softmax(parts=...)``):
-where the fused kernel's time goes beyond its GEMM.
+the kernel without its normalization (the final rescale pass, or the cluster exchange) and without its
+softmax math too (``gemm_softmax(parts=...)``): where the fused kernel's time goes beyond its GEMM.
 """
 
 import argparse
@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_ms, fastest_correct, png_path_or_none, print_table, save  # noqa: E402
+from common import bench_ms, fastest_correct, pick_shapes, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.kernels.gemm import default_config as gemm_config, gemm  # noqa: E402
 from tile_ops.kernels.gemm_softmax import LOG2E, SoftmaxConfig, default_config, gemm_softmax  # noqa: E402
@@ -77,7 +77,7 @@ def main():
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
-    shapes = [s for s in SHAPES if not args.shapes or "x".join(map(str, s)) in args.shapes.split(",")]
+    shapes = pick_shapes(SHAPES, args.shapes)
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:
         fused = list(pool.map(lambda s: build(s, list(dict.fromkeys([default_config(*s)] + (
             EXTRA_CONFIGS if args.configs else [])))), shapes))

@@ -31,6 +31,11 @@ def fastest_correct(kernels, check, run, tolerance, name, unit):
     return best
 
 
+def pick_shapes(shapes, spec):
+    """The (M, N, K) of ``shapes`` named in ``spec`` ("MxNxK,MxNxK"; None: all)."""
+    return [s for s in shapes if not spec or "x".join(map(str, s)) in spec.split(",")]
+
+
 def print_table(rows, columns, title):
     widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in columns]
     print(f"\n{title}")

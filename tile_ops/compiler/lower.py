@@ -5,8 +5,10 @@ pipelines.  TVM's CUDA code generator then turns the PrimFunc into CUDA source (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import tvm.ir.prim.expr as px
 from tvm import tirx
@@ -43,6 +45,14 @@ class LoweredKernel:
     ctas_per_sm: int = 1  # CTAs meant to be resident per SM (__launch_bounds__'s minimum blocks)
     cluster: int = 1  # blocks per thread-block cluster along x (__cluster_dims__)
     persistent_tiles: int = 0  # > 0: CTAs loop over this many tiles with a stride of gridDim.x (see Kernel.grid)
+
+
+class MemoryPlan(NamedTuple):
+    tiles: list  # [(buffer, byte offset, elems per stage, stages, layout)]
+    scratch_offset: int  # cross-warp reduction scratch
+    exchanges: list  # [(T.cluster_allreduce node, byte offset, float32 slots)]
+    barrier_offset: int  # mbarriers
+    total: int  # bytes
 
 
 @dataclass
@@ -154,13 +164,13 @@ class Lowerer:
     def _align(self, n: int) -> int:
         return _align(n, ALIGN_SM90 if self.sm90 else ALIGN)
 
-    def memory_plan(self):
-        """Shared arena layout: ([(buffer, byte offset, elems per stage, stages, layout)], scratch offset,
-        mbarrier offset, total bytes).  Pure, so the Hopper planner can size CTAs before emitting."""
-        offset, tiles = 0, []
+    def memory_plan(self) -> MemoryPlan:
+        """Shared arena layout: tiles, reduction scratch, cluster exchange slots, mbarriers.  Pure, so the
+        Hopper planner can size CTAs before emitting."""
+        offset, tiles, exchanges = 0, [], []
         for b in self.kernel.allocs:
             if b.scope == "shared":
-                elems = _elems(b.shape)
+                elems = math.prod(b.shape)
                 stages = self.stages.get(b, 1)
                 lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
                 tiles.append((b, offset, elems, stages, lay))
@@ -168,12 +178,11 @@ class Lowerer:
         scratch_offset = offset
         offset += _align(self._scratch_bytes())
         for node in self.cluster_reduces:  # two sets of slots: consecutive tiles alternate (see cluster_allreduce)
-            slots = 2 * self.cluster * _elems(node.buffer.shape)
-            tiles.append((node, offset, slots, 1, None))
+            slots = 2 * self.cluster * math.prod(node.buffer.shape)
+            exchanges.append((node, offset, slots))
             offset += _align(slots * 4)
-        barrier_offset = offset
-        total = barrier_offset + (self.hopper.barrier_bytes() if self.hopper else 0)
-        return tiles, scratch_offset, barrier_offset, total
+        total = offset + (self.hopper.barrier_bytes() if self.hopper else 0)
+        return MemoryPlan(tiles, scratch_offset, exchanges, offset, total)
 
     def _declare_memory(self) -> int:
         self.shared, self.frags, self.locals = {}, {}, {}
@@ -185,17 +194,12 @@ class Lowerer:
             elif b.scope != "shared":
                 self.locals[b] = T.alloc_local(list(b.shape), b.dtype)
                 IRBuilder.name(b.name, self.locals[b])
-        tiles, self.scratch_offset, barrier_offset, total = self.memory_plan()
+        plan = self.memory_plan()
+        self.scratch_offset, total = plan.scratch_offset, plan.total
         if total:
             arena = T.alloc_buffer((total,), "uint8", scope="shared.dyn")
             IRBuilder.name("smem", arena)
-            self.exchange = {}
-            for b, off, elems, stages, lay in tiles:
-                if isinstance(b, ClusterReduce):  # the cluster's values of one T.cluster_allreduce, by rank
-                    self.exchange[id(b)] = T.decl_buffer((elems,), "float32", data=arena.data, scope="shared.dyn",
-                                                     elem_offset=off // 4)
-                    IRBuilder.name(f"{b.buffer.name}_cluster", self.exchange[id(b)])
-                    continue
+            for b, off, elems, stages, lay in plan.tiles:
                 view = T.decl_buffer((elems * stages,), b.dtype, data=arena.data, scope="shared.dyn",
                                      elem_offset=off * 8 // dtype_bits(b.dtype))
                 IRBuilder.name(b.name, view)
@@ -203,8 +207,13 @@ class Lowerer:
             self.scratch = T.decl_buffer((max(1, self._scratch_bytes() // 4),), "float32", data=arena.data,
                                          scope="shared.dyn", elem_offset=self.scratch_offset // 4)
             IRBuilder.name("reduce_scratch", self.scratch)
+            self.exchange = {}  # id(T.cluster_allreduce node) -> its slots, by rank
+            for node, off, slots in plan.exchanges:
+                self.exchange[id(node)] = T.decl_buffer((slots,), "float32", data=arena.data, scope="shared.dyn",
+                                                        elem_offset=off // 4)
+                IRBuilder.name(f"{node.buffer.name}_cluster", self.exchange[id(node)])
             if self.hopper:
-                self.hopper.bind_barriers(arena, barrier_offset)
+                self.hopper.bind_barriers(arena, plan.barrier_offset)
         if total > SMEM_LIMIT:
             raise error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit is "
                                          f"{SMEM_LIMIT} (reduce block sizes or num_stages)")
@@ -575,7 +584,7 @@ class Lowerer:
             with T.unroll(0, self.infer.layouts[b].local_size) as r:
                 T.buffer_store(self.frags[b], _cast(value, b.dtype), [r])
         elif b.scope == "local":
-            with T.unroll(0, _elems(b.shape)) as r:
+            with T.unroll(0, math.prod(b.shape)) as r:
                 T.buffer_store(self.locals[b], _cast(value, b.dtype), [r] if len(b.shape) == 1 else _unflat(r, b.shape))
         else:
             vec = _widest(dtype_bits(b.dtype), lambda v: self._vector_ok(b, 0, v))
@@ -830,13 +839,6 @@ def _pad(idx, like) -> list:
 
 def _align(n: int, alignment: int = ALIGN) -> int:
     return -(-n // alignment) * alignment
-
-
-def _elems(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _unflat(r, shape):

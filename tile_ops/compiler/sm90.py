@@ -22,6 +22,7 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
+from ..lang import MAX_CLUSTER
 from ..lang.ir import Copy, For, Gemm
 from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
@@ -36,7 +37,6 @@ REGISTERS = 65536  # per SM
 CORESIDENT_FRAGMENT_WORDS = 128
 PRODUCER_REGISTERS = 40  # per producer thread after setmaxnreg.dec: it only issues TMA and waits
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
-CLUSTER_SMS = 8  # the largest portable cluster size
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 _DESC_MODE = {128: 1, 64: 2, 32: 3}  # wgmma matrix-descriptor layout type
 _L2_PROMOTION_256B = 3
@@ -167,7 +167,7 @@ class Hopper:
             return 1
         if math.prod(self.lw.kernel.grid) <= SMS:  # every CTA has an SM of its own anyway
             return 1
-        return 2 if 2 * (self.lw.memory_plan()[3] + 1024) <= SM_SHARED_BYTES else 1
+        return 2 if 2 * (self.lw.memory_plan().total + 1024) <= SM_SHARED_BYTES else 1
 
     def _fragment_words(self) -> int:
         """32-bit registers per consumer thread that the program's fragments hold."""
@@ -180,7 +180,7 @@ class Hopper:
         whole clusters; pairs fit the SM pairs), which the launcher replaces with the driver's count."""
         n = self.lw.cluster
         if n > 1:  # a multiple of n: the blocks of a cluster must walk the same tiles in lockstep
-            return SMS // n * n if n <= 2 else SMS // CLUSTER_SMS * CLUSTER_SMS // n * n
+            return SMS // n * n if n <= 2 else SMS // MAX_CLUSTER * MAX_CLUSTER // n * n
         return SMS * self.ctas_per_sm
 
     def consumer_registers(self) -> int | None:

@@ -27,7 +27,7 @@ class KernelMeta:
     # kept name -> TMA descriptor spec {"tensor", "dtype", "dims", ...} (INTERFACES.md); absent in old cache entries
     tensormaps: dict = field(default_factory=dict)
     # a persistent kernel (persistent_tiles > 0) launches as many CTAs as fit at once (Kernel.grid_on);
-    # ``grid`` is the H200's count (132 SMs, or 16 clusters of 8)
+    # ``grid`` is the compile-time estimate for an H200, the fallback when the device cannot be asked
     ctas_per_sm: int = 1
     cluster: int = 1
     persistent_tiles: int = 0

@@ -26,8 +26,8 @@ class GemmConfig:
     cluster: int = 1  # > 1 (sm_90a): clusters of neighbouring M tiles of one N tile, B's tile multicast to them
 
     def __post_init__(self):
-        if not 1 <= self.cluster <= 8:
-            raise ValueError(f"GemmConfig.cluster={self.cluster}: must be in [1, 8]")
+        if not 1 <= self.cluster <= T.MAX_CLUSTER:
+            raise ValueError(f"GemmConfig.cluster={self.cluster}: must be in [1, {T.MAX_CLUSTER}]")
         if self.split_k < 1:
             raise ValueError(f"GemmConfig.split_k={self.split_k}: must be >= 1")
         if self.epilogue not in ("direct", "shared"):

@@ -22,7 +22,6 @@ from tile_ops.autotune import config_for
 from .gemm import _DT, _kib, _ESIZE, _pow2
 
 LOG2E = 1.4426950408889634
-MAX_CLUSTER = 8  # the portable thread-block cluster size
 
 
 @dataclass(frozen=True)
@@ -36,8 +35,8 @@ class SoftmaxConfig:
     split: int = 1  # blocks sharing a row block's columns: a thread-block cluster on sm_90a
 
     def __post_init__(self):
-        if not 1 <= self.split <= MAX_CLUSTER:
-            raise ValueError(f"SoftmaxConfig.split={self.split}: must be in [1, {MAX_CLUSTER}] (a cluster's blocks)")
+        if not 1 <= self.split <= T.MAX_CLUSTER:
+            raise ValueError(f"SoftmaxConfig.split={self.split}: must be in [1, {T.MAX_CLUSTER}] (a cluster's blocks)")
 
 
 def block_columns(N: int, cfg: SoftmaxConfig) -> int:
@@ -50,10 +49,10 @@ def _every_block_has_columns(N: int, cfg: SoftmaxConfig) -> bool:
     return (cfg.split - 1) * block_columns(N, cfg) < N
 
 
-def _widest_split(N: int, cfg: SoftmaxConfig) -> int:
-    """The largest cluster (<= 8 blocks) over which a row of N columns splits into whole tiles, each block
-    getting some: ceil(N / block_N) blocks of one tile when that is <= 8."""
-    return max(s for s in range(1, MAX_CLUSTER + 1) if _every_block_has_columns(N, replace(cfg, split=s)))
+def _widest_split(N: int, cfg: SoftmaxConfig, most: int = T.MAX_CLUSTER) -> int:
+    """The largest cluster (<= ``most`` blocks) over which a row of N columns splits into whole tiles, each
+    block getting some: ceil(N / block_N) blocks of one tile when that is <= 8."""
+    return max(s for s in range(1, most + 1) if _every_block_has_columns(N, replace(cfg, split=s)))
 
 
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxConfig:
@@ -122,9 +121,8 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     bM, bN, bK, split = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split
     cols = block_columns(N, cfg)
     if not _every_block_has_columns(N, cfg):
-        fits = max(s for s in range(1, split) if _every_block_has_columns(N, replace(cfg, split=s)))
         raise ValueError(f"gemm_softmax: split={split} leaves the last block of a row without columns (N={N}, "
-                         f"{cols} columns per block); split={fits} fits")
+                         f"{cols} columns per block); split={_widest_split(N, cfg, split - 1)} fits")
     n_tiles = cols // bN
     # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
     extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * bM * bN

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from . import ir
+from . import MAX_CLUSTER, ir
 from .ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error, user_loc
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "uint8")
@@ -73,9 +73,9 @@ class Kernel:
             raise error(user_loc(), f"threads={threads}: must be a multiple of 32 in [32, 1024]")
         self.grid = [int(ir.tirx_simplify(g)) for g in grid]
         self.threads = threads
-        if not 1 <= cluster <= 8 or self.grid[0] % cluster:
-            raise error(user_loc(), f"cluster={cluster}: must be in [1, 8] (the portable cluster size) and divide "
-                                    f"the grid's x extent {self.grid[0]}")
+        if not 1 <= cluster <= MAX_CLUSTER or self.grid[0] % cluster:
+            raise error(user_loc(), f"cluster={cluster}: must be in [1, {MAX_CLUSTER}] (the portable cluster size) "
+                                    f"and divide the grid's x extent {self.grid[0]}")
         self.cluster = cluster
 
     def __enter__(self):
