@@ -31,6 +31,7 @@ EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper o
     SoftmaxConfig(64, 256, 64, 3, 256, "full_col"), SoftmaxConfig(64, 128, 64, 4, 256, "full_col"),
     # a row block's columns split over a thread-block cluster: one tile per block, or a short walk each
     *[SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split) for split in (2, 4, 8)],
+    *[SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split, persistent=False) for split in (4, 8)],
     SoftmaxConfig(128, 128, 64, 4, 256, "full_row", 8), SoftmaxConfig(64, 256, 64, 4, 128, "full_row", 8),
     SoftmaxConfig(64, 128, 64, 4, 128, "full_row", 8),
 ]
@@ -38,7 +39,8 @@ EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper o
 
 def config_name(c):
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}" + (
-        f"/{c.policy}" if c.policy != "square" else "") + (f"/cluster{c.split}" if c.split > 1 else "")
+        f"/{c.policy}" if c.policy != "square" else "") + (f"/cluster{c.split}" if c.split > 1 else "") + (
+        "" if c.persistent else "/nonpersistent")
 
 
 def build(shape, configs):

@@ -66,7 +66,9 @@ DEFAULT_TOOLS = ("memcheck", "racecheck", "synccheck")
 SHAPES = {
     "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
     "matmul20": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
-    "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96))],
+    "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
+                     # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles
+                     ("cluster", (256, 2048, 64)), ("cluster-walk", (200, 2312, 72))],
 }
 SCALE = 0.125  # gemm_softmax's scale
 RTOL = 1e-2  # max |out - ref| <= RTOL * max |ref| (fp16 output, fp32 accumulation)

@@ -92,3 +92,35 @@ def chained_matmul_sum(M, N, K, L, J, block_M=64, num_stages=2, threads=128, dty
             T.copy(C_f, C[bx * block_M, 0])
 
     return main
+
+
+@tile_ops.jit(out_idx=[2, 3])
+def softmax_stats_over_cluster(valid, rows=64, cols=64, K=64, cluster=4, threads=128):
+    """Row max (log2 units) and sum of 2^(s - max) of the scores S = X @ W, whose columns are split over
+    a cluster's blocks and merged with T.cluster_softmax_merge; columns from ``valid`` on are -inf (a
+    block can have none).  Every block writes the whole row's statistics."""
+    @T.prim_func
+    def main(X: T.Tensor((rows, K), "float16"), W: T.Tensor((K, cols * cluster), "float16"),
+             Max: T.Tensor((cluster, rows), "float32"), Sum: T.Tensor((cluster, rows), "float32")):
+        with T.Kernel(cluster, threads=threads, cluster=cluster) as bx:
+            X_s = T.alloc_shared((rows, K), "float16")
+            W_s = T.alloc_shared((K, cols), "float16")
+            S = T.alloc_fragment((rows, cols), "float32")
+            m = T.alloc_fragment((rows,), "float32")
+            l = T.alloc_fragment((rows,), "float32")
+            T.copy(X[0, 0], X_s)
+            T.copy(W[0, bx * cols], W_s)
+            T.clear(S)
+            T.gemm(X_s, W_s, S)
+            for r, c in T.Parallel(rows, cols):
+                S[r, c] = T.if_then_else(bx * cols + c < valid, S[r, c], -T.infinity("float32"))
+            T.reduce_max(S, m, dim=1)
+            for r, c in T.Parallel(rows, cols):
+                S[r, c] = T.exp2(S[r, c] - m[r])
+            T.reduce_sum(S, l, dim=1)
+            T.cluster_softmax_merge(m, l)
+            for r in T.Parallel(rows):
+                Max[bx, r] = m[r]
+                Sum[bx, r] = l[r]
+
+    return main

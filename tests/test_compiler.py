@@ -1,6 +1,7 @@
 """The compiler down to CUDA source, cubin and SASS, on the CPU (no GPU needed)."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -417,9 +418,11 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert "__cluster_dims__(8, 1, 1)" in k.source and "mapa.shared::cluster" in k.source
     assert k.meta.grid == (128, 1, 1) and k.meta.resources["spill_stores"] == 0
-    assert "mbarrier.arrive.release.cluster.shared::cluster" in k.source
+    # one exchange of (max, sum) pairs: st.async into each peer, counted on its mbarrier; no remote arrives
+    assert k.source.count("tile_ops_cluster_put2(") == 1 + 2 * 8 and "mbarrier.arrive.release.cluster" not in k.source
     assert "mbarrier.try_wait.parity.acquire.cluster" in k.source
     mix = k.instruction_mix()
+    assert mix["STAS"] == 2 * 8, mix  # 2 rows per owner lane x 8 peers
     # only at entry (consumers and the producer wait): peers have started before anything reaches them
     assert mix["UCGABAR_ARV"] == 1 and mix["UCGABAR_WAIT"] == 2, mix
     # A's tile is the same in every block of the cluster: each loads 16 of its 128 rows into all 8
@@ -430,10 +433,27 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
 
 @needs_nvcc
 def test_cluster_allreduce_owner_threads_write_each_row_once():
-    """One lane per quad (the quad shares a row) stores the row's value into slot rank of every peer."""
+    """One lane per quad (the quad shares a row) stores the row's value into slot rank of every peer;
+    one thread expects all of the cluster's bytes (2 blocks x 64 rows x 4 bytes) on its barrier."""
     c = compile_program(_row_max_over_cluster(), "sm_90a")
-    assert c.source.count("tile_ops_cluster_store(") == 1 + 2 * 2, c.source  # the helper; 2 rows x 2 peers
+    assert c.source.count("tile_ops_cluster_put(") == 1 + 2 * 2, c.source  # the helper; 2 rows x 2 peers
     assert "__cluster_dims__(2, 1, 1)" in c.source and "% 4) == 0) {" in c.source
+    assert re.search(r"expect_tx_shared__cta_b64\(.*\(uint\)512\);", c.source), c.source
+
+
+@needs_nvcc
+def test_cluster_softmax_merge_is_one_exchange_of_pairs():
+    """(max, sum) pairs travel together (st.async.v2 into slot rank of every peer, 8-byte slots), and the
+    merge rescales each block's sum to the cluster max, skipping blocks whose max is -inf."""
+    from programs import softmax_stats_over_cluster
+
+    k = softmax_stats_over_cluster(150, target="sm_90a")
+    assert k.source.count("tile_ops_cluster_put2(") == 1 + 2 * 4 and "tile_ops_cluster_put(" not in k.source
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32" in k.source
+    assert re.search(r"expect_tx_shared__cta_b64\(.*\(uint\)2048\);", k.source)  # 4 blocks x 64 rows x 8 B
+    assert "== -CUDART_INF_F) ? 0x0p+0f" in k.source  # a block whose max is -inf adds 0, not NaN
+    mix = k.instruction_mix()
+    assert mix["STAS"] == 2 * 4 and mix["UCGABAR_ARV"] == 1 and k.meta.resources["spill_stores"] == 0, mix
 
 
 @needs_nvcc
@@ -469,6 +489,22 @@ def test_cluster_errors_say_what_is_accepted():
 
     with pytest.raises(tile_ops.lang.TileLangError, match=r"top level, not inside a loop"):
         in_a_loop()
+
+    def merge(shape_l=(64,), cluster=2, l_scope="fragment"):
+        @T.prim_func
+        def merge_stats(X: T.Tensor((64, 128), "float32")):
+            with T.Kernel(2, threads=128, cluster=cluster) as bx:
+                m = T.alloc_fragment((64,), "float32")
+                l = T.alloc_fragment(shape_l, "float32") if l_scope == "fragment" else T.alloc_shared(shape_l, "float32")
+                T.cluster_softmax_merge(m, l)
+        return merge_stats
+
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"row_max \(64,\) and row_sum \(32,\) must have the same shape"):
+        merge(shape_l=(32,))
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge: l must be a whole float32 fragment"):
+        merge(l_scope="shared")
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge needs a clustered kernel"):
+        merge(cluster=1)
     from tile_ops.kernels.gemm_softmax import SoftmaxConfig
 
     with pytest.raises(ValueError, match=r"split=9: must be in \[1, 8\]"):
@@ -476,3 +512,13 @@ def test_cluster_errors_say_what_is_accepted():
     with pytest.raises(ValueError, match="split=4 leaves the last block of a row without columns .*split=3 fits"):
         gemm_softmax(1000, 1100, 200, 0.125, "float16", "float16",
                      SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=4), target="sm_90a")
+
+
+@needs_nvcc
+def test_non_persistent_kernel_keeps_a_block_per_tile():
+    """T.Kernel(..., persistent=False): 64 row blocks x 8 blocks a row launch as they are, no tile loop."""
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8, persistent=False)
+    k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    assert k.meta.grid == (8, 64, 1) and k.meta.persistent_tiles == 0 and "tile_ops_grid_x" not in k.source

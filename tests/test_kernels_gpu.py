@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from programs import chained_matmul, chained_matmul_sum, matmul
+from programs import chained_matmul, chained_matmul_sum, matmul, softmax_stats_over_cluster
 from tile_ops.kernels.gemm_softmax import SoftmaxConfig, _every_block_has_columns, gemm_softmax
 
 pytestmark = pytest.mark.gpu
@@ -97,6 +97,23 @@ def test_gemm_softmax_cluster_combines_rows(cfg):
     ref = torch.softmax(0.25 * (a.double() @ b.double()), dim=-1)
     assert rel_err(out, ref) < 5e-3
     assert torch.allclose(out.double().sum(-1), torch.ones(M, dtype=torch.float64, device="cuda"), atol=2e-2)
+
+
+@pytest.mark.skipif(not HOPPER, reason="thread-block clusters: sm_90a")
+@pytest.mark.parametrize("valid", [256, 150, 65])
+def test_cluster_softmax_merge(valid):
+    """Every block of the cluster ends with the whole row's max and sum of 2^(s - max), including when
+    a block's columns are all masked (-inf: it adds nothing) or only one block has any."""
+    kernel = softmax_stats_over_cluster(valid, target="sm_90a")
+    x = torch.randn(64, 64, dtype=torch.float16, device="cuda")
+    w = torch.randn(64, 256, dtype=torch.float16, device="cuda")
+    w[:, 128:] *= 3  # blocks see different scales
+    row_max, row_sum = kernel(x, w)
+    s = (x.double() @ w.double())[:, :valid]
+    ref_max = s.max(dim=1).values
+    ref_sum = torch.exp2(s - ref_max[:, None]).sum(dim=1)
+    assert torch.allclose(row_max.double(), ref_max.expand(4, -1), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(row_sum.double(), ref_sum.expand(4, -1), rtol=1e-4)
 
 
 @pytest.mark.parametrize("target", TARGETS)

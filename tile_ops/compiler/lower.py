@@ -178,7 +178,7 @@ class Lowerer:
         scratch_offset = offset
         offset += _align(self._scratch_bytes())
         for node in self.cluster_reduces:  # two sets of slots: consecutive tiles alternate (see cluster_allreduce)
-            slots = 2 * self.cluster * math.prod(node.buffer.shape)
+            slots = 2 * self.cluster * math.prod(node.buffers[0].shape) * len(node.buffers)
             exchanges.append((node, offset, slots))
             offset += _align(slots * 4)
         total = offset + (self.hopper.barrier_bytes() if self.hopper else 0)
@@ -211,7 +211,7 @@ class Lowerer:
             for node, off, slots in plan.exchanges:
                 self.exchange[id(node)] = T.decl_buffer((slots,), "float32", data=arena.data, scope="shared.dyn",
                                                         elem_offset=off // 4)
-                IRBuilder.name(f"{node.buffer.name}_cluster", self.exchange[id(node)])
+                IRBuilder.name(f"{node.buffers[0].name}_cluster", self.exchange[id(node)])
             if self.hopper:
                 self.hopper.bind_barriers(arena, plan.barrier_offset)
         if total > SMEM_LIMIT:

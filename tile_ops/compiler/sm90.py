@@ -12,6 +12,7 @@ producer.  ``setmaxnreg`` moves registers from the producer to the consumers' ac
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..lang import MAX_CLUSTER
-from ..lang.ir import Copy, For, Gemm
+from ..lang.ir import Copy, For, Gemm, error
 from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
@@ -231,19 +232,15 @@ class Hopper:
                 for s in range(self.ws.stages if self.ws else 0):
                     emit_ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
                     emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), self._release_count())  # see release
-                for i, node in enumerate(lw.cluster_reduces):  # every owner thread of every block arrives
+                for i in range(len(lw.cluster_reduces)):  # one local arrival (expect_tx); the peers' bytes
                     for parity in (0, 1):
-                        emit_ptx("mbarrier.init.shared::cta.b64", self.exchanged(i, parity),
-                                 lw.cluster * self._owners(node))
+                        emit_ptx("mbarrier.init.shared::cta.b64", self.exchanged(i, parity), 1)
                 emit_ptx("fence.mbarrier_init.release.cluster")
         T.evaluate(TS.cuda.cta_sync())
         if lw.cluster > 1:
             emit_ptx("barrier.cluster.arrive.release.aligned")
             if not self.ws:
                 emit_ptx("barrier.cluster.wait.acquire.aligned")
-
-    def _owners(self, node) -> int:
-        return self.lw.infer.layouts[node.buffer].owners(self.lw.threads)
 
     def full(self, s):
         return self.bars.ptr_to([s])
@@ -257,7 +254,7 @@ class Hopper:
         this one's results, which hides the epilogue and the pipeline fill.  The grid returned is the
         H200's; the launcher sizes it to the device it runs on (Kernel.grid_on)."""
         total = math.prod(grid)
-        if not self.ws or total <= self.resident_ctas():
+        if not self.ws or not self.lw.kernel.persistent or total <= self.resident_ctas():
             self.persistent = None
             return grid
         self.persistent = (total, grid)
@@ -441,44 +438,57 @@ class Hopper:
     # ------------------------------------------------------------------ thread-block clusters
 
     def cluster_allreduce(self, node):
-        """One owner thread per element stores its value into slot ``rank`` of every block's exchange
-        buffer (``st.shared::cluster`` at the ``mapa`` address of the same offset in the peer), then
-        arrives (release, cluster scope) on that block's exchange mbarrier; every consumer waits on its
-        own barrier (acquire, cluster scope) and reduces the slots of its elements.  Only the consumers
-        take part, so a persistent producer runs ahead freely.  Buffer and barrier alternate with the
-        tile's parity: a peer can be at most one exchange ahead (it needs this block's values of the
-        next tile, sent after a consumer barrier that follows this block's reads of this one's), so it
-        never overwrites unread values; nothing of the exchange reaches a block after its last wait.
-        One exchange per tile: the frontend refuses T.cluster_allreduce inside a loop."""
+        """One owner thread per element sends its value(s) into slot ``rank`` of every block's exchange
+        buffer with ``st.async`` (to the ``mapa`` address of the same offset in the peer), which counts
+        the bytes on that block's exchange mbarrier (complete_tx): no fence, no remote arrive.  One
+        consumer thread arrives on its own barrier expecting the bytes of all n blocks; every consumer
+        waits on it and reduces the slots of its elements.  Only the consumers take part, so a
+        persistent producer runs ahead freely.  Buffer and barrier alternate with the tile's parity: a
+        peer can be at most one exchange ahead (it needs this block's values of the next tile, sent
+        after a consumer barrier that follows this block's reads of this one's), so it never
+        overwrites unread values or completes bytes onto a phase this block has not waited on.
+        One exchange per tile: the frontend refuses an exchange inside a loop."""
         lw = self.lw
-        buf, n = node.buffer, lw.cluster
+        n, vals = lw.cluster, len(node.buffers)
+        lay = lw.infer.layouts[node.buffers[0]]
+        if any(lw.infer.layouts[b] != lay for b in node.buffers[1:]):
+            raise error(node.loc, "T.cluster_softmax_merge: row_max and row_sum must have the same layout "
+                                  "(reduce both from the same tile)")
         i = next(j for j, c in enumerate(lw.cluster_reduces) if c is node)
-        lay, frag, ex = lw.infer.layouts[buf], lw.frags[buf], lw.exchange[id(node)]
-        elems = math.prod(buf.shape)
         parity = tirx.floormod(self.tile_iter, 2)
-        base = parity * (n * elems)
-        flat = [_flat_index(lay.coords(lw.tid, r), buf.shape) for r in range(lay.local_size)]
+        frags, ex, bar = [lw.frags[b] for b in node.buffers], lw.exchange[id(node)], self.exchanged(i, parity)
+        elems = math.prod(node.buffers[0].shape)
+        base = parity * (n * elems * vals)  # slots [parity][rank][element][value]
+        flat = [_flat_index(lay.coords(lw.tid, r), node.buffers[0].shape) for r in range(lay.local_size)]
         rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
         owner = lay.owner(lw.tid)
         # every consumer is done reading this buffer's previous use (two tiles ago) before the owners'
-        # arrivals let a peer run ahead and overwrite it
+        # values let a peer run ahead and overwrite it
         lw.sync()
+        with T.If(lw.tid == 0):
+            with T.Then():
+                emit_ptx("mbarrier.arrive.expect_tx.shared::cta.b64", bar, n * elems * vals * 4)
+        put = "tile_ops_cluster_put" if vals == 1 else "tile_ops_cluster_put2"
         with T.If(owner if owner is not None else tirx.const(True, "bool")):
             with T.Then():
                 for r in range(lay.local_size):
+                    slot = ex.ptr_to([base + (rank * elems + flat[r]) * vals])
                     for peer in range(n):
-                        T.evaluate(_call("tile_ops_cluster_store", ex.ptr_to([base + rank * elems + flat[r]]),
-                                         tirx.const(peer, "uint32"), frag[r]))
-                for peer in range(n):
-                    T.evaluate(_call("tile_ops_cluster_arrive", self.exchanged(i, parity), tirx.const(peer, "uint32")))
+                        T.evaluate(_call(put, slot, bar, tirx.const(peer, "uint32"), *(f[r] for f in frags)))
         phase = tirx.Cast("uint32", tirx.floormod(tirx.floordiv(self.tile_iter, 2), 2))
-        T.evaluate(_call("tile_ops_cluster_wait", self.exchanged(i, parity), phase))
-        op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
+        T.evaluate(_call("tile_ops_cluster_wait", bar, phase))
         for r in range(lay.local_size):
-            v = ex[base + flat[r]]
-            for peer in range(1, n):
-                v = op(v, ex[base + peer * elems + flat[r]])
-            T.buffer_store(frag, v, [r])
+            mine = [[ex[base + (peer * elems + flat[r]) * vals + v] for v in range(vals)] for peer in range(n)]
+            if node.kind == "softmax":
+                top = functools.reduce(tirx.max, [m for m, _ in mine])
+                ninf = tirx.const(float("-inf"), "float32")  # a block without values adds nothing (not NaN)
+                terms = [tirx.Select(m == ninf, tirx.const(0.0, "float32"), l * tirx.exp2(m - top)) for m, l in mine]
+                total = functools.reduce(lambda a, b: a + b, terms)
+                T.buffer_store(frags[0], top, [r])
+                T.buffer_store(frags[1], total, [r])
+            else:
+                op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
+                T.buffer_store(frags[0], functools.reduce(op, [v for v, in mine]), [r])
 
     # ------------------------------------------------------------------ wgmma
 
@@ -571,22 +581,27 @@ __forceinline__ __device__ unsigned tile_ops_cluster_rank() {
   unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
 }
 """,
-    "tile_ops_cluster_store": """
-__forceinline__ __device__ void tile_ops_cluster_store(float* p, unsigned peer, float v) {
-  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(r), "f"(v) : "memory");
+    # st.async: a store into a peer's shared memory that completes bytes on the peer's mbarrier
+    "tile_ops_cluster_put": """
+__forceinline__ __device__ void tile_ops_cluster_put(float* p, uint64_t* bar, unsigned peer, float v) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), b = (unsigned)__cvta_generic_to_shared(bar), ra, rb;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(peer));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"(peer));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :: "r"(ra), "f"(v), "r"(rb) : "memory");
 }
 """,
-    "tile_ops_cluster_arrive": """
-__forceinline__ __device__ void tile_ops_cluster_arrive(uint64_t* bar, unsigned peer) {
-  unsigned a = (unsigned)__cvta_generic_to_shared(bar), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(peer));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(r) : "memory");
+    "tile_ops_cluster_put2": """
+__forceinline__ __device__ void tile_ops_cluster_put2(float* p, uint64_t* bar, unsigned peer, float v0, float v1) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), b = (unsigned)__cvta_generic_to_shared(bar), ra, rb;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(peer));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"(peer));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+               :: "r"(ra), "f"(v0), "f"(v1), "r"(rb) : "memory");
 }
 """,
     # a stage's release orders only this warp's reads of it (done: the wgmma wait), so the arrive is
-    # relaxed to CTA scope; the cluster-scope release of tile_ops_cluster_arrive costs a fence each
+    # relaxed to CTA scope (a cluster-scope release costs a fence each)
     "tile_ops_cluster_release": """
 __forceinline__ __device__ void tile_ops_cluster_release(uint64_t* bar, unsigned peer) {
   unsigned a = (unsigned)__cvta_generic_to_shared(bar), r;

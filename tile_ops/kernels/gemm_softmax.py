@@ -2,10 +2,11 @@
 
 A row block of ``block_M`` rows is shared by ``split`` blocks, each owning a contiguous run of
 whole ``block_N`` column tiles (``block_columns``); with ``split > 1`` they form a thread-block
-cluster (sm_90a) and combine their row statistics with ``T.cluster_allreduce``.
+cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_softmax_merge``.
 
 - One tile per block (the run is one tile): the score tile stays in registers: row max, exp2,
-  row sum (each combined over the cluster), normalize, store.  The output is written once.
+  row sum, merged over the cluster, rescale by 2^(own max - max) / sum, store.  The output is
+  written once.
 - Several tiles per block: a pipelined GEMM over K per tile, the running row max and sum updated
   online (base-2 exponentials), exp2(s - running max) stored; a last pass over the block's own
   output rescales each tile by exp2(max at that tile - final max) / final sum."""
@@ -33,6 +34,7 @@ class SoftmaxConfig:
     threads: int = 256
     policy: str = "square"  # T.gemm warp policy; "full_row" keeps each row in one warp (no cross-warp reduce)
     split: int = 1  # blocks sharing a row block's columns: a thread-block cluster on sm_90a
+    persistent: bool = True  # False: a block (cluster) per row block even with more than one wave (sm_90a)
 
     def __post_init__(self):
         if not 1 <= self.split <= T.MAX_CLUSTER:
@@ -86,7 +88,7 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
             for split in (2, 4, 8):
                 cfg = SoftmaxConfig(bM, bN, 64, stages, threads, "full_row", split)
                 if _every_block_has_columns(N, cfg):
-                    space.append(cfg)
+                    space += [cfg, replace(cfg, persistent=False)] if bN == 256 else [cfg]
     return space
 
 
@@ -103,7 +105,7 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
         rows = _kib(cfg.block_M * cfg.block_N * esize)
     else:
         rows = _kib(n_tiles * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4)
-    exchange = 4 * _kib(cfg.split * cfg.block_M * 4) if cfg.split > 1 else 0  # max and sum, two tile parities
+    exchange = 2 * _kib(cfg.split * cfg.block_M * 8) if cfg.split > 1 else 0  # (max, sum) slots, two tile parities
     return tiles + rows + _kib(scratch_cols * cfg.block_M * 4) + exchange + 16 * cfg.num_stages
 
 
@@ -141,7 +143,8 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
 
     @T.prim_func
     def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
-        with T.Kernel(split, T.ceildiv(M, bM), threads=cfg.threads, cluster=split) as (rank, bx):
+        with T.Kernel(split, T.ceildiv(M, bM), threads=cfg.threads, cluster=split,
+                      persistent=cfg.persistent) as (rank, bx):
             A_s = T.alloc_shared((bM, bK), dtype)
             B_s = T.alloc_shared((bK, bN), dtype)
             S = T.alloc_fragment((bM, bN), "float32")
@@ -161,14 +164,13 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
 
 
 def _normalize_in_registers(S, split: int, parts: str):
-    """softmax over the rows of the score tile S, whose row is split over the cluster's blocks."""
+    """softmax over the rows of the score tile S, whose row is split over the cluster's blocks: exp2 at
+    the block's own max, then one exchange merges the blocks' (max, sum) and a factor rescales."""
     if parts == "gemm":
         return
     bM, bN = S.shape
     m = T.alloc_fragment((bM,), "float32")
     T.reduce_max(S, m, dim=1)
-    if split > 1 and parts == "all":
-        T.cluster_allreduce(m, "max")
     for r, col in T.Parallel(bM, bN):
         S[r, col] = T.exp2(S[r, col] - m[r])
     if parts != "all":
@@ -176,9 +178,15 @@ def _normalize_in_registers(S, split: int, parts: str):
     l = T.alloc_fragment((bM,), "float32")
     T.reduce_sum(S, l, dim=1)
     if split > 1:
-        T.cluster_allreduce(l, "sum")
-    for r in T.Parallel(bM):
-        l[r] = 1.0 / l[r]
+        m_own = T.alloc_fragment((bM,), "float32")
+        for r in T.Parallel(bM):
+            m_own[r] = m[r]
+        T.cluster_softmax_merge(m, l)
+        for r in T.Parallel(bM):
+            l[r] = T.exp2(m_own[r] - m[r]) / l[r]
+    else:
+        for r in T.Parallel(bM):
+            l[r] = 1.0 / l[r]
     for r, col in T.Parallel(bM, bN):
         S[r, col] = S[r, col] * l[r]
 
@@ -217,13 +225,8 @@ def _walk(A, B, A_s, B_s, S, Out, scores, row0, col0, n_tiles: int, split: int, 
         T.copy(P, Out[row0, col0 + j * bN])
     if parts != "all":
         return
-    if split > 1:  # the row's max and sum over the cluster (this block's sum rescaled to the final max)
-        for r in T.Parallel(bM):
-            m_prev[r] = m[r]
-        T.cluster_allreduce(m, "max")
-        for r in T.Parallel(bM):
-            l[r] = l[r] * T.exp2(m_prev[r] - m[r])
-        T.cluster_allreduce(l, "sum")
+    if split > 1:  # the row's max and sum over the cluster
+        T.cluster_softmax_merge(m, l)
     for r in T.Parallel(bM):
         m_fin[r] = m[r]
         l_fin[r] = l[r]

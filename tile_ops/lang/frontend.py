@@ -64,9 +64,11 @@ class Kernel:
     """``with T.Kernel(gx, gy=1, gz=1, threads=128, cluster=1) as (bx, by):`` — the launch grid and block.
 
     ``cluster=n`` (sm_90a): each n neighbouring blocks along x form a thread-block cluster, scheduled
-    together, whose blocks combine fragments with ``T.cluster_allreduce``; bx % n is a block's rank."""
+    together, whose blocks combine fragments with ``T.cluster_allreduce``; bx % n is a block's rank.
+    ``persistent=False`` (sm_90a) keeps one block per tile where the compiler would otherwise launch one
+    CTA per SM walking the tiles (it does when a warp-specialized kernel has more than one wave)."""
 
-    def __init__(self, *grid, threads: int = 128, cluster: int = 1):
+    def __init__(self, *grid, threads: int = 128, cluster: int = 1, persistent: bool = True):
         if not 1 <= len(grid) <= 3:
             raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
         if threads % 32 or not 32 <= threads <= 1024:
@@ -76,14 +78,15 @@ class Kernel:
         if not 1 <= cluster <= MAX_CLUSTER or self.grid[0] % cluster:
             raise error(user_loc(), f"cluster={cluster}: must be in [1, {MAX_CLUSTER}] (the portable cluster size) "
                                     f"and divide the grid's x extent {self.grid[0]}")
-        self.cluster = cluster
+        self.cluster, self.persistent = cluster, bool(persistent)
 
     def __enter__(self):
         t = ir.tracer()
         if t.kernel is not None:
             raise error(user_loc(), "only one T.Kernel block per program")
         names = ["bx", "by", "bz"][: len(self.grid)]
-        k = ir.Kernel(self.grid, self.threads, [tirx.Var(n, "int32") for n in names], cluster=self.cluster)
+        k = ir.Kernel(self.grid, self.threads, [tirx.Var(n, "int32") for n in names], cluster=self.cluster,
+                       persistent=self.persistent)
         k.loc = user_loc()
         t.kernel = k
         t.bodies.append(k.body)
@@ -185,19 +188,34 @@ def reduce_sum(src, dst, dim=-1, clear=True):
 
 def cluster_allreduce(buffer, op):
     """Reduce a float32 fragment elementwise (``op``: "max" or "sum") over the blocks of the kernel's
-    cluster (``T.Kernel(..., cluster=n)``); every block gets the result.  E.g. row statistics of a
-    softmax whose columns are split over the cluster's blocks."""
+    cluster (``T.Kernel(..., cluster=n)``); every block gets the result."""
     if op not in ("max", "sum"):
         raise error(user_loc(), f"T.cluster_allreduce: op={op!r}, accepted: 'max', 'sum'")
-    if not isinstance(buffer, TileBuffer) or buffer.scope != "fragment" or buffer.dtype != "float32":
-        raise error(user_loc(), "T.cluster_allreduce: the buffer must be a whole float32 fragment")
+    _cluster_exchange("T.cluster_allreduce", op, (buffer,))
+
+
+def cluster_softmax_merge(row_max, row_sum):
+    """Merge softmax row statistics over the blocks of the kernel's cluster, in one exchange: each block
+    holds its columns' ``row_max`` (in log2 units) and ``row_sum`` of 2^(x - row_max); afterwards every
+    block holds the whole row's: max_j m_j and sum_j l_j * 2^(m_j - max).  A block keeps its own max
+    beforehand to rescale its values by 2^(own max - max) / sum."""
+    if isinstance(row_max, TileBuffer) and isinstance(row_sum, TileBuffer) and row_max.shape != row_sum.shape:
+        raise error(user_loc(), f"T.cluster_softmax_merge: row_max {row_max.shape} and row_sum {row_sum.shape} "
+                                "must have the same shape")
+    _cluster_exchange("T.cluster_softmax_merge", "softmax", (row_max, row_sum))
+
+
+def _cluster_exchange(name, kind, buffers):
+    for b in buffers:
+        if not isinstance(b, TileBuffer) or b.scope != "fragment" or b.dtype != "float32":
+            raise error(user_loc(), f"{name}: {getattr(b, 'name', b)!s} must be a whole float32 fragment")
     t = ir.tracer()
     if t.kernel is None or t.kernel.cluster == 1:
-        raise error(user_loc(), "T.cluster_allreduce needs a clustered kernel: T.Kernel(..., cluster=n) with n > 1")
+        raise error(user_loc(), f"{name} needs a clustered kernel: T.Kernel(..., cluster=n) with n > 1")
     if len(t.bodies) > 1:  # exchange slots alternate per tile, not per loop iteration
-        raise error(user_loc(), "T.cluster_allreduce must be at the kernel's top level, not inside a loop "
+        raise error(user_loc(), f"{name} must be at the kernel's top level, not inside a loop "
                                 "(combine once per tile, after the loop)")
-    emit(ClusterReduce(op, buffer))
+    emit(ClusterReduce(kind, tuple(buffers)))
 
 
 def use_swizzle(panel_size: int = 8):

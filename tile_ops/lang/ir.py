@@ -192,9 +192,10 @@ class Reduce(Node):
 
 @dataclass
 class ClusterReduce(Node):
-    """Every block of a thread-block cluster ends with ``buffer`` reduced (elementwise) over the cluster."""
-    kind: str  # "max" | "sum"
-    buffer: TileBuffer
+    """Every block of a thread-block cluster ends with ``buffers`` reduced (elementwise) over the cluster:
+    "max" or "sum" of one fragment, or "softmax": (row max, row sum of 2^(x - max)) pairs merged."""
+    kind: str  # "max" | "sum" | "softmax"
+    buffers: tuple  # of TileBuffer: one, or (max, sum) for "softmax"
 
 
 @dataclass
@@ -222,6 +223,7 @@ class Kernel(Node):
     allocs: list = field(default_factory=list)
     swizzle_panel: int = 0
     cluster: int = 1  # neighbouring blocks along grid x that form a thread-block cluster (sm_90a)
+    persistent: bool = True  # may the compiler make CTAs walk the tiles (sm_90a, more than one wave)
 
 
 @dataclass
