@@ -55,7 +55,11 @@ EXTRA_CONFIGS = {
                # clusters of 2 neighbouring M tiles: B's tile multicast, half the B bytes from L2 per CTA
                GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared", cluster=2),
                GemmConfig(128, 256, 64, 3, 256, 0, epilogue="shared", cluster=2),
-               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2)],
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2),
+               # ping-pong: two consumer warpgroups on alternate tiles, one's epilogue under the other's loop
+               GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),
+               GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True)],
 }
 PAIRED_ROUNDS = 3
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}  # relative Frobenius error vs float64
@@ -65,7 +69,8 @@ PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.a
 def config_name(cfg):
     return (f"{cfg.block_M}x{cfg.block_N}x{cfg.block_K}/s{cfg.num_stages}/t{cfg.threads}"
             + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + ("/tma-store" if cfg.epilogue == "shared" else "")
-            + (f"/cluster{cfg.cluster}" if cfg.cluster > 1 else "") + ("" if cfg.swizzle else "/no-raster"))
+            + (f"/cluster{cfg.cluster}" if cfg.cluster > 1 else "") + ("/pingpong" if cfg.pingpong else "")
+            + ("" if cfg.swizzle else "/no-raster"))
 
 
 def kernels_for(M, N, K, dtype, configs, arch):

@@ -32,6 +32,9 @@ EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper o
     # a row block's columns split over a thread-block cluster: one tile per block, or a short walk each
     *[SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split) for split in (2, 4, 8)],
     *[SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split, persistent=False) for split in (4, 8)],
+    # two consumer warpgroups per CTA on alternate 64-row blocks: one's softmax under the other's GEMM
+    *[SoftmaxConfig(64, 256, 64, stages, 128, "full_row", 8, pingpong=True) for stages in (3, 4)],
+    SoftmaxConfig(64, 256, 64, 3, 128, "full_row", 4, pingpong=True),
     SoftmaxConfig(128, 128, 64, 4, 256, "full_row", 8), SoftmaxConfig(64, 256, 64, 4, 128, "full_row", 8),
     SoftmaxConfig(64, 128, 64, 4, 128, "full_row", 8),
 ]
@@ -40,7 +43,7 @@ EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper o
 def config_name(c):
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}" + (
         f"/{c.policy}" if c.policy != "square" else "") + (f"/cluster{c.split}" if c.split > 1 else "") + (
-        "" if c.persistent else "/nonpersistent")
+        "" if c.persistent else "/nonpersistent") + ("/pingpong" if c.pingpong else "")
 
 
 def build(shape, configs):

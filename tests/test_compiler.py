@@ -522,3 +522,61 @@ def test_non_persistent_kernel_keeps_a_block_per_tile():
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8, persistent=False)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert k.meta.grid == (8, 64, 1) and k.meta.persistent_tiles == 0 and "tile_ops_grid_x" not in k.source
+
+
+# ----------------------------------------------------------------------------- ping-pong consumer warpgroups
+
+
+@needs_nvcc
+def test_pingpong_runs_two_consumer_warpgroups_on_alternate_tiles():
+    """T.Kernel(threads=128, pingpong=True): 2 x 128 consumer threads + the producer warpgroup; warpgroup
+    w takes the CTA's tiles w, w + 2, ... and starts its pipeline count one tile in (the stages are
+    consumed in the producer's order); its epilogue tile and named barrier are its own; registers move
+    to the consumers (setmaxnreg), nothing spills."""
+    from tile_ops.kernels.gemm import GemmConfig, gemm
+
+    plain = gemm(4096, 4096, 4096, 1, 1, 1, False, False, False, "float16", "float16",
+                 GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared"), target="sm_90a")
+    k = gemm(4096, 4096, 4096, 1, 1, 1, False, False, False, "float16", "float16",
+             GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True), target="sm_90a")
+    assert k.meta.block == (384, 1, 1) and k.meta.grid == (132, 1, 1) and k.meta.persistent_tiles == 64 * 16
+    src = k.source
+    assert "* 2) + (((int)threadIdx.x) >> 7)) * tile_ops_grid_x()" in src  # tile (2 it + w) of the CTA's
+    assert "pipeline_step_ptr_1[0] = ((((int)threadIdx.x) >> 7) * 64);" in src  # K = 4096: 64 steps a tile
+    assert "bar_sync_count_sync(((uint)((((int)threadIdx.x) >> 7) + 1)), (uint)128)" in src
+    assert "setmaxnreg.inc.sync.aligned.u32 232" in src
+    c_tile = 64 * 256 * 2
+    assert k.meta.smem_bytes - plain.meta.smem_bytes == c_tile  # a second epilogue tile, the stages shared
+    assert k.meta.resources["spill_stores"] == 0 and k.instruction_mix()["HGMMA"] > 0
+
+
+@needs_nvcc
+def test_pingpong_softmax_exchanges_per_warpgroup():
+    """The clustered softmax with ping-pong: each warpgroup has its own exchange slots and mbarriers (two
+    parities each), so its peers' bytes land in its copy; one thread per warpgroup expects them."""
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    cfg = SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=8, pingpong=True)
+    k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    assert k.meta.block == (384, 1, 1) and k.meta.resources["spill_stores"] == 0
+    assert "(((int)threadIdx.x) >> 7) * 2) + (tile_iter_1 & 1))" in k.source  # barrier of (warpgroup, parity)
+    assert k.source.count("mbarrier_init") >= 2 * 3 + 2 * 2  # 3 stages full/empty, 2 warpgroups x 2 parities
+
+
+def test_pingpong_errors_say_what_is_accepted():
+    from tile_ops.kernels.gemm import GemmConfig, gemm
+
+    def prog(threads=128, persistent=True):
+        @T.prim_func
+        def k(X: T.Tensor((64, 64), "float32")):
+            with T.Kernel(2, threads=threads, persistent=persistent, pingpong=True) as bx:
+                T.alloc_fragment((64,), "float32")
+        return k
+
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"needs threads=128 \(got 256\) and persistent=True"):
+        prog(threads=256)
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"\(got False\)"):
+        prog(persistent=False)
+    with pytest.raises(tile_ops.lang.TileLangError, match="the same number of pipeline steps in every tile"):
+        gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16",
+             GemmConfig(128, 128, 64, 4, 128, 8, split_k=2, pingpong=True), target="sm_90a")

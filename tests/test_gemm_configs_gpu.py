@@ -24,6 +24,8 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
     GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared", cluster=2),  # B multicast to pairs of M tiles
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2),
+    GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
+    GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
 ]
 # (M, N, K): more tiles than resident CTAs (persistent), ragged everything, rows not 16-byte aligned
 # (no TMA: synchronous copies), decode

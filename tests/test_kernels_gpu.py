@@ -55,6 +55,9 @@ SOFTMAX_CONFIGS = {
     "split_n": SoftmaxConfig(64, 256, 64, 3, 256, "full_col"),  # two warpgroups split a 64-row tile's columns
     "cluster_walk": SoftmaxConfig(64, 128, 64, 4, 128, "full_row", split=2),  # 2 blocks a row, each walks N/2
     "cluster_tile": SoftmaxConfig(128, 128, 64, 4, 256, "full_row", split=8),  # up to 8 blocks, one tile each
+    # two consumer warpgroups per CTA on alternate row blocks, clustered or walking
+    "pingpong_cluster": SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=4, pingpong=True),
+    "pingpong_walk": SoftmaxConfig(64, 128, 64, 4, 128, "full_row", pingpong=True),
 }
 
 
@@ -82,7 +85,8 @@ def test_gemm_softmax(M, N, K, dtype, target, cfg):
 
 @pytest.mark.skipif(not HOPPER, reason="thread-block clusters: sm_90a")
 @pytest.mark.parametrize("cfg", [SOFTMAX_CONFIGS["cluster_walk"], SOFTMAX_CONFIGS["cluster_tile"],
-                                 SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=4)], ids=["walk", "tile", "wide"])
+                                 SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=4),
+                                 SOFTMAX_CONFIGS["pingpong_cluster"]], ids=["walk", "tile", "wide", "pingpong"])
 def test_gemm_softmax_cluster_combines_rows(cfg):
     """Each block's rows see a different scale of scores (the last columns 4x larger, a few rows all
     -large): the row max and sum must come from the whole cluster, not from any one block."""

@@ -48,9 +48,12 @@ class LoweredKernel:
 
 
 class MemoryPlan(NamedTuple):
-    tiles: list  # [(buffer, byte offset, elems per stage, stages, layout)]
+    """Byte offsets in the shared arena.  With ``pingpong`` each consumer warpgroup has its own copy of
+    what is not a pipeline stage (epilogue tiles, scratch, exchange slots), ``copy_bytes`` apart."""
+    tiles: list  # [(buffer, byte offset, elems per stage, stages, layout, copy_bytes)]
     scratch_offset: int  # cross-warp reduction scratch
-    exchanges: list  # [(T.cluster_allreduce node, byte offset, float32 slots)]
+    scratch_copy_bytes: int
+    exchanges: list  # [(T.cluster_allreduce node, byte offset, float32 slots, copy_bytes)]
     barrier_offset: int  # mbarriers
     total: int  # bytes
 
@@ -79,6 +82,9 @@ class Lowerer:
         self.stages = self._stage_counts()
         self.hopper = Hopper(self) if self.sm90 else None
         self.ws = self.hopper.ws if self.hopper else None
+        # consumer warpgroups that each run the program on alternate tiles: two with T.Kernel(pingpong=True)
+        # on the warp-specialized sm_90a path (a schedule; elsewhere the program runs as written)
+        self.consumers = 2 if self.kernel.pingpong and self.ws else 1
         self.uses_wgmma = self.hopper is not None and any(
             isinstance(n, Gemm) and self.hopper.is_wgmma(n) for n in walk(self.kernel.body))
 
@@ -103,8 +109,9 @@ class Lowerer:
                 else:
                     ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
                     self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
-                block = self.threads + (PRODUCER_THREADS if self.ws else 0)
+                block = self.threads * self.consumers + (PRODUCER_THREADS if self.ws else 0)
                 self.tid = T.thread_id([block])
+                self.consumer = tirx.floordiv(self.tid, self.threads) if self.consumers > 1 else 0  # its copy
                 self.smem_bytes = self._declare_memory()
                 if self.ws:
                     self.hopper.warp_specialized(k.body, ids[0])
@@ -173,16 +180,18 @@ class Lowerer:
                 elems = math.prod(b.shape)
                 stages = self.stages.get(b, 1)
                 lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
-                tiles.append((b, offset, elems, stages, lay))
-                offset += self._align(elems * stages * dtype_bits(b.dtype) // 8)
-        scratch_offset = offset
-        offset += _align(self._scratch_bytes())
+                size = self._align(elems * stages * dtype_bits(b.dtype) // 8)
+                copies = 1 if b in self.stages else self.consumers  # stages are shared by the warpgroups
+                tiles.append((b, offset, elems, stages, lay, size if copies > 1 else 0))
+                offset += size * copies
+        scratch_offset, scratch_size = offset, _align(self._scratch_bytes())
+        offset += scratch_size * self.consumers
         for node in self.cluster_reduces:  # two sets of slots: consecutive tiles alternate (see cluster_allreduce)
             slots = 2 * self.cluster * math.prod(node.buffers[0].shape) * len(node.buffers)
-            exchanges.append((node, offset, slots))
-            offset += _align(slots * 4)
+            exchanges.append((node, offset, slots, _align(slots * 4)))
+            offset += _align(slots * 4) * self.consumers
         total = offset + (self.hopper.barrier_bytes() if self.hopper else 0)
-        return MemoryPlan(tiles, scratch_offset, exchanges, offset, total)
+        return MemoryPlan(tiles, scratch_offset, scratch_size, exchanges, offset, total)
 
     def _declare_memory(self) -> int:
         self.shared, self.frags, self.locals = {}, {}, {}
@@ -199,18 +208,19 @@ class Lowerer:
         if total:
             arena = T.alloc_buffer((total,), "uint8", scope="shared.dyn")
             IRBuilder.name("smem", arena)
-            for b, off, elems, stages, lay in plan.tiles:
+            for b, off, elems, stages, lay, copy_bytes in plan.tiles:
                 view = T.decl_buffer((elems * stages,), b.dtype, data=arena.data, scope="shared.dyn",
-                                     elem_offset=off * 8 // dtype_bits(b.dtype))
+                                     elem_offset=self._copy_offset(off, copy_bytes) * 8 // dtype_bits(b.dtype))
                 IRBuilder.name(b.name, view)
                 self.shared[b] = SharedTile(b, view, lay, stages, elems)
             self.scratch = T.decl_buffer((max(1, self._scratch_bytes() // 4),), "float32", data=arena.data,
-                                         scope="shared.dyn", elem_offset=self.scratch_offset // 4)
+                                         scope="shared.dyn",
+                                         elem_offset=self._copy_offset(self.scratch_offset, plan.scratch_copy_bytes) // 4)
             IRBuilder.name("reduce_scratch", self.scratch)
             self.exchange = {}  # id(T.cluster_allreduce node) -> its slots, by rank
-            for node, off, slots in plan.exchanges:
+            for node, off, slots, copy_bytes in plan.exchanges:
                 self.exchange[id(node)] = T.decl_buffer((slots,), "float32", data=arena.data, scope="shared.dyn",
-                                                        elem_offset=off // 4)
+                                                        elem_offset=self._copy_offset(off, copy_bytes) // 4)
                 IRBuilder.name(f"{node.buffers[0].name}_cluster", self.exchange[id(node)])
             if self.hopper:
                 self.hopper.bind_barriers(arena, plan.barrier_offset)
@@ -218,6 +228,10 @@ class Lowerer:
             raise error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit is "
                                          f"{SMEM_LIMIT} (reduce block sizes or num_stages)")
         return total
+
+    def _copy_offset(self, offset: int, copy_bytes: int):
+        """Byte offset of this consumer warpgroup's copy of a buffer (pingpong), else ``offset``."""
+        return offset + self.consumer * copy_bytes if self.consumers > 1 and copy_bytes else offset
 
     def _scratch_bytes(self) -> int:
         need = 0
@@ -315,8 +329,9 @@ class Lowerer:
     def sync(self):
         if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads
             emit_ptx("fence.proxy.async.shared::cta")
-        if self.ws:  # the producer warpgroup is not at consumer barriers
-            emit_ptx("bar.sync", CONSUMER_BARRIER, self.threads)
+        if self.ws:  # the producer warpgroup is not at consumer barriers; each pingpong warpgroup has its own
+            emit_ptx("bar.sync", tirx.Cast("uint32", CONSUMER_BARRIER + self.consumer) if self.consumers > 1
+                     else CONSUMER_BARRIER, self.threads)
         else:
             T.evaluate(TS.cuda.cta_sync())
 

@@ -66,6 +66,7 @@ class Hopper:
         self.tensormaps: dict = {}  # (global buffer, box) -> TensorMap
         self.persistent = None  # (tiles, program grid) once persistent_grid chose a tile loop
         self.ws = self._plan()
+        self.steps_per_tile = self._pingpong_steps() if lw.kernel.pingpong and self.ws else None
 
     # ------------------------------------------------------------------ planning
 
@@ -88,6 +89,16 @@ class Hopper:
         same_steps = not any(uses(o.extent, k.block_vars[0]) for o in outer + [loop])  # lockstep pipelines
         multicast = [c for c in loads if same_steps and self._multicast_ok(c)]
         return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred, multicast)
+
+    def _pingpong_steps(self) -> int:
+        """Pipeline steps of one tile, the same for every tile: a pingpong warpgroup skips the other's."""
+        k = self.lw.kernel
+        extents = [self.lw.ana.simplify(tirx.const(o.extent, "int32") if isinstance(o.extent, int) else o.extent)
+                   for o in self.ws.outer + [self.ws.loop]]
+        if not all(isinstance(e, tirx.IntImm) for e in extents):
+            raise error(k.loc, "pingpong=True needs the same number of pipeline steps in every tile (loop "
+                               f"extents that do not depend on the block): got {', '.join(map(str, extents))}")
+        return math.prod(int(e) for e in extents)
 
     def _multicast_ok(self, c: Copy) -> bool:
         """A load whose global window does not depend on the block's rank in its cluster (grid x) reads
@@ -164,8 +175,8 @@ class Hopper:
         cores busy, which is what ping-pong consumer warpgroups achieve inside one CTA."""
         if not self.ws or self.lw.threads != 128 or self._fragment_words() > CORESIDENT_FRAGMENT_WORDS:
             return 1
-        if self.lw.cluster > 1:  # clusters are scheduled whole: keep one CTA per SM
-            return 1
+        if self.lw.cluster > 1 or self.lw.consumers > 1:  # clusters are scheduled whole; pingpong is the
+            return 1  # two-consumer alternative
         if math.prod(self.lw.kernel.grid) <= SMS:  # every CTA has an SM of its own anyway
             return 1
         return 2 if 2 * (self.lw.memory_plan().total + 1024) <= SM_SHARED_BYTES else 1
@@ -187,7 +198,7 @@ class Hopper:
     def consumer_registers(self) -> int | None:
         """setmaxnreg target of the consumer warps, or None when the launch-bound budget already suffices:
         what the producer warpgroup gives up, shared among the consumer warpgroups."""
-        n_wg, per_sm = self.lw.threads // 128, self.ctas_per_sm
+        n_wg, per_sm = self.lw.threads * self.lw.consumers // 128, self.ctas_per_sm
         if n_wg == 1 and per_sm == 1:
             return None
         budget = REGISTERS // per_sm - PRODUCER_REGISTERS * PRODUCER_THREADS
@@ -197,8 +208,9 @@ class Hopper:
         return 2 * self.ws.stages if self.ws else 0
 
     def barrier_bytes(self) -> int:
-        """The pipeline's full/empty mbarriers, then two per T.cluster_allreduce (one per tile parity)."""
-        return 8 * (self._pipeline_barriers() + 2 * len(self.lw.cluster_reduces))
+        """The pipeline's full/empty mbarriers, then two per T.cluster_allreduce (one per tile parity) and
+        consumer warpgroup."""
+        return 8 * (self._pipeline_barriers() + 2 * len(self.lw.cluster_reduces) * self.lw.consumers)
 
     def bind_barriers(self, arena, offset: int):
         if self.barrier_bytes():
@@ -206,9 +218,11 @@ class Hopper:
                                       elem_offset=offset // 8)
             IRBuilder.name("mbarriers", self.bars)
 
-    def exchanged(self, i: int, parity):
-        """The mbarrier on which T.cluster_allreduce ``i``'s values of tiles of ``parity`` complete."""
-        return self.bars.ptr_to([self._pipeline_barriers() + 2 * i + parity])
+    def exchanged(self, i: int, parity, consumer=None):
+        """The mbarrier on which T.cluster_allreduce ``i``'s values of tiles of ``parity`` complete (for
+        ``consumer``, by default the running warpgroup's)."""
+        consumer = self.lw.consumer if consumer is None else consumer
+        return self.bars.ptr_to([self._pipeline_barriers() + 2 * (consumer * len(self.lw.cluster_reduces) + i) + parity])
 
     def _slices(self, c: Copy) -> int:
         return self.lw.cluster if any(c is m for m in self.ws.multicast) else 1
@@ -233,8 +247,9 @@ class Hopper:
                     emit_ptx("mbarrier.init.shared::cta.b64", self.full(s), 1)
                     emit_ptx("mbarrier.init.shared::cta.b64", self.empty(s), self._release_count())  # see release
                 for i in range(len(lw.cluster_reduces)):  # one local arrival (expect_tx); the peers' bytes
-                    for parity in (0, 1):
-                        emit_ptx("mbarrier.init.shared::cta.b64", self.exchanged(i, parity), 1)
+                    for consumer in range(lw.consumers):
+                        for parity in (0, 1):
+                            emit_ptx("mbarrier.init.shared::cta.b64", self.exchanged(i, parity, consumer), 1)
                 emit_ptx("fence.mbarrier_init.release.cluster")
         T.evaluate(TS.cuda.cta_sync())
         if lw.cluster > 1:
@@ -254,14 +269,17 @@ class Hopper:
         this one's results, which hides the epilogue and the pipeline fill.  The grid returned is the
         H200's; the launcher sizes it to the device it runs on (Kernel.grid_on)."""
         total = math.prod(grid)
-        if not self.ws or not self.lw.kernel.persistent or total <= self.resident_ctas():
+        pingpong = self.lw.consumers > 1  # always walks tiles
+        if not self.ws or not self.lw.kernel.persistent or (total <= self.resident_ctas() and not pingpong):
             self.persistent = None
             return grid
         self.persistent = (total, grid)
-        return [self.resident_ctas(), 1, 1]
+        return [min(self.resident_ctas(), total), 1, 1]
 
     @contextmanager
-    def tiles(self, cta):
+    def tiles(self, cta, consumer=None):
+        """The CTA's tiles cta, cta + gridDim.x, ...; a pingpong ``consumer`` warpgroup takes every other
+        one of them, starting with its ``consumer``-th (the producer, None, loads them all in order)."""
         lw = self.lw
         self.tile_iter = 0
         if self.persistent is None:
@@ -269,17 +287,21 @@ class Hopper:
             return
         total, (gx, gy, _) = self.persistent
         ctas = _call("tile_ops_grid_x", return_type="int32")  # the launcher sizes the grid to the device
-        with T.serial(0, tirx.truncdiv(total - cta + (ctas - 1), ctas)) as it:  # all terms >= 0
+        mine = tirx.truncdiv(total - cta + (ctas - 1), ctas)  # all terms >= 0
+        every = lw.consumers if consumer is not None else 1
+        if every > 1:
+            mine = tirx.truncdiv(mine - consumer + (every - 1), every)
+        with T.serial(0, mine) as it:
             IRBuilder.name("tile_iter", it)
             self.tile_iter = it
-            t = cta + it * ctas
+            t = cta + (it * every + (consumer if every > 1 else 0)) * ctas
             ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
             lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
             yield
 
     def warp_specialized(self, body, cta):
         lw, ws = self.lw, self.ws
-        consumers = lw.threads
+        consumers = lw.threads * lw.consumers
         self.init_barriers()
         regs = self.consumer_registers()
         with T.If(lw.tid >= consumers):
@@ -304,10 +326,16 @@ class Hopper:
                     emit_ptx("barrier.cluster.wait.acquire.aligned")
                 self.consumer_steps = self.step_counter()
                 reuses_shared = any(lw._touches_shared(n) for n in body if not _contains(n, ws.loop))
-                with self.tiles(cta):
+                if lw.consumers > 1:  # the program sees its own warpgroup's thread index
+                    lw.tid = tirx.floormod(lw.tid, lw.threads)
+                    T.buffer_store(self.consumer_steps, lw.consumer * self.steps_per_tile, [0])
+                with self.tiles(cta, lw.consumer if lw.consumers > 1 else None):
                     lw.body(body)
                     if self.persistent and reuses_shared:  # the next tile's first shared write waits for readers
                         lw.sync()
+                    if lw.consumers > 1:  # the other warpgroup's tile takes the next steps
+                        cnt = self.consumer_steps
+                        T.buffer_store(cnt, cnt[0] + (lw.consumers - 1) * self.steps_per_tile, [0])
 
     def step_counter(self):
         """Pipeline steps taken so far (across the outer loops): stage = step % S, phase = step / S % 2."""

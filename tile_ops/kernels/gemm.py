@@ -24,6 +24,7 @@ class GemmConfig:
     split_k: int = 1  # > 1: K split over this many CTAs per tile, fp32 partials reduced by a second kernel
     epilogue: str = "direct"  # "direct": registers -> global; "shared": through a shared tile (TMA store on sm_90a)
     cluster: int = 1  # > 1 (sm_90a): clusters of neighbouring M tiles of one N tile, B's tile multicast to them
+    pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate tiles
 
     def __post_init__(self):
         if not 1 <= self.cluster <= T.MAX_CLUSTER:
@@ -156,7 +157,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
 
     def body(A, B, Bias, C):
         with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
-                      cluster=cfg.cluster) as ids:
+                      cluster=cfg.cluster, pingpong=cfg.pingpong) as ids:
             by, bx, bz = ids if clustered else (ids[1], ids[0], ids[2])
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)

@@ -35,6 +35,7 @@ class SoftmaxConfig:
     policy: str = "square"  # T.gemm warp policy; "full_row" keeps each row in one warp (no cross-warp reduce)
     split: int = 1  # blocks sharing a row block's columns: a thread-block cluster on sm_90a
     persistent: bool = True  # False: a block (cluster) per row block even with more than one wave (sm_90a)
+    pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate row blocks
 
     def __post_init__(self):
         if not 1 <= self.split <= T.MAX_CLUSTER:
@@ -89,6 +90,8 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
                 cfg = SoftmaxConfig(bM, bN, 64, stages, threads, "full_row", split)
                 if _every_block_has_columns(N, cfg):
                     space += [cfg, replace(cfg, persistent=False)] if bN == 256 else [cfg]
+                    if threads == 128:  # two consumer warpgroups on alternate row blocks
+                        space.append(replace(cfg, num_stages=3, pingpong=True))
     return space
 
 
@@ -96,7 +99,7 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, then either
     the staged output tile (one tile per block) or the per-tile running maxima (grow with N), the final
     max/sum rows and the cross-warp reduction scratch (none when each row stays in one warp); the
-    cluster exchange buffers."""
+    cluster exchange buffers; with ``pingpong`` all but the pipeline twice (one per consumer warpgroup)."""
     esize = _ESIZE[dtype]
     tiles = _kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize) + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize)
     scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
@@ -106,7 +109,8 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     else:
         rows = _kib(n_tiles * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4)
     exchange = 2 * _kib(cfg.split * cfg.block_M * 8) if cfg.split > 1 else 0  # (max, sum) slots, two tile parities
-    return tiles + rows + _kib(scratch_cols * cfg.block_M * 4) + exchange + 16 * cfg.num_stages
+    copies = 2 if cfg.pingpong else 1
+    return tiles + copies * (rows + _kib(scratch_cols * cfg.block_M * 4) + exchange) + 16 * cfg.num_stages
 
 
 PARTS = ("all", "no_rescale", "gemm")
@@ -144,7 +148,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     @T.prim_func
     def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
         with T.Kernel(split, T.ceildiv(M, bM), threads=cfg.threads, cluster=split,
-                      persistent=cfg.persistent) as (rank, bx):
+                      persistent=cfg.persistent, pingpong=cfg.pingpong) as (rank, bx):
             A_s = T.alloc_shared((bM, bK), dtype)
             B_s = T.alloc_shared((bK, bN), dtype)
             S = T.alloc_fragment((bM, bN), "float32")

@@ -66,9 +66,13 @@ class Kernel:
     ``cluster=n`` (sm_90a): each n neighbouring blocks along x form a thread-block cluster, scheduled
     together, whose blocks combine fragments with ``T.cluster_allreduce``; bx % n is a block's rank.
     ``persistent=False`` (sm_90a) keeps one block per tile where the compiler would otherwise launch one
-    CTA per SM walking the tiles (it does when a warp-specialized kernel has more than one wave)."""
+    CTA per SM walking the tiles (it does when a warp-specialized kernel has more than one wave).
+    ``pingpong=True`` (threads=128): on the warp-specialized sm_90a path each CTA runs two copies of the
+    program on alternate tiles, so one warpgroup's epilogue overlaps the other's main loop (CUTLASS's
+    ping-pong); a schedule only: other paths run the program as written."""
 
-    def __init__(self, *grid, threads: int = 128, cluster: int = 1, persistent: bool = True):
+    def __init__(self, *grid, threads: int = 128, cluster: int = 1, persistent: bool = True,
+                 pingpong: bool = False):
         if not 1 <= len(grid) <= 3:
             raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
         if threads % 32 or not 32 <= threads <= 1024:
@@ -78,7 +82,10 @@ class Kernel:
         if not 1 <= cluster <= MAX_CLUSTER or self.grid[0] % cluster:
             raise error(user_loc(), f"cluster={cluster}: must be in [1, {MAX_CLUSTER}] (the portable cluster size) "
                                     f"and divide the grid's x extent {self.grid[0]}")
-        self.cluster, self.persistent = cluster, bool(persistent)
+        if pingpong and (threads != 128 or not persistent):
+            raise error(user_loc(), f"pingpong=True runs two 128-thread warpgroups over a persistent tile loop: "
+                                    f"it needs threads=128 (got {threads}) and persistent=True (got {persistent})")
+        self.cluster, self.persistent, self.pingpong = cluster, bool(persistent), bool(pingpong)
 
     def __enter__(self):
         t = ir.tracer()
@@ -86,7 +93,7 @@ class Kernel:
             raise error(user_loc(), "only one T.Kernel block per program")
         names = ["bx", "by", "bz"][: len(self.grid)]
         k = ir.Kernel(self.grid, self.threads, [tirx.Var(n, "int32") for n in names], cluster=self.cluster,
-                       persistent=self.persistent)
+                       persistent=self.persistent, pingpong=self.pingpong)
         k.loc = user_loc()
         t.kernel = k
         t.bodies.append(k.body)

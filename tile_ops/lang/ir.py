@@ -224,6 +224,7 @@ class Kernel(Node):
     swizzle_panel: int = 0
     cluster: int = 1  # neighbouring blocks along grid x that form a thread-block cluster (sm_90a)
     persistent: bool = True  # may the compiler make CTAs walk the tiles (sm_90a, more than one wave)
+    pingpong: bool = False  # two consumer warpgroups per CTA, each running the program on alternate tiles
 
 
 @dataclass
