@@ -545,6 +545,10 @@ def test_pingpong_runs_two_consumer_warpgroups_on_alternate_tiles():
     assert "pipeline_step_ptr_1[0] = ((((int)threadIdx.x) >> 7) * 64);" in src  # K = 4096: 64 steps a tile
     assert "bar_sync_count_sync(((uint)((((int)threadIdx.x) >> 7) + 1)), (uint)128)" in src
     assert "setmaxnreg.inc.sync.aligned.u32 232" in src
+    # main loops in turns: w waits on barrier 3 + w (from its second tile of the CTA's on), then frees 4 - w
+    assert "if (0 < ((tile_iter_1 * 2) + (((int)threadIdx.x) >> 7))) {" in src
+    assert "bar_sync_count_sync(((uint)3 + ((uint)(((int)threadIdx.x) >> 7))), (uint)256)" in src
+    assert "bar_arrive_arrive(((uint)3 + ((uint)1 - ((uint)(((int)threadIdx.x) >> 7)))), (uint)256)" in src
     c_tile = 64 * 256 * 2
     assert k.meta.smem_bytes - plain.meta.smem_bytes == c_tile  # a second epilogue tile, the stages shared
     assert k.meta.resources["spill_stores"] == 0 and k.instruction_mix()["HGMMA"] > 0
@@ -580,3 +584,28 @@ def test_pingpong_errors_say_what_is_accepted():
     with pytest.raises(tile_ops.lang.TileLangError, match="the same number of pipeline steps in every tile"):
         gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16",
              GemmConfig(128, 128, 64, 4, 128, 8, split_k=2, pingpong=True), target="sm_90a")
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    with pytest.raises(ValueError, match=r"pingpong needs one column tile per block \(N=4096 gives 2 of 256"):
+        gemm_softmax(8192, 4096, 1024, 0.125, "float16", "float16",
+                     SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=8, pingpong=True), target="sm_90a")
+
+    def walk_pingpong():  # the main loop inside a loop over column tiles
+        @T.prim_func
+        def walk(A: T.Tensor((4096, 256), "float16"), B: T.Tensor((256, 512), "float16"),
+                 C: T.Tensor((4096, 512), "float16")):
+            with T.Kernel(64, threads=128, pingpong=True) as bx:
+                A_s = T.alloc_shared((64, 64), "float16")
+                B_s = T.alloc_shared((64, 128), "float16")
+                S = T.alloc_fragment((64, 128), "float32")
+                for j in T.serial(4):
+                    T.clear(S)
+                    for k in T.Pipelined(4, num_stages=3):
+                        T.copy(A[bx * 64, k * 64], A_s)
+                        T.copy(B[k * 64, j * 128], B_s)
+                        T.gemm(A_s, B_s, S)
+                    T.copy(S, C[bx * 64, j * 128])
+        return walk
+
+    with pytest.raises(tile_ops.lang.TileLangError, match="T.Pipelined loop at the kernel's top level"):
+        compile_program(walk_pingpong(), "sm_90a")

@@ -37,7 +37,8 @@ REGISTERS = 65536  # per SM
 # physical registers, it does not lift the compile-time cap): only programs whose fragments fit co-reside.
 CORESIDENT_FRAGMENT_WORDS = 128
 PRODUCER_REGISTERS = 40  # per producer thread after setmaxnreg.dec: it only issues TMA and waits
-CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads)
+CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads); 2: pingpong's second
+MAINLOOP_ORDER = 3  # pingpong: warpgroup w's main loop waits on named barrier 3 + w for the other's to end
 _SWIZZLE_ENUM = {32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle
 _DESC_MODE = {128: 1, 64: 2, 32: 3}  # wgmma matrix-descriptor layout type
 _L2_PROMOTION_256B = 3
@@ -92,13 +93,15 @@ class Hopper:
 
     def _pingpong_steps(self) -> int:
         """Pipeline steps of one tile, the same for every tile: a pingpong warpgroup skips the other's."""
-        k = self.lw.kernel
-        extents = [self.lw.ana.simplify(tirx.const(o.extent, "int32") if isinstance(o.extent, int) else o.extent)
-                   for o in self.ws.outer + [self.ws.loop]]
-        if not all(isinstance(e, tirx.IntImm) for e in extents):
-            raise error(k.loc, "pingpong=True needs the same number of pipeline steps in every tile (loop "
-                               f"extents that do not depend on the block): got {', '.join(map(str, extents))}")
-        return math.prod(int(e) for e in extents)
+        k, loop = self.lw.kernel, self.ws.loop
+        if self.ws.outer:
+            raise error(k.loc, "pingpong=True needs the T.Pipelined loop at the kernel's top level (one main "
+                               "loop per tile, which the warpgroups take in turns), not inside another loop")
+        steps = self.lw.ana.simplify(tirx.const(loop.extent, "int32") if isinstance(loop.extent, int) else loop.extent)
+        if not isinstance(steps, tirx.IntImm):
+            raise error(k.loc, "pingpong=True needs the same number of pipeline steps in every tile (a loop "
+                               f"extent that does not depend on the block): got {steps}")
+        return int(steps)
 
     def _multicast_ok(self, c: Copy) -> bool:
         """A load whose global window does not depend on the block's rank in its cluster (grid x) reads
@@ -289,12 +292,14 @@ class Hopper:
         ctas = _call("tile_ops_grid_x", return_type="int32")  # the launcher sizes the grid to the device
         mine = tirx.truncdiv(total - cta + (ctas - 1), ctas)  # all terms >= 0
         every = lw.consumers if consumer is not None else 1
+        self.cta_tiles = mine
         if every > 1:
             mine = tirx.truncdiv(mine - consumer + (every - 1), every)
         with T.serial(0, mine) as it:
             IRBuilder.name("tile_iter", it)
             self.tile_iter = it
-            t = cta + (it * every + (consumer if every > 1 else 0)) * ctas
+            self.tile_ordinal = it * every + (consumer if every > 1 else 0)  # among the CTA's tiles
+            t = cta + self.tile_ordinal * ctas
             ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
             lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
             yield
@@ -417,6 +422,23 @@ class Hopper:
                 emit_ptx("cp.async.bulk.wait_group.read", 0)
 
     def consumer_loop(self, node: For, vm, n):
+        """The main loop; pingpong warpgroups take it in turns, tile by tile: a warpgroup waits on the
+        stages' parities only once the other has waited on every earlier step (the barriers are then at
+        most one phase behind the step it waits for), and its main loop runs while the other's epilogue
+        does."""
+        if self.lw.consumers == 1:
+            return self._consumer_steps(node, vm, n)
+        me = tirx.Cast("uint32", self.lw.consumer)
+        both = self.lw.threads * self.lw.consumers
+        with T.If(self.tile_ordinal > 0):
+            with T.Then():
+                emit_ptx("bar.sync", MAINLOOP_ORDER + me, both)
+        self._consumer_steps(node, vm, n)
+        with T.If(self.tile_ordinal + 1 < self.cta_tiles):  # the CTA's next tile is the other's
+            with T.Then():
+                emit_ptx("bar.arrive", MAINLOOP_ORDER + (1 - me), both)
+
+    def _consumer_steps(self, node: For, vm, n):
         """Wait for stage k, compute on it, release it.  With ``deferred_wait`` the gemms of step k stay
         in flight while step k + 1 waits for its data; step k - 1's stage is released once its
         wgmma group retires."""

@@ -90,7 +90,7 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
                 cfg = SoftmaxConfig(bM, bN, 64, stages, threads, "full_row", split)
                 if _every_block_has_columns(N, cfg):
                     space += [cfg, replace(cfg, persistent=False)] if bN == 256 else [cfg]
-                    if threads == 128:  # two consumer warpgroups on alternate row blocks
+                    if threads == 128 and block_columns(N, cfg) == bN:  # two warpgroups, alternate row blocks
                         space.append(replace(cfg, num_stages=3, pingpong=True))
     return space
 
@@ -130,6 +130,9 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
         raise ValueError(f"gemm_softmax: split={split} leaves the last block of a row without columns (N={N}, "
                          f"{cols} columns per block); split={_widest_split(N, cfg, split - 1)} fits")
     n_tiles = cols // bN
+    if cfg.pingpong and n_tiles > 1:
+        raise ValueError(f"gemm_softmax: pingpong needs one column tile per block (N={N} gives {n_tiles} of "
+                         f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")
     # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
     extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * bM * bN
     staged = shared_memory_bytes(cfg, M, N, K, dtype) + max(0, extra) <= 227 * 1024
