@@ -115,12 +115,14 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
 def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
     """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the bias tile,
     the output tile of a shared epilogue (in the input dtype) (each buffer starts on a 1 KiB boundary on
-    sm_90a) and the pipeline's mbarriers."""
+    sm_90a; with ``pingpong`` the bias and output tiles twice, one per consumer warpgroup) and the
+    pipeline's mbarriers."""
     esize = _ESIZE[dtype]
-    tiles = [cfg.num_stages * cfg.block_M * cfg.block_K, cfg.num_stages * cfg.block_K * cfg.block_N, cfg.block_N]
-    if cfg.epilogue == "shared":
-        tiles.append(cfg.block_M * cfg.block_N)
-    return sum(_kib(n * esize) for n in tiles) + 16 * cfg.num_stages
+    stages = [cfg.num_stages * cfg.block_M * cfg.block_K, cfg.num_stages * cfg.block_K * cfg.block_N]
+    epilogue = [cfg.block_N] + ([cfg.block_M * cfg.block_N] if cfg.epilogue == "shared" else [])
+    copies = 2 if cfg.pingpong else 1
+    return (sum(_kib(n * esize) for n in stages) + copies * sum(_kib(n * esize) for n in epilogue)
+            + 16 * cfg.num_stages)
 
 
 def _kib(nbytes: int) -> int:
@@ -215,7 +217,7 @@ def _shared_epilogue_fits(cfg: GemmConfig, dtype: str, out_dtype: str) -> bool:
     (e.g. 128x256 fp32 beside three stages): then the direct epilogue, rather than a compile error."""
     if cfg.epilogue != "shared":
         return False
-    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N
+    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N * (2 if cfg.pingpong else 1)
     return shared_memory_bytes(cfg, 0, 0, 0, dtype) + max(0, extra) <= 227 * 1024
 
 
