@@ -109,6 +109,9 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk, epilogue=ep) for bK, stages in depths
                   for sw in swizzles for sk in splits for ep in epilogues
                   if sk == 1 or -(-K // bK) >= 2 * sk]  # >= 2 k-tiles a split
+    if not decode and min(M, N) >= 128:  # two consumer warpgroups on alternate 128x128 tiles (NOTES v6)
+        swizzles = (0, 8) if -(-N // 128) > 8 and -(-M // 128) > 1 else (0,)
+        space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
     return space
 
 
