@@ -505,6 +505,17 @@ def test_cluster_errors_say_what_is_accepted():
         merge(l_scope="shared")
     with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge needs a clustered kernel"):
         merge(cluster=1)
+
+    def merge_same():
+        @T.prim_func
+        def merge_twice(X: T.Tensor((64, 128), "float32")):
+            with T.Kernel(2, threads=128, cluster=2) as bx:
+                m = T.alloc_fragment((64,), "float32")
+                T.cluster_softmax_merge(m, m)
+        return merge_twice
+
+    with pytest.raises(tile_ops.lang.TileLangError, match="row_max and row_sum must be two fragments"):
+        merge_same()
     from tile_ops.kernels.gemm_softmax import SoftmaxConfig
 
     with pytest.raises(ValueError, match=r"split=9: must be in \[1, 8\]"):
@@ -564,7 +575,13 @@ def test_pingpong_softmax_exchanges_per_warpgroup():
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert k.meta.block == (384, 1, 1) and k.meta.resources["spill_stores"] == 0
     assert "(((int)threadIdx.x) >> 7) * 2) + (tile_iter_1 & 1))" in k.source  # barrier of (warpgroup, parity)
-    assert k.source.count("mbarrier_init") >= 2 * 3 + 2 * 2  # 3 stages full/empty, 2 warpgroups x 2 parities
+    inits = re.findall(r"mbarrier_init_init_shared__cta_b64\(.*\[(\d+)\]\)\)\), \(uint\)(\d+)\);", k.source)
+    # 3 stages: full (1 arrival), empty (4 warps x 8 blocks); then 2 warpgroups x 2 parities, one arrival each
+    assert sorted((int(i), int(n)) for i, n in inits) == (
+        [(25600 + s, 1) for s in range(3)] + [(25603 + s, 32) for s in range(3)] + [(25606 + e, 1) for e in range(4)])
+    fp32 = gemm_softmax(4096, 1024, 512, 0.125, "float16", "float32",
+                        SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=4, pingpong=True), target="sm_90a")
+    assert fp32.meta.smem_bytes <= 227 * 1024  # the fp32 tile per warpgroup does not fit: stored directly
 
 
 def test_pingpong_errors_say_what_is_accepted():

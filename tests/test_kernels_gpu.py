@@ -105,6 +105,25 @@ def test_gemm_softmax_cluster_combines_rows(cfg):
 
 
 @pytest.mark.skipif(not HOPPER, reason="thread-block clusters: sm_90a")
+@pytest.mark.parametrize("M", [8192, 8000])
+def test_gemm_softmax_pingpong_walks_many_tiles(M):
+    """Ping-pong with many more tiles than CTAs (8192 rows: 128 row blocks x 4 blocks = 512 tiles over ~30
+    clusters; 8000: 125 row blocks, some CTAs with an odd count): both warpgroups walk several tiles,
+    exchanging through their own slots and barriers, and take the main loop in turns."""
+    N, K = 1024, 256
+    cfg = SOFTMAX_CONFIGS["pingpong_cluster"]
+    kernel = gemm_softmax(M, N, K, 0.125, "float16", "float16", cfg, target="sm_90a")
+    assert kernel.meta.persistent_tiles == -(-M // 64) * 4
+    a = torch.randn(M, K, dtype=torch.float16, device="cuda")
+    b = torch.randn(K, N, dtype=torch.float16, device="cuda")
+    b[:, 512:] *= 3
+    out = poisoned(kernel)
+    kernel.launch(a, b, out)
+    ref = torch.softmax(0.125 * (a.double() @ b.double()), dim=-1)
+    assert rel_err(out, ref) < TOL["float16"]
+
+
+@pytest.mark.skipif(not HOPPER, reason="thread-block clusters: sm_90a")
 @pytest.mark.parametrize("valid", [256, 150, 65])
 def test_cluster_softmax_merge(valid):
     """Every block of the cluster ends with the whole row's max and sum of 2^(s - max), including when

@@ -72,10 +72,6 @@ class FragmentLayout:
         element is held twice."""
         return None
 
-    def owners(self, threads: int) -> int:
-        """How many of ``threads`` satisfy ``owner``."""
-        return threads
-
 
 class MmaAccumLayout(FragmentLayout):
     """The m16n8 mma.sync accumulator layout over a warp grid (also the A-operand register layout
@@ -172,9 +168,6 @@ class MmaRowLayout(FragmentLayout):
         _, wc = self.accum.warp_rc(tid)
         lane0 = tid % 4 == 0  # the first lane of the quad
         return lane0 if self.accum.w.wn == 1 else tirx.And(lane0, wc == 0)
-
-    def owners(self, threads: int) -> int:
-        return threads // 4 // self.accum.w.wn
 
     def row_of_accum_local(self, r_acc):
         """Local index in this layout of the row that accumulator local ``r_acc`` lies in."""

@@ -111,7 +111,9 @@ class Lowerer:
                     self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
                 block = self.threads * self.consumers + (PRODUCER_THREADS if self.ws else 0)
                 self.tid = T.thread_id([block])
-                self.consumer = tirx.floordiv(self.tid, self.threads) if self.consumers > 1 else 0  # its copy
+                # the consumer warpgroup's copy of per-warpgroup buffers (pingpong); the producer's value (2)
+                # points past them: it touches pipeline stages only
+                self.consumer = tirx.floordiv(self.tid, self.threads) if self.consumers > 1 else 0
                 self.smem_bytes = self._declare_memory()
                 if self.ws:
                     self.hopper.warp_specialized(k.body, ids[0])

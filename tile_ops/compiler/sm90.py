@@ -3,7 +3,7 @@ wgmma reading shared tiles through matrix descriptors (and A from registers when
 and ``T.Pipelined`` as a warp-specialized producer/consumer pipeline.
 
 Warp specialization: the kernel gets one extra warpgroup (the producer) after the program's
-``threads`` (the consumers).  One producer thread walks the pipelined loop issuing the loop's
+``threads`` (the consumers; two copies of them with pingpong, taking the tiles in turns).  One producer thread walks the pipelined loop issuing the loop's
 global->shared copies as TMA loads into stage ``k % S``, each stage guarded by two mbarriers:
 ``full[s]`` (TMA bytes landed) and ``empty[s]`` (every consumer thread is done reading).  The
 consumers run the rest of the program; their barriers are a named barrier that excludes the
@@ -12,11 +12,10 @@ producer.  ``setmaxnreg`` moves registers from the producer to the consumers' ac
 
 from __future__ import annotations
 
-import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, reduce
 
 from tvm import tirx
 from tvm.script import tirx as TS
@@ -267,7 +266,8 @@ class Hopper:
         return self.bars.ptr_to([self.ws.stages + s])
 
     def persistent_grid(self, grid: list):
-        """Launch one CTA per SM when there is more than one wave of tiles; each CTA then walks tiles
+        """Launch one CTA per SM when there is more than one wave of tiles (always with pingpong, whose
+        warpgroups take a CTA's tiles in turns); each CTA then walks tiles
         cta, cta + gridDim.x, ...  The producer runs ahead into the next tile while the consumers store
         this one's results, which hides the epilogue and the pipeline fill.  The grid returned is the
         H200's; the launcher sizes it to the device it runs on (Kernel.grid_on)."""
@@ -428,6 +428,7 @@ class Hopper:
         does."""
         if self.lw.consumers == 1:
             return self._consumer_steps(node, vm, n)
+        assert self.lw.consumers == 2 and self.persistent, "pingpong: two warpgroups over a persistent tile loop"
         me = tirx.Cast("uint32", self.lw.consumer)
         both = self.lw.threads * self.lw.consumers
         with T.If(self.tile_ordinal > 0):
@@ -512,8 +513,8 @@ class Hopper:
         flat = [_flat_index(lay.coords(lw.tid, r), node.buffers[0].shape) for r in range(lay.local_size)]
         rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
         owner = lay.owner(lw.tid)
-        # every consumer is done reading this buffer's previous use (two tiles ago) before the owners'
-        # values let a peer run ahead and overwrite it
+        # every consumer (of this warpgroup, with pingpong) is done reading this buffer's previous use (two
+        # of its tiles ago) before the owners' values let a peer run ahead and overwrite it
         lw.sync()
         with T.If(lw.tid == 0):
             with T.Then():
@@ -530,15 +531,15 @@ class Hopper:
         for r in range(lay.local_size):
             mine = [[ex[base + (peer * elems + flat[r]) * vals + v] for v in range(vals)] for peer in range(n)]
             if node.kind == "softmax":
-                top = functools.reduce(tirx.max, [m for m, _ in mine])
+                top = reduce(tirx.max, [m for m, _ in mine])
                 ninf = tirx.const(float("-inf"), "float32")  # a block without values adds nothing (not NaN)
                 terms = [tirx.Select(m == ninf, tirx.const(0.0, "float32"), l * tirx.exp2(m - top)) for m, l in mine]
-                total = functools.reduce(lambda a, b: a + b, terms)
+                total = reduce(lambda a, b: a + b, terms)
                 T.buffer_store(frags[0], top, [r])
                 T.buffer_store(frags[1], total, [r])
             else:
                 op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
-                T.buffer_store(frags[0], functools.reduce(op, [v for v, in mine]), [r])
+                T.buffer_store(frags[0], reduce(op, [v for v, in mine]), [r])
 
     # ------------------------------------------------------------------ wgmma
 

@@ -108,7 +108,8 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
         rows = _kib(cfg.block_M * cfg.block_N * esize)
     else:
         rows = _kib(n_tiles * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4)
-    exchange = 2 * _kib(cfg.split * cfg.block_M * 8) if cfg.split > 1 else 0  # (max, sum) slots, two tile parities
+    # (max, sum) slots and their mbarriers, two tile parities
+    exchange = 2 * _kib(cfg.split * cfg.block_M * 8) + 16 if cfg.split > 1 else 0
     copies = 2 if cfg.pingpong else 1
     return tiles + copies * (rows + _kib(scratch_cols * cfg.block_M * 4) + exchange) + 16 * cfg.num_stages
 
@@ -134,7 +135,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
         raise ValueError(f"gemm_softmax: pingpong needs one column tile per block (N={N} gives {n_tiles} of "
                          f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")
     # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
-    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * bM * bN
+    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * bM * bN * (2 if cfg.pingpong else 1)  # a tile per warpgroup
     staged = shared_memory_bytes(cfg, M, N, K, dtype) + max(0, extra) <= 227 * 1024
     c = scale * LOG2E  # softmax(scale*s) == 2^(c*s - c*max) / sum
 

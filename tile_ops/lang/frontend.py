@@ -61,7 +61,8 @@ def prim_func(fn) -> ir.Program:
 
 
 class Kernel:
-    """``with T.Kernel(gx, gy=1, gz=1, threads=128, cluster=1) as (bx, by):`` — the launch grid and block.
+    """``with T.Kernel(gx, gy=1, gz=1, threads=128, cluster=1, persistent=True, pingpong=False) as (bx, by):``
+    — the launch grid and block.
 
     ``cluster=n`` (sm_90a): each n neighbouring blocks along x form a thread-block cluster, scheduled
     together, whose blocks combine fragments with ``T.cluster_allreduce``; bx % n is a block's rank.
@@ -206,6 +207,8 @@ def cluster_softmax_merge(row_max, row_sum):
     holds its columns' ``row_max`` (in log2 units) and ``row_sum`` of 2^(x - row_max); afterwards every
     block holds the whole row's: max_j m_j and sum_j l_j * 2^(m_j - max).  A block keeps its own max
     beforehand to rescale its values by 2^(own max - max) / sum."""
+    if row_max is row_sum:
+        raise error(user_loc(), "T.cluster_softmax_merge: row_max and row_sum must be two fragments")
     if isinstance(row_max, TileBuffer) and isinstance(row_sum, TileBuffer) and row_max.shape != row_sum.shape:
         raise error(user_loc(), f"T.cluster_softmax_merge: row_max {row_max.shape} and row_sum {row_sum.shape} "
                                 "must have the same shape")
