@@ -57,6 +57,8 @@ SOFTMAX_CONFIGS = {
     "cluster_tile": SoftmaxConfig(128, 128, 64, 4, 256, "full_row", split=8),  # up to 8 blocks, one tile each
     # two consumer warpgroups per CTA on alternate row blocks (one column tile per block)
     "pingpong_cluster": SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=4, pingpong=True),
+    # 64-row blocks whose two warpgroups split the columns (row statistics combined across them first)
+    "cluster_full_col": SoftmaxConfig(64, 256, 64, 4, 256, "full_col", split=4),
 }
 
 

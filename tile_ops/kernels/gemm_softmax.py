@@ -92,6 +92,9 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
                     space += [cfg, replace(cfg, persistent=False)] if bN == 256 else [cfg]
                     if threads == 128 and block_columns(N, cfg) == bN:  # two warpgroups, alternate row blocks
                         space.append(replace(cfg, num_stages=3, pingpong=True))
+        # 64-row blocks (finer over the clusters that fit), the two warpgroups splitting the columns
+        space += [cfg for cfg in (SoftmaxConfig(64, 256, 64, 4, 256, "full_col", split) for split in (2, 4, 8))
+                  if _every_block_has_columns(N, cfg)]
     return space
 
 
