@@ -552,17 +552,24 @@ def test_pingpong_runs_two_consumer_warpgroups_on_alternate_tiles():
              GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True), target="sm_90a")
     assert k.meta.block == (384, 1, 1) and k.meta.grid == (132, 1, 1) and k.meta.persistent_tiles == 64 * 16
     src = k.source
-    assert "* 2) + (((int)threadIdx.x) >> 7)) * tile_ops_grid_x()" in src  # tile (2 it + w) of the CTA's
-    assert "pipeline_step_ptr_1[0] = ((((int)threadIdx.x) >> 7) * 64);" in src  # K = 4096: 64 steps a tile
-    assert "bar_sync_count_sync(((uint)((((int)threadIdx.x) >> 7) + 1)), (uint)128)" in src
+    # w = tid / 128 broadcast from lane 0 (warp-uniform for nvcc: the wgmma descriptors stay uniform)
+    assert "int warpgroup = tile_ops_warp_uniform((((int)threadIdx.x) >> 7));" in src
+    assert "(((tile_iter_1 * 2) + warpgroup) * tile_ops_grid_x())" in src  # tile (2 it + w) of the CTA's
+    assert "pipeline_step_ptr_1[0] = (warpgroup * 64);" in src  # K = 4096: 64 steps a tile
+    assert "bar_sync_count_sync(((uint)(warpgroup + 1)), (uint)128)" in src
     assert "setmaxnreg.inc.sync.aligned.u32 232" in src
     # main loops in turns: w waits on barrier 3 + w (from its second tile of the CTA's on), then frees 4 - w
-    assert "if (0 < ((tile_iter_1 * 2) + (((int)threadIdx.x) >> 7))) {" in src
-    assert "bar_sync_count_sync(((uint)3 + ((uint)(((int)threadIdx.x) >> 7))), (uint)256)" in src
-    assert "bar_arrive_arrive(((uint)3 + ((uint)1 - ((uint)(((int)threadIdx.x) >> 7)))), (uint)256)" in src
+    assert "if (0 < ((tile_iter_1 * 2) + warpgroup)) {" in src
+    assert "bar_sync_count_sync(((uint)3 + ((uint)warpgroup)), (uint)256)" in src
+    assert "bar_arrive_arrive(((uint)3 + ((uint)1 - ((uint)warpgroup))), (uint)256)" in src
     c_tile = 64 * 256 * 2
     assert k.meta.smem_bytes - plain.meta.smem_bytes == c_tile  # a second epilogue tile, the stages shared
     assert k.meta.resources["spill_stores"] == 0 and k.instruction_mix()["HGMMA"] > 0
+    # the main loop reads its descriptors from uniform registers: no R2UR between the wgmmas
+    sass = k.sass().splitlines()
+    loop = sass[next(i for i, ln in enumerate(sass) if "TRYWAIT" in ln):]
+    loop = loop[: next(i for i, ln in enumerate(loop) if "DEPBAR.LE gsb0, 0x0" in ln)]
+    assert sum("HGMMA" in ln for ln in loop) == 2 * 4 and not any("R2UR" in ln for ln in loop)  # 2 m64 x 4 k16
 
 
 @needs_nvcc
@@ -574,7 +581,7 @@ def test_pingpong_softmax_exchanges_per_warpgroup():
     cfg = SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=8, pingpong=True)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert k.meta.block == (384, 1, 1) and k.meta.resources["spill_stores"] == 0
-    assert "(((int)threadIdx.x) >> 7) * 2) + (tile_iter_1 & 1))" in k.source  # barrier of (warpgroup, parity)
+    assert "((warpgroup * 2) + (tile_iter_1 & 1)) + 25606)" in k.source  # barrier of (warpgroup, parity)
     inits = re.findall(r"mbarrier_init_init_shared__cta_b64\(.*\[(\d+)\]\)\)\), \(uint\)(\d+)\);", k.source)
     # 3 stages: full (1 arrival), empty (4 warps x 8 blocks); then 2 warpgroups x 2 parities, one arrival each
     assert sorted((int(i), int(n)) for i, n in inits) == (

@@ -113,7 +113,7 @@ class Lowerer:
                 self.tid = T.thread_id([block])
                 # the consumer warpgroup's copy of per-warpgroup buffers (pingpong); the producer's value (2)
                 # points past them: it touches pipeline stages only
-                self.consumer = tirx.floordiv(self.tid, self.threads) if self.consumers > 1 else 0
+                self.consumer = self.hopper.warpgroup_index(self.tid) if self.consumers > 1 else 0
                 self.smem_bytes = self._declare_memory()
                 if self.ws:
                     self.hopper.warp_specialized(k.body, ids[0])

@@ -206,6 +206,15 @@ class Hopper:
         budget = REGISTERS // per_sm - PRODUCER_REGISTERS * PRODUCER_THREADS
         return min(240, budget // (128 * n_wg) // 8 * 8)
 
+    def warpgroup_index(self, tid):
+        """tid // threads bound once at entry from lane 0's value (``__shfl_sync``, all threads converged),
+        so nvcc knows it is warp-uniform: the pipeline counts that start from it, and the wgmma
+        descriptors computed from those, stay in uniform registers (what CUTLASS's
+        canonical_warp_group_idx does)."""
+        var = T.Var("warpgroup", "int32")
+        T.Bind(_call("tile_ops_warp_uniform", tirx.floordiv(tid, self.lw.threads), return_type="int32"), var=var)
+        return var
+
     def _pipeline_barriers(self) -> int:
         return 2 * self.ws.stages if self.ws else 0
 
@@ -626,6 +635,9 @@ __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volat
 _HELPERS = {  # CUDA functions for what TIRx has no intrinsic for, one each
     "tile_ops_grid_x": """
 __forceinline__ __device__ int tile_ops_grid_x() { return gridDim.x; }
+""",
+    "tile_ops_warp_uniform": """
+__forceinline__ __device__ int tile_ops_warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 """,
     "tile_ops_cluster_rank": """
 __forceinline__ __device__ unsigned tile_ops_cluster_rank() {
