@@ -1,11 +1,12 @@
 """Fused GEMM+softmax vs torch's softmax(a @ b) (fp16, and with an fp32 softmax), microseconds, one run.
 
-    python benchmarks/bench_gemm_softmax.py [--configs] [--parts] [--json out.json] [--png out.png]
+    python benchmarks/bench_gemm_softmax.py [--configs] [--parts] [--parts-filter S] [--json out.json] [--png out.png]
 
 ``--configs`` also times a few other configs of the fused kernel (each checked against float64 first) and
 reports the fastest; the table's ``config`` column names it.  ``--parts`` adds, for the reported config,
 the kernel without its normalization (the final rescale pass, or the cluster exchange) and without its
 softmax math too (``gemm_softmax(parts=...)``): where the fused kernel's time goes beyond its GEMM.
+``--parts-filter S`` also prints (stderr) the parts of every other timed config whose name contains S.
 """
 
 import argparse
@@ -80,6 +81,7 @@ def main():
     p.add_argument("--configs", action="store_true", help="also time a few other fused configs, report the best")
     p.add_argument("--parts", action="store_true", help="also time the reported config without its rescale pass "
                                                          "and without its softmax math")
+    p.add_argument("--parts-filter", help="with --parts: also the parts of the configs whose name contains this")
     p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
     p.add_argument("--json")
     p.add_argument("--png")
@@ -112,6 +114,10 @@ def main():
         t_mm = bench_ms(lambda: a @ b) * 1e3
         if args.parts and best is not None:
             parts_us = time_parts((M, N, K), best, a, b, out)
+            for cfg in kernels if args.parts_filter else ():
+                if cfg != best and args.parts_filter in config_name(cfg):
+                    print(f"{M}x{N}x{K} {config_name(cfg)} parts: {time_parts((M, N, K), cfg, a, b, out)}",
+                          file=sys.stderr)
         rows.append({"shape": f"{M}x{N}x{K}", "fused_us": round(t_fused, 1), "our_gemm_us": round(t_gemm, 1),
                      "torch_us": round(t_torch, 1), "torch_fp32sm_us": round(t_torch32, 1),
                      "cublas_mm_us": round(t_mm, 1), "speedup_vs_torch": round(t_torch / t_fused, 2),
