@@ -633,3 +633,15 @@ def test_pingpong_errors_say_what_is_accepted():
 
     with pytest.raises(tile_ops.lang.TileLangError, match="T.Pipelined loop at the kernel's top level"):
         compile_program(walk_pingpong(), "sm_90a")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("N", [2304, 2312, 2560])
+def test_ragged_softmax_walk_does_not_spill(N):
+    """Rows split over 5 blocks that each walk two 256-wide tiles, the last block's second tile partly or
+    wholly past N: the column mask must not cost spills."""
+    from tile_ops.kernels.gemm_softmax import default_config
+
+    cfg = default_config(8192, N, 1024, "sm_90a")
+    k = gemm_softmax(8192, N, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    assert cfg.split == 5 and k.meta.resources["spill_stores"] == 0, k.meta.resources
