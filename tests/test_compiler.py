@@ -419,7 +419,7 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
     assert "__cluster_dims__(8, 1, 1)" in k.source and "mapa.shared::cluster" in k.source
     assert k.meta.grid == (128, 1, 1) and k.meta.resources["spill_stores"] == 0
     # one exchange of (max, sum) pairs: st.async into each peer, counted on its mbarrier; no remote arrives
-    assert k.source.count("tile_ops_cluster_put2(") == 1 + 2 * 8 and "mbarrier.arrive.release.cluster" not in k.source
+    assert _cluster_puts(k.source) == [2] * (2 * 8) and "mbarrier.arrive.release.cluster" not in k.source
     assert "mbarrier.try_wait.parity.acquire.cluster" in k.source
     mix = k.instruction_mix()
     assert mix["STAS"] == 2 * 8, mix  # 2 rows per owner lane x 8 peers
@@ -431,12 +431,18 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
     assert mix["UTMASTG"] == 4 and mix["HGMMA"] > 0  # one TMA store per 64-column panel, no rescale pass
 
 
+def _cluster_puts(source):
+    """The values each tile_ops_cluster_put call sends (1, or 2 for a pair), call by call."""
+    calls = re.findall(r"tile_ops_cluster_put\(\(&[^;]*\(uint\)\d+, ([^;]*)\);", source)
+    return [v.count(",") + 1 for v in calls]
+
+
 @needs_nvcc
 def test_cluster_allreduce_owner_threads_write_each_row_once():
     """One lane per quad (the quad shares a row) stores the row's value into slot rank of every peer;
     one thread expects all of the cluster's bytes (2 blocks x 64 rows x 4 bytes) on its barrier."""
     c = compile_program(_row_max_over_cluster(), "sm_90a")
-    assert c.source.count("tile_ops_cluster_put(") == 1 + 2 * 2, c.source  # the helper; 2 rows x 2 peers
+    assert _cluster_puts(c.source) == [1] * (2 * 2), c.source  # 2 rows x 2 peers, one value each
     assert "__cluster_dims__(2, 1, 1)" in c.source and "% 4) == 0) {" in c.source
     assert re.search(r"expect_tx_shared__cta_b64\(.*\(uint\)512\);", c.source), c.source
 
@@ -448,7 +454,7 @@ def test_cluster_softmax_merge_is_one_exchange_of_pairs():
     from programs import softmax_stats_over_cluster
 
     k = softmax_stats_over_cluster(150, target="sm_90a")
-    assert k.source.count("tile_ops_cluster_put2(") == 1 + 2 * 4 and "tile_ops_cluster_put(" not in k.source
+    assert _cluster_puts(k.source) == [2] * (2 * 4)  # 2 rows x 4 peers, a (max, sum) pair each
     assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32" in k.source
     assert re.search(r"expect_tx_shared__cta_b64\(.*\(uint\)2048\);", k.source)  # 4 blocks x 64 rows x 8 B
     assert "== -CUDART_INF_F) ? 0x0p+0f" in k.source  # a block whose max is -inf adds 0, not NaN

@@ -528,13 +528,12 @@ class Hopper:
         with T.If(lw.tid == 0):
             with T.Then():
                 emit_ptx("mbarrier.arrive.expect_tx.shared::cta.b64", bar, n * elems * vals * 4)
-        put = "tile_ops_cluster_put" if vals == 1 else "tile_ops_cluster_put2"
         with T.If(owner if owner is not None else tirx.const(True, "bool")):
             with T.Then():
                 for r in range(lay.local_size):
                     slot = ex.ptr_to([base + (rank * elems + flat[r]) * vals])
                     for peer in range(n):
-                        T.evaluate(_call(put, slot, bar, tirx.const(peer, "uint32"), *(f[r] for f in frags)))
+                        T.evaluate(_call("tile_ops_cluster_put", slot, bar, tirx.const(peer, "uint32"), *(f[r] for f in frags)))
         phase = tirx.Cast("uint32", tirx.floormod(tirx.floordiv(self.tile_iter, 2), 2))
         T.evaluate(_call("tile_ops_cluster_wait", bar, phase))
         for r in range(lay.local_size):
@@ -632,7 +631,7 @@ __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volat
 """
 
 
-_HELPERS = {  # CUDA functions for what TIRx has no intrinsic for, one each
+_HELPERS = {  # CUDA functions for what TIRx has no intrinsic for
     "tile_ops_grid_x": """
 __forceinline__ __device__ int tile_ops_grid_x() { return gridDim.x; }
 """,
@@ -644,23 +643,22 @@ __forceinline__ __device__ unsigned tile_ops_cluster_rank() {
   unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
 }
 """,
-    # st.async: a store into a peer's shared memory that completes bytes on the peer's mbarrier
+    # st.async: a store (one value or a pair) into a peer's shared memory, at the mapa address of the same
+    # offset there, that completes its bytes on the peer's mbarrier
     "tile_ops_cluster_put": """
-__forceinline__ __device__ void tile_ops_cluster_put(float* p, uint64_t* bar, unsigned peer, float v) {
-  unsigned a = (unsigned)__cvta_generic_to_shared(p), b = (unsigned)__cvta_generic_to_shared(bar), ra, rb;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(peer));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"(peer));
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
-               :: "r"(ra), "f"(v), "r"(rb) : "memory");
+__forceinline__ __device__ unsigned tile_ops_peer_address(const void* p, unsigned peer) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(peer));
+  return r;
 }
-""",
-    "tile_ops_cluster_put2": """
-__forceinline__ __device__ void tile_ops_cluster_put2(float* p, uint64_t* bar, unsigned peer, float v0, float v1) {
-  unsigned a = (unsigned)__cvta_generic_to_shared(p), b = (unsigned)__cvta_generic_to_shared(bar), ra, rb;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(peer));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"(peer));
+__forceinline__ __device__ void tile_ops_cluster_put(float* p, uint64_t* bar, unsigned peer, float v) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :: "r"(tile_ops_peer_address(p, peer)), "f"(v), "r"(tile_ops_peer_address(bar, peer)) : "memory");
+}
+__forceinline__ __device__ void tile_ops_cluster_put(float* p, uint64_t* bar, unsigned peer, float v0, float v1) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
-               :: "r"(ra), "f"(v0), "f"(v1), "r"(rb) : "memory");
+               :: "r"(tile_ops_peer_address(p, peer)), "f"(v0), "f"(v1), "r"(tile_ops_peer_address(bar, peer))
+               : "memory");
 }
 """,
     # a stage's release orders only this warp's reads of it (done: the wgmma wait), so the arrive is
