@@ -215,9 +215,9 @@ class Lowerer:
                                      elem_offset=self._copy_offset(off, copy_bytes) * 8 // dtype_bits(b.dtype))
                 IRBuilder.name(b.name, view)
                 self.shared[b] = SharedTile(b, view, lay, stages, elems)
+            scratch_offset = self._copy_offset(self.scratch_offset, plan.scratch_copy_bytes)
             self.scratch = T.decl_buffer((max(1, self._scratch_bytes() // 4),), "float32", data=arena.data,
-                                         scope="shared.dyn",
-                                         elem_offset=self._copy_offset(self.scratch_offset, plan.scratch_copy_bytes) // 4)
+                                         scope="shared.dyn", elem_offset=scratch_offset // 4)
             IRBuilder.name("reduce_scratch", self.scratch)
             self.exchange = {}  # id(T.cluster_allreduce node) -> its slots, by rank
             for node, off, slots, copy_bytes in plan.exchanges:

@@ -3,9 +3,10 @@ wgmma reading shared tiles through matrix descriptors (and A from registers when
 and ``T.Pipelined`` as a warp-specialized producer/consumer pipeline.
 
 Warp specialization: the kernel gets one extra warpgroup (the producer) after the program's
-``threads`` (the consumers; two copies of them with pingpong, taking the tiles in turns).  One producer thread walks the pipelined loop issuing the loop's
-global->shared copies as TMA loads into stage ``k % S``, each stage guarded by two mbarriers:
-``full[s]`` (TMA bytes landed) and ``empty[s]`` (every consumer thread is done reading).  The
+``threads`` (the consumers; two copies of them with pingpong, taking the tiles in turns).  One
+producer thread walks the pipelined loop issuing the loop's global->shared copies as TMA loads into
+stage ``k % S``, each stage guarded by two mbarriers: ``full[s]`` (TMA bytes landed) and
+``empty[s]`` (every consumer thread is done reading).  The
 consumers run the rest of the program; their barriers are a named barrier that excludes the
 producer.  ``setmaxnreg`` moves registers from the producer to the consumers' accumulators.
 """
@@ -233,7 +234,8 @@ class Hopper:
         """The mbarrier on which T.cluster_allreduce ``i``'s values of tiles of ``parity`` complete (for
         ``consumer``, by default the running warpgroup's)."""
         consumer = self.lw.consumer if consumer is None else consumer
-        return self.bars.ptr_to([self._pipeline_barriers() + 2 * (consumer * len(self.lw.cluster_reduces) + i) + parity])
+        exchange = consumer * len(self.lw.cluster_reduces) + i
+        return self.bars.ptr_to([self._pipeline_barriers() + 2 * exchange + parity])
 
     def _slices(self, c: Copy) -> int:
         return self.lw.cluster if any(c is m for m in self.ws.multicast) else 1
@@ -299,15 +301,16 @@ class Hopper:
             return
         total, (gx, gy, _) = self.persistent
         ctas = _call("tile_ops_grid_x", return_type="int32")  # the launcher sizes the grid to the device
-        mine = tirx.truncdiv(total - cta + (ctas - 1), ctas)  # all terms >= 0
-        every = lw.consumers if consumer is not None else 1
-        self.cta_tiles = mine
-        if every > 1:
-            mine = tirx.truncdiv(mine - consumer + (every - 1), every)
+        self.cta_tiles = tirx.truncdiv(total - cta + (ctas - 1), ctas)  # all terms >= 0
+        if consumer is None:
+            mine, every, first = self.cta_tiles, 1, 0
+        else:
+            every, first = lw.consumers, consumer
+            mine = tirx.truncdiv(self.cta_tiles - first + (every - 1), every)
         with T.serial(0, mine) as it:
             IRBuilder.name("tile_iter", it)
             self.tile_iter = it
-            self.tile_ordinal = it * every + (consumer if every > 1 else 0)  # among the CTA's tiles
+            self.tile_ordinal = it * every + first if every > 1 else it  # among the CTA's tiles
             t = cta + self.tile_ordinal * ctas
             ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
             lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
@@ -365,13 +368,11 @@ class Hopper:
                 IRBuilder.name(outer[0].var.name, v)
                 self.producer_nest(outer[1:], {**vm, outer[0].var: v}, cnt)
             return
-        node, S = ws.loop, ws.stages
+        node = ws.loop
         stage_bytes = sum(_tile_bytes(c.dst.buffer) for c in ws.loads)
         with T.serial(0, lw.expr(node.extent, vm)) as k:
             IRBuilder.name(node.var.name, k)
-            s = tirx.floormod(cnt[0], S)
-            phase = tirx.floormod(tirx.floordiv(cnt[0], S), 2)
-            T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - phase))  # a fresh barrier passes parity 1
+            s = self._wait_free_stage(cnt)
             emit_ptx("mbarrier.arrive.expect_tx.shared::cta.b64", self.full(s), stage_bytes)
             for c in ws.loads:
                 self.tma_load(c, {**vm, node.var: k}, s)
@@ -380,11 +381,17 @@ class Hopper:
     def producer_tail(self, cnt):
         """Before the producer exits, wait until every stage is released once more: the peers' consumers
         arrive on this block's empty barriers, so the block must outlive their last arrivals."""
-        S = self.ws.stages
-        for _ in range(S):
-            s = tirx.floormod(cnt[0], S)
-            T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
+        for _ in range(self.ws.stages):
+            self._wait_free_stage(cnt)
             T.buffer_store(cnt, cnt[0] + 1, [0])
+
+    def _wait_free_stage(self, cnt):
+        """Wait until the stage of step cnt[0] is released (a fresh barrier passes parity 1); the stage
+        (an expression of cnt[0]: count the step only after its last use)."""
+        S = self.ws.stages
+        s = tirx.floormod(cnt[0], S)
+        T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
+        return s
 
     def tma_load(self, c: Copy, vm, stage):
         """One box per swizzle panel; a multicast load's box is this block's 1/n of the rows, written
@@ -532,8 +539,9 @@ class Hopper:
             with T.Then():
                 for r in range(lay.local_size):
                     slot = ex.ptr_to([base + (rank * elems + flat[r]) * vals])
+                    values = [f[r] for f in frags]
                     for peer in range(n):
-                        T.evaluate(_call("tile_ops_cluster_put", slot, bar, tirx.const(peer, "uint32"), *(f[r] for f in frags)))
+                        T.evaluate(_call("tile_ops_cluster_put", slot, bar, tirx.const(peer, "uint32"), *values))
         phase = tirx.Cast("uint32", tirx.floormod(tirx.floordiv(self.tile_iter, 2), 2))
         T.evaluate(_call("tile_ops_cluster_wait", bar, phase))
         for r in range(lay.local_size):
