@@ -218,10 +218,15 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
 def _shared_epilogue_fits(cfg: GemmConfig, dtype: str, out_dtype: str) -> bool:
     """``cfg.epilogue == "shared"`` unless the output tile in ``out_dtype`` would overflow shared memory
     (e.g. 128x256 fp32 beside three stages): then the direct epilogue, rather than a compile error."""
-    if cfg.epilogue != "shared":
-        return False
-    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N * (2 if cfg.pingpong else 1)
-    return shared_memory_bytes(cfg, 0, 0, 0, dtype) + max(0, extra) <= 227 * 1024
+    return cfg.epilogue == "shared" and _output_tile_fits(shared_memory_bytes(cfg, 0, 0, 0, dtype), cfg, dtype,
+                                                          out_dtype)
+
+
+def _output_tile_fits(smem_bytes: int, cfg, dtype: str, out_dtype: str) -> bool:
+    """Whether a kernel whose shared memory ``smem_bytes`` counts its staged (block_M, block_N) output tile in
+    ``dtype`` (one per consumer warpgroup with pingpong) still fits with the tile in ``out_dtype``."""
+    wider = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N * (2 if cfg.pingpong else 1)
+    return smem_bytes + max(0, wider) <= 227 * 1024
 
 
 def _add_bias(acc, Bias, col0, bM: int, bN: int, dtype: str):

@@ -20,7 +20,7 @@ import tile_ops.lang as T
 from tile_ops.jit import default_arch
 from tile_ops.autotune import config_for
 
-from .gemm import _DT, _kib, _ESIZE, _pow2
+from .gemm import _DT, _kib, _ESIZE, _output_tile_fits, _pow2
 
 LOG2E = 1.4426950408889634
 
@@ -138,8 +138,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
         raise ValueError(f"gemm_softmax: pingpong needs one column tile per block (N={N} gives {n_tiles} of "
                          f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")
     # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
-    extra = (_ESIZE[out_dtype] - _ESIZE[dtype]) * bM * bN * (2 if cfg.pingpong else 1)  # a tile per warpgroup
-    staged = shared_memory_bytes(cfg, M, N, K, dtype) + max(0, extra) <= 227 * 1024
+    staged = _output_tile_fits(shared_memory_bytes(cfg, M, N, K, dtype), cfg, dtype, out_dtype)
     c = scale * LOG2E  # softmax(scale*s) == 2^(c*s - c*max) / sum
 
     def scores(A, B, A_s, B_s, S, row0, col0):
