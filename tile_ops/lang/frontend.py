@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from tvm import tirx
 
 from . import MAX_CLUSTER, ir
-from .ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error, user_loc
+from .ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error,
+                 user_loc)
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "uint8")
 
