@@ -72,9 +72,10 @@ def main():
             break
     else:
         sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    rows = {}
+    rows, full_names = {}, {}
     for r in csv.DictReader(io.StringIO(lines)):
         name = r["Kernel Name"][:40]
+        full_names.setdefault(name, r["Kernel Name"])
         col = METRICS[r["Metric Name"]]
         try:
             value = round(float(r["Metric Value"].replace(",", "")) * SCALE.get(col, 1), 3)
@@ -86,6 +87,9 @@ def main():
     print("kernel".ljust(42) + "  ".join(c.rjust(max(8, len(c))) for c in cols))
     for (_, name), vals in rows.items():
         print(name.ljust(42) + "  ".join(f"{vals.get(c, '')}".rjust(max(8, len(c))) for c in cols))
+    for name, full in full_names.items():  # cuBLAS's name carries its tile, cluster and split-K/stream-K choice
+        if full != name:
+            print(f"{name}: {full}")
 
 
 if __name__ == "__main__":

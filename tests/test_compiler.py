@@ -319,6 +319,25 @@ def test_shared_epilogue_is_a_tma_store_on_hopper(M, N, K, out_dtype, panels):
 
 
 @needs_nvcc
+def test_tma_store_is_waited_on_only_before_the_next_barrier():
+    """A persistent GEMM's TMA store is not waited on where it is issued: its issuer waits until TMA has
+    read the staged tile just before the next consumer barrier (after the next tile's main loop, before
+    the tile is rewritten), and once more before the block exits; the tile loop ends without a barrier
+    (the next tile starts with the mbarrier-guarded main loop)."""
+    cfg = GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared")
+    k = gemm(4096, 4096, 4096, 1, 1, 1, False, False, False, "float16", "float16", cfg, target="sm_90a")
+    body = k.source[k.source.index("tile_iter_1"):]  # the consumers' tile loop
+    issue = body.index("bulk_commit_group();")
+    after_issue = body[issue:]
+    assert after_issue.index("}") < after_issue.index("wait_group_read_0"), "waited on right after issuing"
+    waits = [m.start() for m in re.finditer(r"wait_group_read_0\(\);", body)]
+    barriers = [m.start() for m in re.finditer(r"bar_sync_count_sync", body)]
+    assert len(waits) == len(barriers) + 1  # one before every consumer barrier, one at exit
+    assert all(any(0 < b - w < 200 for b in barriers) for w in waits[:-1])
+    assert waits[-1] > issue and "bar_sync" not in body[issue:]  # no barrier closes the tile loop
+
+
+@needs_nvcc
 @needs_cuobjdump
 def test_shared_epilogue_on_the_ampere_path_stores_from_shared():
     from tile_ops.kernels.gemm import GemmConfig
@@ -429,6 +448,21 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
     assert k.meta.tensormaps["A_tmap"]["box"] == [64, 16] and k.meta.tensormaps["B_tmap"]["box"] == [64, 64]
     assert "bytes.multicast::cluster" in k.source
     assert mix["UTMASTG"] == 4 and mix["HGMMA"] > 0  # one TMA store per 64-column panel, no rescale pass
+    # a thread's 128 scores: exp2(s * c - max) is one FFMA and one MUFU.EX2 each (the ftz form: no
+    # subnormal fix-up compares), the scale folded in rather than a multiply of its own
+    assert mix["MUFU"] >= 128 and mix["FFMA"] >= 128 and mix.get("FSETP", 0) < 64, mix
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_softmax_scale_that_does_not_commute_with_max_scales_the_scores_first(scale):
+    """c * max(s) == max(c * s) only for c > 0: a negative or zero scale multiplies the scores before the
+    row max (folding it into exp2 would take a max where a min is meant, or 0 * -inf)."""
+    k = gemm_softmax(256, 256, 64, scale, "float16", "float16", target="sm_90a")
+    rescale = re.search(r"S_ptr\[0\] = \(S_ptr\[0\] \* ([^;]*);", k.source)
+    assert rescale and "0x0p+0f" not in rescale.group(1) if scale else True
+    assert re.search(r"tile_ops_exp2\(\(S_ptr\[\d+\] - m_ptr", k.source), k.source[-3000:]
 
 
 def _cluster_puts(source):

@@ -11,8 +11,9 @@ from tvm import tirx
 LoadFn = Callable[[object, list], object]  # (buffer var, new indices) -> replacement expr or None
 
 
-def rewrite(expr, var_map: dict | None = None, on_load: LoadFn | None = None):
-    """Return ``expr`` with vars replaced by ``var_map`` and buffer loads by ``on_load``."""
+def rewrite(expr, var_map: dict | None = None, on_load: LoadFn | None = None, on_call: Callable | None = None):
+    """Return ``expr`` with vars replaced by ``var_map``, buffer loads by ``on_load`` and calls by
+    ``on_call(call with rewritten args)`` (a replacement expr or None)."""
     var_map = var_map or {}
 
     def go(e):
@@ -41,7 +42,9 @@ def rewrite(expr, var_map: dict | None = None, on_load: LoadFn | None = None):
         if isinstance(e, px.Select):
             return tirx.Select(go(e.condition), go(e.true_value), go(e.false_value))
         if isinstance(e, irx.Call):
-            return irx.Call(e.op, [go(a) for a in e.args], attrs=e.attrs, ret_ty=e.ty)
+            call = irx.Call(e.op, [go(a) for a in e.args], attrs=e.attrs, ret_ty=e.ty)
+            new = on_call(call) if on_call is not None else None
+            return call if new is None else new
         raise TypeError(f"tile_ops: cannot rewrite expression node {type(e).__name__}: {e}")
 
     return go(expr)

@@ -24,7 +24,7 @@ from ..lang.ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, St
 from .exprs import collect_loads, rewrite, uses
 from .infer import LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
-from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx
+from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
@@ -273,7 +273,7 @@ class Lowerer:
                 return None
             return self._guarded_load(buf, idx, frag_index) if guard else self.load(buf, idx, frag_index)
 
-        return rewrite(e, vm, on_load) if not isinstance(e, (int, float)) else e
+        return rewrite(e, vm, on_load, _fast_exp2) if not isinstance(e, (int, float)) else e
 
     def _storage(self, buf, idx, frag_index, stage, vec):
         """(tirx buffer, indices) of ``buf[idx]``, or of ``vec`` elements from it along the last dim
@@ -331,6 +331,8 @@ class Lowerer:
     def sync(self):
         if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads
             emit_ptx("fence.proxy.async.shared::cta")
+        if self.ws and self.ws.stores:  # what follows the barrier may rewrite a tile TMA is still storing
+            self.hopper.wait_stores_read()
         if self.ws:  # the producer warpgroup is not at consumer barriers; each pingpong warpgroup has its own
             emit_ptx("bar.sync", tirx.Cast("uint32", CONSUMER_BARRIER + self.consumer) if self.consumers > 1
                      else CONSUMER_BARRIER, self.threads)
@@ -810,6 +812,15 @@ class Lowerer:
 
 
 # ---------------------------------------------------------------------- helpers
+
+_EXP2_OP = top.Op.get("tirx.exp2")
+
+
+def _fast_exp2(call):
+    """float32 T.exp2 as one MUFU.EX2 (``exp2_approx``)."""
+    if call.op.same_as(_EXP2_OP) and str(call.ty) == "float32":
+        return exp2_approx(call.args[0])
+    return None
 
 
 def _cast(v, dtype):

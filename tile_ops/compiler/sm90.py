@@ -342,17 +342,22 @@ class Hopper:
                 if lw.cluster > 1:  # every block of the cluster has started (its shared memory exists)
                     emit_ptx("barrier.cluster.wait.acquire.aligned")
                 self.consumer_steps = self.step_counter()
-                reuses_shared = any(lw._touches_shared(n) for n in body if not _contains(n, ws.loop))
+                # a tile's first shared access is unguarded by its barriers, unless it is the main loop
+                # (whose stages the mbarriers guard): then the previous tile's readers need a barrier
+                first = next((n for n in body if lw._touches_shared(n)), None)
+                guard_tile_start = first is not None and first is not ws.loop
                 if lw.consumers > 1:  # the program sees its own warpgroup's thread index
                     lw.tid = tirx.floormod(lw.tid, lw.threads)
                     T.buffer_store(self.consumer_steps, lw.consumer * self.steps_per_tile, [0])
                 with self.tiles(cta, lw.consumer if lw.consumers > 1 else None):
                     lw.body(body)
-                    if self.persistent and reuses_shared:  # the next tile's first shared write waits for readers
+                    if self.persistent and guard_tile_start:
                         lw.sync()
                     if lw.consumers > 1:  # the other warpgroup's tile takes the next steps
                         cnt = self.consumer_steps
                         T.buffer_store(cnt, cnt[0] + (lw.consumers - 1) * self.steps_per_tile, [0])
+                if ws.stores:  # the block's shared memory must outlive TMA's reads of the last tile
+                    self.wait_stores_read()
 
     def step_counter(self):
         """Pipeline steps taken so far (across the outer loops): stage = step % S, phase = step / S % 2."""
@@ -421,8 +426,8 @@ class Hopper:
     def tma_store(self, c: Copy, vm):
         """The epilogue's shared->global tile copy through TMA.  The body's barrier before it already
         fenced the consumers' shared writes for the async proxy; one thread issues a box per panel and
-        waits until TMA has read the tile (so the tile may be rewritten after the next barrier).  The
-        global writes complete on their own: the consumers go on to the next tile."""
+        goes on: it waits until TMA has read the tile only at the next consumer barrier
+        (``wait_stores_read``), so the next tile's main loop runs while TMA reads this one."""
         lw = self.lw
         t = lw.shared[c.src.buffer]
         tm = self._tensormap(c)
@@ -435,6 +440,12 @@ class Hopper:
                     emit_ptx(f"cp.async.bulk.tensor.{len(cs)}d.global.shared::cta.bulk_group",
                              T.address_of(tm.var), *[_i32(x) for x in cs], src)
                 emit_ptx("cp.async.bulk.commit_group")
+
+    def wait_stores_read(self):
+        """Before a consumer barrier: the TMA stores' issuer waits until they have read their staged
+        tiles, so whatever follows the barrier may rewrite them (a no-op with none in flight)."""
+        with T.If(self.lw.tid == 0):
+            with T.Then():
                 emit_ptx("cp.async.bulk.wait_group.read", 0)
 
     def consumer_loop(self, node: For, vm, n):
@@ -549,7 +560,7 @@ class Hopper:
             if node.kind == "softmax":
                 top = reduce(tirx.max, [m for m, _ in mine])
                 ninf = tirx.const(float("-inf"), "float32")  # a block without values adds nothing (not NaN)
-                terms = [tirx.Select(m == ninf, tirx.const(0.0, "float32"), l * tirx.exp2(m - top)) for m, l in mine]
+                terms = [tirx.Select(m == ninf, tirx.const(0.0, "float32"), l * exp2_approx(m - top)) for m, l in mine]
                 total = reduce(lambda a, b: a + b, terms)
                 T.buffer_store(frags[0], top, [r])
                 T.buffer_store(frags[1], total, [r])
@@ -646,6 +657,11 @@ __forceinline__ __device__ int tile_ops_grid_x() { return gridDim.x; }
     "tile_ops_warp_uniform": """
 __forceinline__ __device__ int tile_ops_warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 """,
+    "tile_ops_exp2": """
+__forceinline__ __device__ float tile_ops_exp2(float x) {
+  float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
+""",
     "tile_ops_cluster_rank": """
 __forceinline__ __device__ unsigned tile_ops_cluster_rank() {
   unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r;
@@ -691,6 +707,13 @@ __forceinline__ __device__ void tile_ops_cluster_wait(uint64_t* bar, unsigned pa
 
 def _call(name, *args, return_type="void"):
     return TS.cuda.func_call(name, *args, source_code=_HELPERS[name], return_type=return_type)
+
+
+def exp2_approx(x):
+    """2^x in float32 as one MUFU.EX2 (ex2.approx.ftz: 2 ulp, results under 2^-126 flushed to 0); exp2f
+    keeps subnormal results with a compare and two multiplies around it, 3 of a softmax's ~9
+    instructions per score."""
+    return _call("tile_ops_exp2", x, return_type="float32")
 
 
 def _flat_index(idx, shape):

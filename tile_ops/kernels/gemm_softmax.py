@@ -139,10 +139,13 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
                          f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")
     # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
     staged = _output_tile_fits(shared_memory_bytes(cfg, M, N, K, dtype), cfg, dtype, out_dtype)
-    c = scale * LOG2E  # softmax(scale*s) == 2^(c*s - c*max) / sum
+    # softmax(scale*s) == 2^(c*s - c*max) / sum.  With c > 0, c * max(s) == max(c * s): the scores stay
+    # unscaled and c goes into exp2's argument (one FFMA a score); otherwise it scales them first.
+    c = scale * LOG2E
+    pre, post = (1.0, c) if c > 0 else (c, 1.0)
 
     def scores(A, B, A_s, B_s, S, row0, col0):
-        """S = the (bM, bN) score tile at (row0, col0) in log2 units; columns past N are -inf."""
+        """S = the (bM, bN) score tile at (row0, col0) times ``pre``; columns past N are -inf."""
         T.clear(S)
         for k in T.Pipelined(T.ceildiv(K, bK), num_stages=cfg.num_stages):
             T.copy(A[row0, k * bK], A_s)
@@ -151,7 +154,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
         # columns past N hold 0 (zero-filled loads): adding -inf masks them; a select of the scaled score
         # made ptxas spill 340 B on the walk path at N = 2304
         for r, col in T.Parallel(bM, bN):
-            S[r, col] = S[r, col] * c + T.if_then_else(col0 + col < N, 0.0, -T.infinity("float32"))
+            S[r, col] = S[r, col] * pre + T.if_then_else(col0 + col < N, 0.0, -T.infinity("float32"))
 
     @T.prim_func
     def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
@@ -162,7 +165,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
             S = T.alloc_fragment((bM, bN), "float32")
             if n_tiles == 1:
                 scores(A, B, A_s, B_s, S, bx * bM, rank * cols)
-                _normalize_in_registers(S, split, parts)
+                _normalize_in_registers(S, post, split, parts)
                 if staged:  # coalesced (TMA on sm_90a) stores of the tile from shared memory
                     P_s = T.alloc_shared((bM, bN), out_dtype)
                     T.copy(S, P_s)
@@ -170,21 +173,35 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
                 else:
                     T.copy(S, Out[bx * bM, rank * cols])
             else:
-                _walk(A, B, A_s, B_s, S, Out, scores, bx * bM, rank * cols, n_tiles, split, parts, out_dtype)
+                _walk(A, B, A_s, B_s, S, Out, scores, post, bx * bM, rank * cols, n_tiles, split, parts, out_dtype)
 
     return gemm_softmax_kernel
 
 
-def _normalize_in_registers(S, split: int, parts: str):
-    """softmax over the rows of the score tile S, whose row is split over the cluster's blocks: exp2 at
-    the block's own max, then one exchange merges the blocks' (max, sum) and a factor rescales."""
+def _to_log2_units(S, post: float):
+    """S *= post: what parts="gemm" stores instead of the softmax (the scores in log2 units)."""
+    for r, col in T.Parallel(*S.shape):
+        S[r, col] = S[r, col] * post
+
+
+def _row_max_log2(S, m, post: float):
+    """m = each row's max of S, in log2 units (times ``post``, which the exp2 arguments fold in)."""
+    T.reduce_max(S, m, dim=1)
+    for r in T.Parallel(m.shape[0]):
+        m[r] = m[r] * post
+
+
+def _normalize_in_registers(S, post: float, split: int, parts: str):
+    """softmax over the rows of the score tile S (log2 units once times ``post``), whose row is split over
+    the cluster's blocks: exp2 at the block's own max, then one exchange merges the blocks' (max, sum)
+    and a factor rescales."""
     if parts == "gemm":
-        return
+        return _to_log2_units(S, post)
     bM, bN = S.shape
     m = T.alloc_fragment((bM,), "float32")
-    T.reduce_max(S, m, dim=1)
+    _row_max_log2(S, m, post)
     for r, col in T.Parallel(bM, bN):
-        S[r, col] = T.exp2(S[r, col] - m[r])
+        S[r, col] = T.exp2(S[r, col] * post - m[r])
     if parts != "all":
         return
     l = T.alloc_fragment((bM,), "float32")
@@ -203,7 +220,8 @@ def _normalize_in_registers(S, split: int, parts: str):
         S[r, col] = S[r, col] * l[r]
 
 
-def _walk(A, B, A_s, B_s, S, Out, scores, row0, col0, n_tiles: int, split: int, parts: str, out_dtype: str):
+def _walk(A, B, A_s, B_s, S, Out, scores, post: float, row0, col0, n_tiles: int, split: int, parts: str,
+          out_dtype: str):
     """The block walks its ``n_tiles`` column tiles with an online max and sum, storing exp2(s - running
     max); then (over the cluster) the final max and sum, and a pass rescaling its own output."""
     bM, bN = S.shape
@@ -223,16 +241,18 @@ def _walk(A, B, A_s, B_s, S, Out, scores, row0, col0, n_tiles: int, split: int, 
     for j in T.serial(n_tiles):
         scores(A, B, A_s, B_s, S, row0, col0 + j * bN)
         if parts != "gemm":
-            T.reduce_max(S, m_tile, dim=1)
+            _row_max_log2(S, m_tile, post)
             for r in T.Parallel(bM):
                 m_prev[r] = m[r]
                 m[r] = T.max(m[r], m_tile[r])
             for r, col in T.Parallel(bM, bN):
-                S[r, col] = T.exp2(S[r, col] - m[r])
+                S[r, col] = T.exp2(S[r, col] * post - m[r])
             T.reduce_sum(S, l_tile, dim=1)
             for r in T.Parallel(bM):
                 l[r] = l[r] * T.exp2(m_prev[r] - m[r]) + l_tile[r]
                 m_hist[j, r] = m[r]
+        else:
+            _to_log2_units(S, post)
         T.copy(S, P)
         T.copy(P, Out[row0, col0 + j * bN])
     if parts != "all":
