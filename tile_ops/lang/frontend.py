@@ -266,5 +266,6 @@ def if_then_else(cond, a, b):
     return tirx.if_then_else(cond, a, b)
 
 
+# a float32 exp2 compiles to ex2.approx.ftz (2 ulp, subnormal results flushed to 0; compiler/lower.py)
 exp, exp2, log, log2, sqrt = tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.sqrt
 abs = tirx.abs  # noqa: A001
