@@ -26,6 +26,7 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2),
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
+    GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
 ]
 # (M, N, K): more tiles than resident CTAs (persistent), ragged everything, rows not 16-byte aligned
 # (no TMA: synchronous copies), decode
