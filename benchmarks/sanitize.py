@@ -3,6 +3,7 @@ ragged shapes of each kernel, on both code paths (issue 4 item 6).
 
     python benchmarks/sanitize.py [--out DIR] [--jobs 8] [--tools memcheck racecheck synccheck]
                                   [--timeout 150] [--budget 370] [--only gemm] [--paths sm_90a] [--dry-run]
+                                  [--shapes cluster-walk]
 
 Kernels: ``gemm`` (the library factory, tile_ops.kernels.gemm, with its default config for the shape and
 path; the ragged shapes also take the bias), ``gemm_softmax`` (tile_ops.kernels.gemm_softmax, default
@@ -168,9 +169,14 @@ def child(kernel, arch, M, N, K, label):
     sys.exit(0 if ok else 3)
 
 
-def plan(kernels, paths, tools):
+def shapes(kern, labels=None):
+    """(label, shape) of ``kern``'s sanitizer shapes, only those named in ``labels`` when given."""
+    return [(label, shape) for label, shape in SHAPES[kern] if not labels or label in labels]
+
+
+def plan(kernels, paths, tools, labels=None):
     return [(kern, arch, label, shape, tool) for kern in kernels for arch in paths
-            for label, shape in SHAPES[kern] for tool in tools]
+            for label, shape in shapes(kern, labels) for tool in tools]
 
 
 def sanitizer_cmd(sanitizer, run, port):
@@ -239,9 +245,9 @@ def find_sanitizer(explicit):
     return None
 
 
-def precompile(kernels, paths):
+def precompile(kernels, paths, labels=None):
     """Build (or load) every kernel the runs need, in parallel: {(kernel, arch, label): Kernel or exception}."""
-    todo = [(kern, arch, label, shape) for kern in kernels for arch in paths for label, shape in SHAPES[kern]]
+    todo = [(kern, arch, label, shape) for kern in kernels for arch in paths for label, shape in shapes(kern, labels)]
 
     def one(item):
         kern, arch, label, shape = item
@@ -262,6 +268,8 @@ def main():
     p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(DEFAULT_TOOLS))
     p.add_argument("--only", nargs="+", choices=KERNELS, default=list(KERNELS), help="kernels")
     p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    p.add_argument("--shapes", nargs="+", metavar="LABEL", choices=sorted({lb for v in SHAPES.values() for lb, _ in v}),
+                   help="only the shapes with these labels (e.g. cluster-walk, with a longer --timeout)")
     p.add_argument("--timeout", type=float, default=150, help="seconds per sanitizer run")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole script (default: none)")
     p.add_argument("--sanitizer", help="path of compute-sanitizer (default: PATH, /usr/local/cuda/bin)")
@@ -273,10 +281,10 @@ def main():
         kern, arch, M, N, K, label = args.child
         return child(kern, arch, int(M), int(N), int(K), label)
 
-    runs = plan(args.only, args.paths, args.tools)
+    runs = plan(args.only, args.paths, args.tools, args.shapes)
     t0 = time.perf_counter()
     deadline = t0 + args.budget if args.budget else float("inf")
-    built = precompile(args.only, args.paths)
+    built = precompile(args.only, args.paths, args.shapes)
     failed = {key: k for key, k in built.items() if isinstance(k, Exception)}
     print(f"built {len(built) - len(failed)}/{len(built)} kernels in {time.perf_counter() - t0:.1f} s "
           f"(cache: {os.environ.get('TILE_OPS_CACHE_DIR', '~/.tile_ops/cache')})", flush=True)

@@ -53,6 +53,14 @@ def _sanitize():
     return importlib.import_module("sanitize")
 
 
+def test_sanitize_shapes_picks_runs_by_label():
+    """--shapes cluster-walk: only that shape's runs (the one that needs a longer --timeout)."""
+    san = _sanitize()
+    runs = san.plan(["gemm", "gemm_softmax"], ["sm_90a"], ["racecheck"], ["cluster-walk"])
+    assert [(k, label, tool) for k, _, label, _, tool in runs] == [("gemm_softmax", "cluster-walk", "racecheck")]
+    assert len(san.plan(["gemm"], ["sm_90a"], ["racecheck"])) == len(san.SHAPES["gemm"])
+
+
 def test_sanitize_dry_run_builds_everything_and_lists_the_runs(tmp_path):
     """benchmarks/sanitize.py --dry-run: every kernel x path x shape compiles for sm_90a and sm_90 (in a fresh
     cache, without a GPU), the child's CPU half (inputs, float64 reference, check) works, and every planned
