@@ -455,14 +455,17 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
 
 @needs_nvcc
 @needs_cuobjdump
-@pytest.mark.parametrize("scale", [-0.5, 0.0])
-def test_softmax_scale_that_does_not_commute_with_max_scales_the_scores_first(scale):
-    """c * max(s) == max(c * s) only for c > 0: a negative or zero scale multiplies the scores before the
-    row max (folding it into exp2 would take a max where a min is meant, or 0 * -inf)."""
-    k = gemm_softmax(256, 256, 64, scale, "float16", "float16", target="sm_90a")
-    rescale = re.search(r"S_ptr\[0\] = \(S_ptr\[0\] \* ([^;]*);", k.source)
-    assert rescale and "0x0p+0f" not in rescale.group(1) if scale else True
-    assert re.search(r"tile_ops_exp2\(\(S_ptr\[\d+\] - m_ptr", k.source), k.source[-3000:]
+@pytest.mark.parametrize("scale, N", [(-0.5, 256), (0.0, 1000), (1e-46, 1000), (0.125, 1000)])
+def test_softmax_scale_folds_into_exp2_only_when_it_commutes_with_max(scale, N):
+    """c * max(s) == max(c * s) only for c > 0 in float32: a negative, zero, or float32-zero (1e-46 * log2 e)
+    scale multiplies the scores before the row max (folding it into exp2 would take a max where a min is
+    meant, or make a masked column's -inf * 0 a NaN: N = 1000 has masked columns); a positive one is
+    folded into exp2's argument."""
+    k = gemm_softmax(256, N, 64, scale, "float16", "float16", target="sm_90a")
+    args = re.findall(r"tile_ops_exp2\(\(([^;]*?)\)\);", k.source)
+    assert args, k.source[-3000:]
+    folded = [a for a in args if a.startswith("(S_ptr[")]
+    assert len(folded) == len(args) if scale == 0.125 else not folded, args[:4]
 
 
 def _cluster_puts(source):

@@ -342,10 +342,11 @@ class Hopper:
                 if lw.cluster > 1:  # every block of the cluster has started (its shared memory exists)
                     emit_ptx("barrier.cluster.wait.acquire.aligned")
                 self.consumer_steps = self.step_counter()
-                # a tile's first shared access is unguarded by its barriers, unless it is the main loop
-                # (whose stages the mbarriers guard): then the previous tile's readers need a barrier
+                # a tile's first shared access is unguarded by its barriers, so the previous tile's readers
+                # need one at the end of the tile: unless that access is a main loop that only issues
+                # wgmmas on its stages, which the mbarriers guard
                 first = next((n for n in body if lw._touches_shared(n)), None)
-                guard_tile_start = first is not None and first is not ws.loop
+                guard_tile_start = first is not None and not (first is ws.loop and ws.deferred_wait)
                 if lw.consumers > 1:  # the program sees its own warpgroup's thread index
                     lw.tid = tirx.floormod(lw.tid, lw.threads)
                     T.buffer_store(self.consumer_steps, lw.consumer * self.steps_per_tile, [0])

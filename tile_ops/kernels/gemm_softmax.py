@@ -13,6 +13,7 @@ cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_
 
 
 import math
+import struct
 from dataclasses import dataclass, replace
 
 import tile_ops
@@ -140,9 +141,10 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
     staged = _output_tile_fits(shared_memory_bytes(cfg, M, N, K, dtype), cfg, dtype, out_dtype)
     # softmax(scale*s) == 2^(c*s - c*max) / sum.  With c > 0, c * max(s) == max(c * s): the scores stay
-    # unscaled and c goes into exp2's argument (one FFMA a score); otherwise it scales them first.
+    # unscaled and c goes into exp2's argument (one FFMA a score); otherwise it scales them first.  The
+    # test is on c as the kernel's float32 sees it: a c that rounds to 0 would make a masked -inf score NaN.
     c = scale * LOG2E
-    pre, post = (1.0, c) if c > 0 else (c, 1.0)
+    pre, post = (1.0, c) if _as_float32(c) > 0 else (c, 1.0)
 
     def scores(A, B, A_s, B_s, S, row0, col0):
         """S = the (bM, bN) score tile at (row0, col0) times ``pre``; columns past N are -inf."""
@@ -176,6 +178,13 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
                 _walk(A, B, A_s, B_s, S, Out, scores, post, bx * bM, rank * cols, n_tiles, split, parts, out_dtype)
 
     return gemm_softmax_kernel
+
+
+def _as_float32(x: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # past float32's range: what the kernel's constant becomes
+        return math.copysign(math.inf, x)
 
 
 def _to_log2_units(S, post: float):
