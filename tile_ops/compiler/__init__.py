@@ -27,6 +27,7 @@ class CompiledProgram:
     ctas_per_sm: int = 1
     cluster: int = 1
     persistent_tiles: int = 0
+    workspace_floats: int = 0
 
 
 def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
@@ -37,4 +38,5 @@ def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
     source, entry, kept = emit_cuda(lowered, arch)
     return CompiledProgram(source, entry, arch, lowered.grid, lowered.block, lowered.smem_bytes,
                            lowered.params, kept, lowered.layouts, lowered.func.script(), lowered.tensormaps,
-                           lowered.ctas_per_sm, lowered.cluster, lowered.persistent_tiles)
+                           lowered.ctas_per_sm, lowered.cluster, lowered.persistent_tiles,
+                           lowered.workspace_floats)

@@ -6,6 +6,7 @@ pipelines.  TVM's CUDA code generator then turns the PrimFunc into CUDA source (
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -25,6 +26,7 @@ from .exprs import collect_loads, rewrite, uses
 from .infer import LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
 from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx
+from ..jit.kernel import FLAG_SLOTS, WORKSPACE as WORKSPACE_PARAM
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
@@ -44,7 +46,8 @@ class LoweredKernel:
     tensormaps: dict  # CUDA parameter name -> tensor-map spec for the launcher
     ctas_per_sm: int = 1  # CTAs meant to be resident per SM (__launch_bounds__'s minimum blocks)
     cluster: int = 1  # blocks per thread-block cluster along x (__cluster_dims__)
-    persistent_tiles: int = 0  # > 0: CTAs loop over this many tiles with a stride of gridDim.x (see Kernel.grid)
+    persistent_tiles: int = 0  # > 0: CTAs loop over at most this many units (tiles) with a stride of gridDim.x
+    workspace_floats: int = 0  # > 0 (stream-K): per-CTA fp32 partials of the launcher's workspace (stream_k.py)
 
 
 class MemoryPlan(NamedTuple):
@@ -98,6 +101,10 @@ class Lowerer:
                 self.globals = {}
                 for p in self.prog.params:
                     self.globals[p] = T.arg(p.name, T.Buffer(p.shape, p.dtype))
+                sk = self.hopper.stream_k if self.hopper else None
+                if sk:  # nominal extent (the launcher sizes it to the device's grid): slots, then flags
+                    self.workspace = T.arg(WORKSPACE_PARAM, T.Buffer(
+                        (FLAG_SLOTS + self.hopper.resident_ctas() * sk.floats_per_cta(),), "float32"))
                 if self.ws:
                     self.hopper.declare_tensormaps()
                 T.device_entry()
@@ -119,7 +126,7 @@ class Lowerer:
                     self.hopper.warp_specialized(k.body, ids[0])
                 else:
                     if self.hopper:
-                        self.hopper.tile_iter = 0
+                        self.hopper.count_exchanges()
                         self.hopper.init_barriers()
                     self.body(k.body)
             func = ib.get()
@@ -129,7 +136,8 @@ class Lowerer:
             [(p.name, p.shape, p.dtype) for p in self.prog.params],
             {b.name: self._describe(b) for b in k.allocs}, tensormaps,
             self.hopper.ctas_per_sm if self.hopper else 1, self.cluster,
-            self.hopper.persistent[0] if self.hopper and self.hopper.persistent else 0,
+            self.hopper.work_units() if self.hopper and self.hopper.persistent else 0,
+            sk.floats_per_cta() if sk else 0,
         )
 
     def _describe(self, b) -> str:
@@ -316,17 +324,20 @@ class Lowerer:
         """Lower a statement list; a block barrier separates any two tile ops that touch shared
         memory (their thread mappings differ, so one's writes are another's reads)."""
         shared_before = False
-        for node in nodes:
-            touches = self._touches_shared(node)
-            if shared_before and touches:
-                self.sync()
-            shared_before = shared_before or touches
-            try:
-                self.stmt(node, var_map or {})
-            except TileLangError as e:
-                if getattr(e, "located", False):
-                    raise
-                raise error(node.loc, str(e)) from None
+        with ExitStack() as rest:  # stream-K: what follows the main loop, for the units that run it
+            for node in nodes:
+                touches = self._touches_shared(node)
+                if shared_before and touches:
+                    self.sync()
+                shared_before = shared_before or touches
+                try:
+                    self.stmt(node, var_map or {})
+                except TileLangError as e:
+                    if getattr(e, "located", False):
+                        raise
+                    raise error(node.loc, str(e)) from None
+                if self.ws and node is self.ws.loop and self.hopper.unit:
+                    self.hopper.stream_k_fixup(rest)
 
     def sync(self):
         if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads

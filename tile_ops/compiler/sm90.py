@@ -28,6 +28,7 @@ from ..lang.ir import Copy, For, Gemm, error
 from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
+from .stream_k import Registers, StreamK, accumulators, plan, unit
 
 PRODUCER_THREADS = 128
 SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
@@ -67,7 +68,12 @@ class Hopper:
         self.tensormaps: dict = {}  # (global buffer, box) -> TensorMap
         self.persistent = None  # (tiles, program grid) once persistent_grid chose a tile loop
         self.ws = self._plan()
-        self.steps_per_tile = self._pingpong_steps() if lw.kernel.pingpong and self.ws else None
+        self.steps_per_tile = self._constant_steps("pingpong=True") if lw.kernel.pingpong and self.ws else None
+        self.stream_k = None  # the K split of the last wave's tiles (stream_k.py)
+        self.unit = None  # the stream-K unit being walked: its fields (stream_k.unit) and rank
+        if lw.kernel.stream_k and self.ws:
+            self.stream_k = StreamK(lw, accumulators(lw.kernel, self.ws.loop), lw.kernel.stream_k)
+            self.steps_per_tile = self._constant_steps(f"stream_k={lw.kernel.stream_k}")
 
     # ------------------------------------------------------------------ planning
 
@@ -91,16 +97,17 @@ class Hopper:
         multicast = [c for c in loads if same_steps and self._multicast_ok(c)]
         return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred, multicast)
 
-    def _pingpong_steps(self) -> int:
-        """Pipeline steps of one tile, the same for every tile: a pingpong warpgroup skips the other's."""
+    def _constant_steps(self, what: str) -> int:
+        """Pipeline steps of one tile, the same for every tile: a pingpong warpgroup skips the other's, and
+        stream-K splits them into parts."""
         k, loop = self.lw.kernel, self.ws.loop
         if self.ws.outer:
-            raise error(k.loc, "pingpong=True needs the T.Pipelined loop at the kernel's top level (one main "
-                               "loop per tile, which the warpgroups take in turns), not inside another loop")
+            raise error(k.loc, f"{what} needs the T.Pipelined loop at the kernel's top level (one main loop per "
+                               f"tile), not inside another loop")
         steps = self.lw.ana.simplify(tirx.const(loop.extent, "int32") if isinstance(loop.extent, int) else loop.extent)
         if not isinstance(steps, tirx.IntImm):
-            raise error(k.loc, "pingpong=True needs the same number of pipeline steps in every tile (a loop "
-                               f"extent that does not depend on the block): got {steps}")
+            raise error(k.loc, f"{what} needs the same number of pipeline steps in every tile (a loop extent "
+                               f"that does not depend on the block): got {steps}")
         return int(steps)
 
     def _multicast_ok(self, c: Copy) -> bool:
@@ -278,29 +285,36 @@ class Hopper:
 
     def persistent_grid(self, grid: list):
         """Launch one CTA per SM when there is more than one wave of tiles (always with pingpong, whose
-        warpgroups take a CTA's tiles in turns); each CTA then walks tiles
-        cta, cta + gridDim.x, ...  The producer runs ahead into the next tile while the consumers store
-        this one's results, which hides the epilogue and the pipeline fill.  The grid returned is the
-        H200's; the launcher sizes it to the device it runs on (Kernel.grid_on)."""
+        warpgroups take a CTA's tiles in turns, and with stream-K, whose CTAs walk units); each CTA then
+        walks tiles cta, cta + gridDim.x, ...  The producer runs ahead into the next tile while the
+        consumers store this one's results, which hides the epilogue and the pipeline fill.  The grid
+        returned is the H200's; the launcher sizes it to the device it runs on (Kernel.grid_on)."""
         total = math.prod(grid)
-        pingpong = self.lw.consumers > 1  # always walks tiles
-        if not self.ws or not self.lw.kernel.persistent or (total <= self.resident_ctas() and not pingpong):
+        walks = self.lw.consumers > 1 or self.stream_k  # always walk tiles (units)
+        if not self.ws or not self.lw.kernel.persistent or (total <= self.resident_ctas() and not walks):
             self.persistent = None
             return grid
         self.persistent = (total, grid)
-        return [min(self.resident_ctas(), total), 1, 1]
+        return [min(self.resident_ctas(), self.work_units()), 1, 1]
+
+    def work_units(self) -> int:
+        """The most units of work a persistent grid walks (tiles; with stream-K, tiles' K parts at most):
+        the launcher launches no more CTAs than that."""
+        return math.prod(self.persistent[1]) * (self.stream_k.most if self.stream_k else 1)
 
     @contextmanager
     def tiles(self, cta, consumer=None):
         """The CTA's tiles cta, cta + gridDim.x, ...; a pingpong ``consumer`` warpgroup takes every other
         one of them, starting with its ``consumer``-th (the producer, None, loads them all in order)."""
         lw = self.lw
-        self.tile_iter = 0
         if self.persistent is None:
             yield
             return
         total, (gx, gy, _) = self.persistent
         ctas = _call("tile_ops_grid_x", return_type="int32")  # the launcher sizes the grid to the device
+        if self.stream_k:
+            yield from self._units(cta, ctas, total, gx, gy)
+            return
         self.cta_tiles = tirx.truncdiv(total - cta + (ctas - 1), ctas)  # all terms >= 0
         if consumer is None:
             mine, every, first = self.cta_tiles, 1, 0
@@ -309,12 +323,38 @@ class Hopper:
             mine = tirx.truncdiv(self.cta_tiles - first + (every - 1), every)
         with T.serial(0, mine) as it:
             IRBuilder.name("tile_iter", it)
-            self.tile_iter = it
             self.tile_ordinal = it * every + first if every > 1 else it  # among the CTA's tiles
-            t = cta + self.tile_ordinal * ctas
-            ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
-            lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
+            self._enter_tile(cta + self.tile_ordinal * ctas, gx, gy)
             yield
+
+    def _enter_tile(self, t, gx, gy):
+        """The program's block indices of tile t (in grid order, then rasterized)."""
+        lw = self.lw
+        ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
+        lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
+
+    def _units(self, cta, ctas, total, gx, gy):
+        """The stream-K walk (stream_k.py): group (cluster) g of the grid's takes units g, g + groups, ...;
+        a unit's tile of every block of the cluster is the tile of rank r in its cluster's tile."""
+        n = self.lw.cluster
+        groups, g, rank = tirx.floordiv(ctas, n), tirx.floordiv(cta, n), tirx.floormod(cta, n)
+        regs = Registers()
+        p = plan(g, total // n, groups, self.steps_per_tile, self.stream_k.most, regs)
+        with T.serial(0, tirx.floordiv(p["units"] - g + groups - 1, groups)) as it:
+            IRBuilder.name("unit_iter", it)
+            self.tile_ordinal = it
+            self.unit = {**unit(g, it, groups, self.steps_per_tile, p, regs), "rank": rank}
+            self._enter_tile(self.unit["tile"] * n + rank, gx, gy)
+            yield
+        self.unit = None
+
+    def stream_k_fixup(self, rest):
+        """After the main loop of a stream-K unit: the partials' exchange; the rest of the tile body is
+        lowered inside ``rest`` (an ExitStack) under the condition that this unit is not a writer."""
+        lw = self.lw
+        cond = self.stream_k.fixup(self.unit, lw.workspace, lambda: emit_ptx("bar.sync", CONSUMER_BARRIER, lw.threads))
+        rest.enter_context(T.If(cond))
+        rest.enter_context(T.Then())
 
     def warp_specialized(self, body, cta):
         lw, ws = self.lw, self.ws
@@ -342,6 +382,7 @@ class Hopper:
                 if lw.cluster > 1:  # every block of the cluster has started (its shared memory exists)
                     emit_ptx("barrier.cluster.wait.acquire.aligned")
                 self.consumer_steps = self.step_counter()
+                self.count_exchanges()
                 # a tile's first shared access is unguarded by its barriers, so the previous tile's readers
                 # need one at the end of the tile: unless that access is a main loop that only issues
                 # wgmmas on its stages, which the mbarriers guard
@@ -376,12 +417,13 @@ class Hopper:
             return
         node = ws.loop
         stage_bytes = sum(_tile_bytes(c.dst.buffer) for c in ws.loads)
-        with T.serial(0, lw.expr(node.extent, vm)) as k:
+        steps, k0 = (self.unit["k_steps"], self.unit["k_begin"]) if self.unit else (lw.expr(node.extent, vm), 0)
+        with T.serial(0, steps) as k:
             IRBuilder.name(node.var.name, k)
             s = self._wait_free_stage(cnt)
             emit_ptx("mbarrier.arrive.expect_tx.shared::cta.b64", self.full(s), stage_bytes)
             for c in ws.loads:
-                self.tma_load(c, {**vm, node.var: k}, s)
+                self.tma_load(c, {**vm, node.var: k0 + k}, s)
             T.buffer_store(cnt, cnt[0] + 1, [0])
 
     def producer_tail(self, cnt):
@@ -454,6 +496,8 @@ class Hopper:
         stages' parities only once the other has waited on every earlier step (the barriers are then at
         most one phase behind the step it waits for), and its main loop runs while the other's epilogue
         does."""
+        if self.unit:  # a stream-K unit's K range
+            return self._consumer_steps(node, vm, self.unit["k_steps"], self.unit["k_begin"])
         if self.lw.consumers == 1:
             return self._consumer_steps(node, vm, n)
         assert self.lw.consumers == 2 and self.persistent, "pingpong: two warpgroups over a persistent tile loop"
@@ -467,7 +511,7 @@ class Hopper:
             with T.Then():
                 emit_ptx("bar.arrive", MAINLOOP_ORDER + (1 - me), both)
 
-    def _consumer_steps(self, node: For, vm, n):
+    def _consumer_steps(self, node: For, vm, n, k0=0):
         """Wait for stage k, compute on it, release it.  With ``deferred_wait`` the gemms of step k stay
         in flight while step k + 1 waits for its data; step k - 1's stage is released once its
         wgmma group retires."""
@@ -491,7 +535,7 @@ class Hopper:
                     with T.Then():
                         self.release(tirx.floormod(cnt[0] + (S - 1), S))
             else:
-                lw.body(compute, {**vm, node.var: k})
+                lw.body(compute, {**vm, node.var: k0 + k})
                 T.evaluate(TS.cuda.warp_sync())  # every lane of the warp is done reading the stage
                 self.release(s)
             lw.stage_of_iter = None
@@ -526,6 +570,8 @@ class Hopper:
         peer can be at most one exchange ahead (it needs this block's values of the next tile, sent
         after a consumer barrier that follows this block's reads of this one's), so it never
         overwrites unread values or completes bytes onto a phase this block has not waited on.
+        The parity is of the exchanges this warpgroup has made (``exchanges``: a stream-K writer's tile
+        makes none), the same count in every block of the cluster, which walk the same tiles.
         One exchange per tile: the frontend refuses an exchange inside a loop."""
         lw = self.lw
         n, vals = lw.cluster, len(node.buffers)
@@ -534,7 +580,8 @@ class Hopper:
             raise error(node.loc, "T.cluster_softmax_merge: row_max and row_sum must have the same layout "
                                   "(reduce both from the same tile)")
         i = next(j for j, c in enumerate(lw.cluster_reduces) if c is node)
-        parity = tirx.floormod(self.tile_iter, 2)
+        count = self.exchanges[0]
+        parity = tirx.floormod(count, 2)
         frags, ex, bar = [lw.frags[b] for b in node.buffers], lw.exchange[id(node)], self.exchanged(i, parity)
         elems = math.prod(node.buffers[0].shape)
         base = parity * (n * elems * vals)  # slots [parity][rank][element][value]
@@ -554,7 +601,7 @@ class Hopper:
                     values = [f[r] for f in frags]
                     for peer in range(n):
                         T.evaluate(_call("tile_ops_cluster_put", slot, bar, tirx.const(peer, "uint32"), *values))
-        phase = tirx.Cast("uint32", tirx.floormod(tirx.floordiv(self.tile_iter, 2), 2))
+        phase = tirx.Cast("uint32", tirx.floormod(tirx.floordiv(count, 2), 2))
         T.evaluate(_call("tile_ops_cluster_wait", bar, phase))
         for r in range(lay.local_size):
             mine = [[ex[base + (peer * elems + flat[r]) * vals + v] for v in range(vals)] for peer in range(n)]
@@ -568,6 +615,13 @@ class Hopper:
             else:
                 op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
                 T.buffer_store(frags[0], reduce(op, [v for v, in mine]), [r])
+        T.buffer_store(self.exchanges, count + 1, [0])  # after the last use of `count` (a lazy load)
+
+    def count_exchanges(self):
+        """The consumer's count of its T.cluster_allreduce exchanges (their buffers' parity), from 0."""
+        self.exchanges = T.alloc_local([1], "int32")
+        IRBuilder.name("exchanges", self.exchanges)
+        T.buffer_store(self.exchanges, 0, [0])
 
     # ------------------------------------------------------------------ wgmma
 

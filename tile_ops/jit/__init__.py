@@ -136,7 +136,8 @@ def _build(prog, arch, out_idx):
     cubin, resources = build_cubin(c.source, arch, c.entry)
     t2 = time.perf_counter()
     meta = KernelMeta(prog.name, c.entry, arch, c.grid, c.block, c.smem_bytes, c.params, c.kept, out_idx,
-                      resources, c.layouts, c.tensormaps, c.ctas_per_sm, c.cluster, c.persistent_tiles)
+                      resources, c.layouts, c.tensormaps, c.ctas_per_sm, c.cluster, c.persistent_tiles,
+                      c.workspace_floats)
     stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3), "nvcc": nvcc_version()}
     kernel = Kernel(meta, c.source, cubin)
     kernel.tir = c.tir

@@ -31,6 +31,8 @@ class KernelMeta:
     ctas_per_sm: int = 1
     cluster: int = 1
     persistent_tiles: int = 0
+    # stream-K (> 0): fp32 partials per CTA in the workspace the launcher passes as WORKSPACE (see workspace())
+    workspace_floats: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -43,6 +45,8 @@ class KernelMeta:
         return KernelMeta(**d)
 
 
+WORKSPACE = "tile_ops_workspace"  # the CUDA entry parameter of a stream-K kernel's workspace
+FLAG_SLOTS = 4096  # int32 flags at its start, one per CTA at most (compiler/stream_k.py)
 TENSORMAP_KEYS = ("tensor", "dtype", "dims", "strides", "box", "element_strides", "swizzle", "l2_promotion",
                   "oob_fill")
 
@@ -51,8 +55,8 @@ class EntryArgs:
     """The CUDA entry's arguments, in ``meta.kept`` order, from one data pointer per program parameter.
 
     A kept name with a ``meta.tensormaps`` spec takes the TMA descriptor (128 bytes, passed by value)
-    of the pointer of the spec's ``"tensor"``; any other kept name is a program parameter and takes
-    its pointer.  ``encode`` is the launcher's ``encode_tensor_map`` unless a test passes another.
+    of the pointer of the spec's ``"tensor"``; ``WORKSPACE`` takes the workspace's pointer (``build``'s
+    ``workspace``); any other kept name is a program parameter and takes its pointer.  ``encode`` is the launcher's ``encode_tensor_map`` unless a test passes another.
     """
 
     _MAX_DESCRIPTORS = 64  # the caching allocator hands out many pointers in a long run: stay tiny
@@ -64,6 +68,9 @@ class EntryArgs:
         position = {name: i for i, (name, _, _) in enumerate(meta.params)}
         self.sources = []  # per kept name: (position of the tensor whose pointer it takes, tensormap name or None)
         for name in meta.kept:
+            if name == WORKSPACE:
+                self.sources.append((-1, None))
+                continue
             spec = meta.tensormaps.get(name)
             if spec is not None:
                 missing = [k for k in TENSORMAP_KEYS if k not in spec]
@@ -76,7 +83,9 @@ class EntryArgs:
             self.sources.append((position[tensor], None if spec is None else name))
         self._pointer_positions = [pos for pos, _ in self.sources]
 
-    def build(self, ptrs, device: int) -> list:
+    def build(self, ptrs, device: int, workspace: int = 0) -> list:
+        if workspace:
+            ptrs = list(ptrs) + [workspace]  # position -1
         if not self._tensormaps:
             return [ptrs[pos] for pos in self._pointer_positions]
         return [ptrs[pos] if tmap is None else self._descriptor(tmap, ptrs[pos], device) for pos, tmap in self.sources]
@@ -113,6 +122,25 @@ def _sm_count(index: int) -> int | None:
         return torch.cuda.get_device_properties(index).multi_processor_count
     except Exception:  # noqa: BLE001 - no CUDA torch (CPU tests on a fake driver)
         return None
+
+
+_workspaces: dict = {}  # (device index, stream) -> zeroed tensor: stream-K workspaces, kept (see workspace())
+
+
+def workspace(index: int, stream: int, nbytes: int):
+    """A stream-K workspace (a tensor) of at least ``nbytes`` on device ``index`` for launches on ``stream``
+    (the current one): zeroed once and kept, since the kernels leave its flags zero (stream_k.py).  One
+    per stream, so launches that may overlap never share one.  While the stream is being captured into a
+    CUDA graph, a new one per launch, freed after it like any temporary: its zeroing is captured too."""
+    import torch
+
+    ws = _workspaces.get((index, stream))
+    if ws is not None and ws.numel() >= nbytes:
+        return ws
+    ws = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
+    if not torch.cuda.is_current_stream_capturing():
+        _workspaces[(index, stream)] = ws
+    return ws
 
 
 def _current_stream_getter():
@@ -217,19 +245,44 @@ class Kernel:
         launch, handle = fn.bind(index)
         build, stream = self._entry_args.build, _current_stream_getter()
         grid, block, smem, name = self.grid_on(index), m.block, fn.smem_bytes, fn.name
+        if m.workspace_floats:
+            nbytes = self.workspace_bytes(grid)
+
+            def bound(ptrs):
+                s = stream(index)
+                ws = workspace(index, s, nbytes)
+                launch(handle, grid, block, smem, s, build(ptrs, index, ws.data_ptr()), name)
+
+            return bound
 
         def bound(ptrs):
             launch(handle, grid, block, smem, stream(index), build(ptrs, index), name)
 
         return bound
 
+    def workspace_bytes(self, grid) -> int:
+        """A stream-K kernel's workspace for a launch of ``grid``: the flags, then a slot of partials per CTA."""
+        if grid[0] > FLAG_SLOTS:
+            raise ValueError(f"{self.meta.name}: a stream-K launch of {grid[0]} CTAs; the workspace has flags for "
+                             f"{FLAG_SLOTS}")
+        return (FLAG_SLOTS + grid[0] * self.meta.workspace_floats) * 4
+
     def plan(self, device, buffers, scratch=None):
         """This kernel's launch as a plan program for the ops' fast path (csrc/plans.cpp):
         ``(scratch buffers, steps)`` = ``([], [(function, grid, block, smem, name, args)])``, where
         ``buffers[i]`` is the plan buffer holding program parameter i and each entry argument is
         ``(buffer, tensor map spec or None)``.  ``scratch`` (the first free buffer) is unused: a
-        single kernel needs none."""
+        single kernel needs none.  A stream-K kernel's plan is its launcher (``launch(a, b, out, c)``
+        over the plan buffers a=0, b=1, c=2, out=3): its workspace is per stream."""
         fn, m = self._fn(), self.meta
+        if m.workspace_floats:
+            run = self.launcher(device)
+
+            def launch(a, b, out, c):
+                ptrs = (a, b, c, out)
+                run([ptrs[i] for i in buffers])
+
+            return launch
         index = _device_index(device)
         _, handle = fn.bind(index)
         args = [(buffers[pos], None if tmap is None else m.tensormaps[tmap]) for pos, tmap in self._entry_args.sources]
@@ -260,4 +313,7 @@ class Kernel:
         if stream is None:
             return self.launcher(device)(ptrs)
         index = _device_index(device)
-        self._fn().launch(self.grid_on(index), m.block, self._entry_args.build(ptrs, index), stream, index)
+        grid = self.grid_on(index)
+        ws = workspace(index, stream, self.workspace_bytes(grid)) if m.workspace_floats else None
+        self._fn().launch(grid, m.block, self._entry_args.build(ptrs, index, ws.data_ptr() if ws is not None else 0),
+                          stream, index)

@@ -25,12 +25,16 @@ class GemmConfig:
     epilogue: str = "direct"  # "direct": registers -> global; "shared": through a shared tile (TMA store on sm_90a)
     cluster: int = 1  # > 1 (sm_90a): clusters of neighbouring M tiles of one N tile, B's tile multicast to them
     pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate tiles
+    stream_k: int = 0  # >= 2 (sm_90a): the last wave's tiles split along K into up to this many parts, in-kernel
 
     def __post_init__(self):
         if not 1 <= self.cluster <= T.MAX_CLUSTER:
             raise ValueError(f"GemmConfig.cluster={self.cluster}: must be in [1, {T.MAX_CLUSTER}]")
         if self.split_k < 1:
             raise ValueError(f"GemmConfig.split_k={self.split_k}: must be >= 1")
+        if self.stream_k and (self.stream_k < 2 or self.split_k > 1):
+            raise ValueError(f"GemmConfig.stream_k={self.stream_k}: must be 0 (off) or >= 2, and not with "
+                             f"split_k={self.split_k} (two ways of splitting K)")
         if self.epilogue not in ("direct", "shared"):
             raise ValueError(f"GemmConfig.epilogue={self.epilogue!r}: must be 'direct' or 'shared'")
 
@@ -162,7 +166,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
 
     def body(A, B, Bias, C):
         with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
-                      cluster=cfg.cluster, pingpong=cfg.pingpong) as ids:
+                      cluster=cfg.cluster, pingpong=cfg.pingpong, stream_k=cfg.stream_k) as ids:
             by, bx, bz = ids if clustered else (ids[1], ids[0], ids[2])
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)

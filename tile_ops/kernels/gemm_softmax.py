@@ -37,6 +37,7 @@ class SoftmaxConfig:
     split: int = 1  # blocks sharing a row block's columns: a thread-block cluster on sm_90a
     persistent: bool = True  # False: a block (cluster) per row block even with more than one wave (sm_90a)
     pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate row blocks
+    stream_k: int = 0  # >= 2 (sm_90a, one tile per block): the last wave's row blocks split along K into up to this many parts
 
     def __post_init__(self):
         if not 1 <= self.split <= T.MAX_CLUSTER:
@@ -135,6 +136,9 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
         raise ValueError(f"gemm_softmax: split={split} leaves the last block of a row without columns (N={N}, "
                          f"{cols} columns per block); split={_widest_split(N, cfg, split - 1)} fits")
     n_tiles = cols // bN
+    if cfg.stream_k and n_tiles > 1:
+        raise ValueError(f"gemm_softmax: stream_k needs one column tile per block (N={N} gives {n_tiles} of "
+                         f"{bN} over split={split}): its K parts meet before the tile's softmax")
     if cfg.pingpong and n_tiles > 1:
         raise ValueError(f"gemm_softmax: pingpong needs one column tile per block (N={N} gives {n_tiles} of "
                          f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")
@@ -161,7 +165,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     @T.prim_func
     def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
         with T.Kernel(split, T.ceildiv(M, bM), threads=cfg.threads, cluster=split,
-                      persistent=cfg.persistent, pingpong=cfg.pingpong) as (rank, bx):
+                      persistent=cfg.persistent, pingpong=cfg.pingpong, stream_k=cfg.stream_k) as (rank, bx):
             A_s = T.alloc_shared((bM, bK), dtype)
             B_s = T.alloc_shared((bK, bN), dtype)
             S = T.alloc_fragment((bM, bN), "float32")

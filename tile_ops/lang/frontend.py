@@ -62,7 +62,8 @@ def prim_func(fn) -> ir.Program:
 
 
 class Kernel:
-    """``with T.Kernel(gx, gy=1, gz=1, threads=128, cluster=1, persistent=True, pingpong=False) as (bx, by):``
+    """``with T.Kernel(gx, gy=1, gz=1, threads=128, cluster=1, persistent=True, pingpong=False, stream_k=0)
+    as (bx, by):``
     — the launch grid and block.
 
     ``cluster=n`` (sm_90a): each n neighbouring blocks along x form a thread-block cluster, scheduled
@@ -71,10 +72,16 @@ class Kernel:
     CTA per SM walking the tiles (it does when a warp-specialized kernel has more than one wave).
     ``pingpong=True`` (threads=128): on the warp-specialized sm_90a path each CTA runs two copies of the
     program on alternate tiles, so one warpgroup's epilogue overlaps the other's main loop (CUTLASS's
-    ping-pong); a schedule only: other paths run the program as written."""
+    ping-pong); a schedule only: other paths run the program as written.
+    ``stream_k=p`` (sm_90a, warp-specialized): the tiles of the last, partial wave of CTAs (clusters) are
+    split along the main loop's K steps into up to ``p`` parts that run on otherwise idle CTAs; the parts'
+    fp32 accumulators meet in a global workspace the launcher keeps, and the last part runs the rest of
+    the tile (the epilogue).  Needs the one ``T.Pipelined`` loop at the body's top level with a trip count
+    that is the same for every tile, and its gemm accumulators cleared right before it.  A schedule
+    only: other paths run the program as written."""
 
     def __init__(self, *grid, threads: int = 128, cluster: int = 1, persistent: bool = True,
-                 pingpong: bool = False):
+                 pingpong: bool = False, stream_k: int = 0):
         if not 1 <= len(grid) <= 3:
             raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
         if threads % 32 or not 32 <= threads <= 1024:
@@ -87,7 +94,11 @@ class Kernel:
         if pingpong and (threads != 128 or not persistent):
             raise error(user_loc(), f"pingpong=True runs two 128-thread warpgroups over a persistent tile loop: "
                                     f"it needs threads=128 (got {threads}) and persistent=True (got {persistent})")
+        if stream_k and (stream_k < 2 or pingpong or not persistent):
+            raise error(user_loc(), f"stream_k={stream_k}: the most K parts of a tile, >= 2 (0: off); it needs "
+                                    f"persistent=True and pingpong=False (got {persistent}, {pingpong})")
         self.cluster, self.persistent, self.pingpong = cluster, bool(persistent), bool(pingpong)
+        self.stream_k = int(stream_k)
 
     def __enter__(self):
         t = ir.tracer()
@@ -95,7 +106,7 @@ class Kernel:
             raise error(user_loc(), "only one T.Kernel block per program")
         names = ["bx", "by", "bz"][: len(self.grid)]
         k = ir.Kernel(self.grid, self.threads, [tirx.Var(n, "int32") for n in names], cluster=self.cluster,
-                       persistent=self.persistent, pingpong=self.pingpong)
+                       persistent=self.persistent, pingpong=self.pingpong, stream_k=self.stream_k)
         k.loc = user_loc()
         t.kernel = k
         t.bodies.append(k.body)
