@@ -64,7 +64,14 @@ EXTRA_CONFIGS = {
                # ping-pong: two consumer warpgroups on alternate tiles, one's epilogue under the other's loop
                GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),
                GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),
-               GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True)],
+               GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
+               # stream-K: the last wave's tiles split along K in-kernel (1000^3: 64 tiles of 128x128 in halves,
+               # or 32 of 128x256 in quarters; decode: 32 tiles of 64x256 in quarters)
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", stream_k=2),
+               GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared", stream_k=2),
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, stream_k=2),
+               GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared", stream_k=4),
+               GemmConfig(64, 256, 64, 4, 128, 0, stream_k=4)],
 }
 PAIRED_ROUNDS = 3
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}  # relative Frobenius error vs float64
@@ -73,7 +80,7 @@ PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.a
 
 def config_name(cfg):
     return (f"{cfg.block_M}x{cfg.block_N}x{cfg.block_K}/s{cfg.num_stages}/t{cfg.threads}"
-            + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + ("/tma-store" if cfg.epilogue == "shared" else "")
+            + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + (f"/sk{cfg.stream_k}" if cfg.stream_k else "") + ("/tma-store" if cfg.epilogue == "shared" else "")
             + (f"/cluster{cfg.cluster}" if cfg.cluster > 1 else "") + ("/pingpong" if cfg.pingpong else "")
             + ("" if cfg.swizzle else "/no-raster"))
 
@@ -123,7 +130,8 @@ def main():
     extra = [c for c in EXTRA_CONFIGS[args.arch] if not args.config_filter or args.config_filter in config_name(c)] \
         if args.configs else []
     configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + [
-        c for c in extra if c.split_k == 1 or job[0] * job[1] <= 1024 * 1024])) for job in jobs}  # split K: short grids
+        c for c in extra if (c.split_k == 1 and not c.stream_k) or job[0] * job[1] <= 1024 * 1024]))
+        for job in jobs}  # split K: short grids
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
         built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j], args.arch), jobs)))
     if args.compile_only:

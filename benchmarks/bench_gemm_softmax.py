@@ -1,6 +1,7 @@
 """Fused GEMM+softmax vs torch's softmax(a @ b) (fp16, and with an fp32 softmax), microseconds, one run.
 
-    python benchmarks/bench_gemm_softmax.py [--configs] [--parts] [--parts-filter S] [--json out.json] [--png out.png]
+    python benchmarks/bench_gemm_softmax.py [--configs [--config-filter S]] [--parts] [--parts-filter S]
+                                            [--shapes MxNxK,...] [--json out.json] [--png out.png]
 
 ``--configs`` also times a few other configs of the fused kernel (each checked against float64 first) and
 reports the fastest; the table's ``config`` column names it.  ``--parts`` adds, for the reported config,
@@ -45,13 +46,16 @@ EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper o
     *[SoftmaxConfig(64, 256, 64, stages, 256, "full_col", 8) for stages in (3, 4)],
     SoftmaxConfig(128, 128, 64, 4, 256, "full_row", 8), SoftmaxConfig(64, 256, 64, 4, 128, "full_row", 8),
     SoftmaxConfig(64, 128, 64, 4, 128, "full_row", 8),
+    # stream-K: the last round's row blocks split along K over the idle clusters (64 on 15: 4 in 3 parts)
+    *[SoftmaxConfig(128, 256, 64, 3, 256, "full_row", 8, stream_k=parts) for parts in (2, 3)],
 ]
 
 
 def config_name(c):
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}" + (
         f"/{c.policy}" if c.policy != "square" else "") + (f"/cluster{c.split}" if c.split > 1 else "") + (
-        "" if c.persistent else "/nonpersistent") + ("/pingpong" if c.pingpong else "")
+        "" if c.persistent else "/nonpersistent") + ("/pingpong" if c.pingpong else "") + (
+        f"/sk{c.stream_k}" if c.stream_k else "")
 
 
 def build(shape, configs):
@@ -86,15 +90,17 @@ def main():
     p.add_argument("--parts", action="store_true", help="also time the reported config without its rescale pass "
                                                          "and without its softmax math")
     p.add_argument("--parts-filter", help="with --parts: also the parts of the configs whose name contains this")
+    p.add_argument("--config-filter", help="with --configs: only the extra configs whose name contains this")
     p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
     shapes = pick_shapes(SHAPES, args.shapes)
+    extra = [c for c in EXTRA_CONFIGS if not args.config_filter or args.config_filter in config_name(c)] \
+        if args.configs else []
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:
-        fused = list(pool.map(lambda s: build(s, list(dict.fromkeys([default_config(*s)] + (
-            EXTRA_CONFIGS if args.configs else [])))), shapes))
+        fused = list(pool.map(lambda s: build(s, list(dict.fromkeys([default_config(*s)] + extra))), shapes))
         plain = list(pool.map(lambda s: gemm(*s, 1, 1, 1, False, False, False, "float16", "float16",
                                              gemm_config(*s)), shapes))
     rows = []

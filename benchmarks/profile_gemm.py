@@ -1,11 +1,13 @@
 """Nsight Compute counters of our GEMM beside cuBLAS's at one shape: where the gap comes from.
 
-    python benchmarks/profile_gemm.py [--shape 4096x4096x4096] [--dtype float16] [--config 128x256x64/s4/t256]
+    python benchmarks/profile_gemm.py [--shape 4096x4096x4096] [--dtype float16] [--config NAME] [--stalls N]
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling the second
 launch of each kernel, and prints per kernel: time, SM clock, tensor-pipe (wgmma) utilization, SM and
 memory throughput, L2 and DRAM bytes.  A clock below the other kernel's means power throttling; more
-L2 bytes for the same FLOPs means less operand reuse.
+L2 bytes for the same FLOPs means less operand reuse.  ``--config`` takes bench_gemm.py's config names
+(``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
+instructions with the most warp-stall samples (ncu's source view), and where the warps' time goes.
 """
 
 import argparse
@@ -28,6 +30,42 @@ METRICS = {
 SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6}  # ns, Hz, bytes
 
 
+def parse_config(name, GemmConfig):
+    """A GemmConfig from bench_gemm.py's ``config_name``: BMxBNxBK/sS/tT[/kK][/skP][/tma-store][/clusterC]
+    [/pingpong][/no-raster]."""
+    tile, stages, threads, *flags = name.split("/")
+    bm, bn, bk = map(int, tile.split("x"))
+    kw = dict(swizzle=0 if "no-raster" in flags else 8, epilogue="shared" if "tma-store" in flags else "direct",
+              pingpong="pingpong" in flags)
+    for f in flags:
+        for prefix, key in (("sk", "stream_k"), ("k", "split_k"), ("cluster", "cluster")):
+            if f.startswith(prefix) and f[len(prefix):].isdigit():
+                kw[key] = int(f[len(prefix):])
+                break
+    return GemmConfig(bm, bn, bk, int(stages[1:]), int(threads[1:]), **kw)
+
+
+def print_stalls(child, top):
+    """ncu's source view of our kernel (second launch): the ``top`` SASS instructions by warp-stall samples."""
+    cmd = ["ncu", "--clock-control", "none", "-k", "regex:gemm_kernel", "--launch-skip", "1", "--launch-count", "1",
+           "--section", "SourceCounters", "--page", "source", "--print-source", "sass", "--csv"] + child
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [r for r in csv.reader(io.StringIO(proc.stdout)) if len(r) > 3]
+    head = next((i for i, r in enumerate(rows) if "Source" in r and any("Sampling" in c for c in r)), None)
+    if proc.returncode or head is None:
+        print(f"ncu source view unavailable ({proc.returncode}):\n{proc.stdout[:3000]}\n{proc.stderr[-1500:]}")
+        return
+    header = rows[head]
+    col = next(i for i, c in enumerate(header) if "Sampling" in c and "Not" not in c)
+    src = header.index("Source")
+    value = lambda r: float((r[col] or "0").replace(",", "")) if len(r) > col else 0.0  # noqa: E731
+    body = [r for r in rows[head + 1:] if len(r) == len(header)]
+    total = sum(value(r) for r in body) or 1
+    print(f"{header[col]} by SASS instruction ({total:.0f} in all), top {top}:")
+    for r in sorted(body, key=value, reverse=True)[:top]:
+        print(f"{100 * value(r) / total:5.1f}%  {r[src][:100]}")
+
+
 def run_kernels(shape, dtype, config):
     import torch
 
@@ -35,9 +73,7 @@ def run_kernels(shape, dtype, config):
 
     M, N, K = shape
     if config:
-        tile, stages, threads = config.split("/")
-        bm, bn, bk = map(int, tile.split("x"))
-        cfg = GemmConfig(bm, bn, bk, int(stages[1:]), int(threads[1:]), 8)
+        cfg = parse_config(config, GemmConfig)
     else:
         cfg = default_config(M, N, K, "sm_90a")
     k = build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target="sm_90a")
@@ -54,7 +90,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4096x4096x4096")
     p.add_argument("--dtype", default="float16")
-    p.add_argument("--config", help="BMxBNxBK/sS/tT; default: the library's default config")
+    p.add_argument("--config", help="a bench_gemm.py config name; default: the library's default config")
+    p.add_argument("--stalls", type=int, default=0, help="also print the N SASS lines with the most stall samples")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     shape = tuple(map(int, args.shape.split("x")))
@@ -90,6 +127,8 @@ def main():
     for name, full in full_names.items():  # cuBLAS's name carries its tile, cluster and split-K/stream-K choice
         if full != name:
             print(f"{name}: {full}")
+    if args.stalls:
+        print_stalls(child, args.stalls)
 
 
 if __name__ == "__main__":
