@@ -624,7 +624,8 @@ def test_pingpong_softmax_exchanges_per_warpgroup():
     cfg = SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=8, pingpong=True)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert k.meta.block == (384, 1, 1) and k.meta.resources["spill_stores"] == 0
-    assert "((warpgroup * 2) + (tile_iter_1 & 1)) + 25606)" in k.source  # barrier of (warpgroup, parity)
+    # barrier of (warpgroup, parity of the warpgroup's exchanges)
+    assert "((warpgroup * 2) + (exchanges_ptr[0] & 1)) + 25606)" in k.source
     inits = re.findall(r"mbarrier_init_init_shared__cta_b64\(.*\[(\d+)\]\)\)\), \(uint\)(\d+)\);", k.source)
     # 3 stages: full (1 arrival), empty (4 warps x 8 blocks); then 2 warpgroups x 2 parities, one arrival each
     assert sorted((int(i), int(n)) for i, n in inits) == (
