@@ -2,6 +2,7 @@
 the lowering (workspace parameter, fixup, flags), and the programs it refuses."""
 
 import itertools
+import re
 
 import pytest
 
@@ -29,8 +30,10 @@ def _split(tiles, groups, steps, most):
 def test_schedule_covers_every_k_step_of_every_tile_once(most):
     """For every (tiles, groups, steps): each tile's K steps are covered exactly once, by consecutive
     parts; a split tile has one owner, its last part, numbered after every writer of the tile; every
-    split unit is in the first wave (co-resident); slots and flags fit the grid."""
-    for tiles, groups, steps in itertools.product(range(1, 70, 3), range(1, 40, 2), (1, 4, 7, 16, 17, 63)):
+    split unit is in the first wave (co-resident); slots and flags fit the grid.  Group counts include the
+    H200's: 132 CTAs, 128 (1000^3's grid), 120 (15 clusters of 8)."""
+    for tiles, groups, steps in itertools.product(range(1, 70, 3), [*range(1, 40, 3), 64, 120, 128, 132],
+                                                 (1, 4, 7, 16, 17, 63)):
         parts, split_tiles, units = _split(tiles, groups, steps, most)
         covered = {t: [] for t in range(tiles)}
         for g in range(groups):
@@ -73,6 +76,8 @@ def test_entry_args_pass_the_workspace():
     meta = KernelMeta("k", "k", "sm_90a", (1, 1, 1), (128, 1, 1), 0, [("A", (4,), "float16"), ("C", (4,), "float16")],
                       ["A", "C", WORKSPACE], [1], workspace_floats=4)
     assert EntryArgs(meta).build([10, 20], 0, workspace=30) == [10, 20, 30]
+    with pytest.raises(ValueError, match="workspace"):  # never the last pointer in its place
+        EntryArgs(meta).build([10, 20], 0)
     assert KernelMeta.from_json(meta.to_json()).workspace_floats == 4
 
 
@@ -153,3 +158,36 @@ def test_plan_of_a_stream_k_kernel_is_its_launcher(monkeypatch):
     program = kernel.plan("cuda", [0, 1, 3, 3])  # gemm without bias: the bias slot takes the output's buffer
     program(10, 20, 30, 0)  # a, b, out, c
     assert launched == [[10, 20, 30, 30]]
+
+
+def test_each_cluster_exchange_counts_its_own_uses():
+    """Three T.cluster_allreduce calls a tile: each waits on its barriers with the parity and phase of its
+    own uses (with one count for all, the third would wait for phase 1 of a barrier still in phase 0 and
+    read its slots before the peers' values land)."""
+    @T.prim_func
+    def three(X: T.Tensor((128, 128), "float16"), Y: T.Tensor((128, 128), "float16")):
+        with T.Kernel(2, threads=128, cluster=2) as bx:
+            X_s = T.alloc_shared((64, 64), "float16")
+            S = T.alloc_fragment((64, 64), "float32")
+            m = T.alloc_fragment((64,), "float32")
+            l = T.alloc_fragment((64,), "float32")
+            n = T.alloc_fragment((64,), "float32")
+            T.clear(S)
+            T.copy(X[0, bx * 64], X_s)
+            T.gemm(X_s, X_s, S)
+            T.reduce_max(S, m, dim=1)
+            T.reduce_sum(S, l, dim=1)
+            T.reduce_max(S, n, dim=1)
+            T.cluster_allreduce(m, "max")
+            T.cluster_allreduce(l, "sum")
+            T.cluster_allreduce(n, "max")
+            for r, c in T.Parallel(64, 64):
+                S[r, c] = S[r, c] - m[r] + l[r] - n[r]
+            T.copy(S, Y[0, bx * 64])
+
+    from tile_ops.compiler import compile_program
+
+    source = compile_program(three, "sm_90a").source
+    waits = re.findall(r"tile_ops_cluster_wait\(.*\[\(\(exchanges_ptr\[(\d)\] & 1\) \+ \d+\)\]\)\), "
+                       r"\(\(uint\)\(\(exchanges_ptr\[(\d)\] & 3\) >> 1\)\)\);", source)
+    assert waits == [("0", "0"), ("1", "1"), ("2", "2")], waits  # barrier parity and phase from one count

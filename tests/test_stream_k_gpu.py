@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from test_gemm_configs_gpu import SHAPES, VARIANTS, check
+from tile_ops.jit.kernel import FLAG_SLOTS, _workspaces
 from tile_ops.kernels.gemm import GemmConfig, build_gemm
 from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
 
@@ -32,43 +33,67 @@ def test_stream_k_configs(cfg, shape, variant):
 
 
 def _gemm(M, N, K):
-    kernel = build_gemm(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", GEMM, target="sm_90a")
+    return build_gemm(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", GEMM, target="sm_90a")
+
+
+def _operands(M, N, K):
+    """Fresh inputs per launch: an owner that took a stale flag would add the previous launch's partials."""
     a = torch.randn(M, K, dtype=torch.float16, device="cuda")
     b = torch.randn(K, N, dtype=torch.float16, device="cuda")
-    ref = a.double() @ b.double()
-    return kernel, a, b, ref
+    out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
+    return a, b, out, a.double() @ b.double()
+
+
+def _launch(kernel, a, b, out):
+    kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)
 
 
 def _err(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def _flags_left_zero(stream):
+    ws = _workspaces[(torch.cuda.current_device(), stream.cuda_stream)]
+    return bool((ws[: FLAG_SLOTS * 4] == 0).all())
+
+
 @pytest.mark.parametrize("shape", [(1000, 1000, 1000), (1024, 512, 4096), (300, 700, 520)])
 def test_repeated_launches_on_two_streams(shape):
-    kernel, a, b, ref = _gemm(*shape)
-    side = torch.cuda.Stream()
-    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                out = torch.full(ref.shape, float("nan"), dtype=torch.float16, device="cuda")
-                kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)
-                stream.synchronize()
-                assert _err(out, ref) < 5e-3
+    """Launches queued back to back on two streams at once, each with its own inputs: every result right,
+    and each stream's workspace left with zero flags."""
+    kernel = _gemm(*shape)
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
+    runs = []
+    for _ in range(3):
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                run = _operands(*shape)
+                _launch(kernel, *run[:3])
+                runs.append(run)
+    torch.cuda.synchronize()
+    assert all(_err(out, ref) < 5e-3 for _, _, out, ref in runs)
+    assert all(_flags_left_zero(s) for s in streams)
 
 
 def test_cuda_graph_replays():
-    kernel, a, b, ref = _gemm(1000, 1000, 1000)
-    out = torch.empty(ref.shape, dtype=torch.float16, device="cuda")
-    launch = lambda: kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)  # noqa: E731
+    """Captured on a stream that already keeps a workspace, which a bigger kernel then replaces: the graph
+    has its own workspace, so its replays (on fresh inputs copied in) stay right."""
+    kernel, bigger = _gemm(1000, 1000, 1000), _gemm(1024, 2048, 4096)
+    a, b, out, _ = _operands(1000, 1000, 1000)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        launch()  # warm-up outside the capture: the stream's workspace exists
-    torch.cuda.synchronize()
+        _launch(kernel, a, b, out)  # the stream's workspace exists before the capture
+    side.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-        launch()
+    with torch.cuda.graph(graph, stream=side):
+        _launch(kernel, a, b, out)
+        _launch(kernel, a, b, out)
+    with torch.cuda.stream(side):
+        _launch(bigger, *_operands(1024, 2048, 4096)[:3])  # grows (replaces) the kept workspace
     for _ in range(3):
+        a2, b2, _, ref = _operands(1000, 1000, 1000)
+        a.copy_(a2)
+        b.copy_(b2)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -82,12 +107,12 @@ def test_softmax_rows_split_along_k(M):
     N, K = 2048, 1024
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8, stream_k=3)
     kernel = gemm_softmax(M, N, K, 0.125, "float16", "float16", cfg, target="sm_90a")
-    a = torch.randn(M, K, dtype=torch.float16, device="cuda")
-    a[::97] *= 6
-    b = torch.randn(K, N, dtype=torch.float16, device="cuda")
-    ref = torch.softmax(0.125 * (a.double() @ b.double()), dim=-1)
     for _ in range(2):
+        a = torch.randn(M, K, dtype=torch.float16, device="cuda")
+        a[::97] *= 6
+        b = torch.randn(K, N, dtype=torch.float16, device="cuda")
         out = torch.full((M, N), float("nan"), dtype=torch.float16, device="cuda")
         kernel.launch(a, b, out)
         torch.cuda.synchronize()
-        assert _err(out, ref) < 5e-3
+        assert _err(out, torch.softmax(0.125 * (a.double() @ b.double()), dim=-1)) < 5e-3
+    assert _flags_left_zero(torch.cuda.current_stream())

@@ -570,8 +570,8 @@ class Hopper:
         peer can be at most one exchange ahead (it needs this block's values of the next tile, sent
         after a consumer barrier that follows this block's reads of this one's), so it never
         overwrites unread values or completes bytes onto a phase this block has not waited on.
-        The parity is of the exchanges this warpgroup has made (``exchanges``: a stream-K writer's tile
-        makes none), the same count in every block of the cluster, which walk the same tiles.
+        The parity is of the uses of this exchange this warpgroup has made (``exchanges[i]``: a stream-K
+        writer's tile makes none), the same count in every block of the cluster, which walk the same tiles.
         One exchange per tile: the frontend refuses an exchange inside a loop."""
         lw = self.lw
         n, vals = lw.cluster, len(node.buffers)
@@ -580,7 +580,7 @@ class Hopper:
             raise error(node.loc, "T.cluster_softmax_merge: row_max and row_sum must have the same layout "
                                   "(reduce both from the same tile)")
         i = next(j for j, c in enumerate(lw.cluster_reduces) if c is node)
-        count = self.exchanges[0]
+        count = self.exchanges[i]
         parity = tirx.floormod(count, 2)
         frags, ex, bar = [lw.frags[b] for b in node.buffers], lw.exchange[id(node)], self.exchanged(i, parity)
         elems = math.prod(node.buffers[0].shape)
@@ -615,13 +615,16 @@ class Hopper:
             else:
                 op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
                 T.buffer_store(frags[0], reduce(op, [v for v, in mine]), [r])
-        T.buffer_store(self.exchanges, count + 1, [0])  # after the last use of `count` (a lazy load)
+        T.buffer_store(self.exchanges, count + 1, [i])  # after the last use of `count` (a lazy load)
 
     def count_exchanges(self):
-        """The consumer's count of its T.cluster_allreduce exchanges (their buffers' parity), from 0."""
-        self.exchanges = T.alloc_local([1], "int32")
+        """The consumer's count of the uses of each T.cluster_allreduce (its buffers' and barriers' parity
+        and phase), from 0."""
+        uses = max(1, len(self.lw.cluster_reduces))
+        self.exchanges = T.alloc_local([uses], "int32")
         IRBuilder.name("exchanges", self.exchanges)
-        T.buffer_store(self.exchanges, 0, [0])
+        for i in range(uses):
+            T.buffer_store(self.exchanges, 0, [i])
 
     # ------------------------------------------------------------------ wgmma
 

@@ -82,9 +82,12 @@ class EntryArgs:
                                  f"which is not a parameter ({', '.join(position)})")
             self.sources.append((position[tensor], None if spec is None else name))
         self._pointer_positions = [pos for pos, _ in self.sources]
+        self._needs_workspace = WORKSPACE in meta.kept
 
     def build(self, ptrs, device: int, workspace: int = 0) -> list:
-        if workspace:
+        if self._needs_workspace:
+            if not workspace:
+                raise ValueError("a stream-K kernel's arguments need its workspace (Kernel.launcher passes it)")
             ptrs = list(ptrs) + [workspace]  # position -1
         if not self._tensormaps:
             return [ptrs[pos] for pos in self._pointer_positions]
@@ -131,15 +134,15 @@ def workspace(index: int, stream: int, nbytes: int):
     """A stream-K workspace (a tensor) of at least ``nbytes`` on device ``index`` for launches on ``stream``
     (the current one): zeroed once and kept, since the kernels leave its flags zero (stream_k.py).  One
     per stream, so launches that may overlap never share one.  While the stream is being captured into a
-    CUDA graph, a new one per launch, freed after it like any temporary: its zeroing is captured too."""
+    CUDA graph, always a new one, freed after the launch like any temporary (its zeroing is captured too):
+    a graph never holds the address of a kept one, which a bigger one may replace."""
     import torch
 
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
     ws = _workspaces.get((index, stream))
-    if ws is not None and ws.numel() >= nbytes:
-        return ws
-    ws = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
-    if not torch.cuda.is_current_stream_capturing():
-        _workspaces[(index, stream)] = ws
+    if ws is None or ws.numel() < nbytes:
+        ws = _workspaces[(index, stream)] = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
     return ws
 
 
@@ -314,6 +317,9 @@ class Kernel:
             return self.launcher(device)(ptrs)
         index = _device_index(device)
         grid = self.grid_on(index)
-        ws = workspace(index, stream, self.workspace_bytes(grid)) if m.workspace_floats else None
+        ws = None
+        if m.workspace_floats:  # allocated and zeroed on the launch's stream
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+                ws = workspace(index, stream, self.workspace_bytes(grid))
         self._fn().launch(grid, m.block, self._entry_args.build(ptrs, index, ws.data_ptr() if ws is not None else 0),
                           stream, index)
