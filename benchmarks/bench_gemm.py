@@ -49,6 +49,9 @@ EXTRA_CONFIGS = {
                GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared"), GemmConfig(128, 64, 64, 8, 128, 8, epilogue="shared"),
                GemmConfig(128, 64, 64, 6, 128, 8, epilogue="shared", cluster=2),
                GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared", cluster=2),
+               # ... and 4-way B multicast (1000^3's 8 M tiles in two clusters of 4): a quarter of B's bytes
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=4),
+               GemmConfig(128, 64, 64, 6, 128, 8, epilogue="shared", cluster=4),
                # split-K decode (16x8192x8192: 64 tiles of 64x128 -> 128 / 256 CTAs; 128 tiles of 64x64 -> 256)
                GemmConfig(64, 128, 64, 6, 128, 0, split_k=2), GemmConfig(64, 128, 64, 6, 128, 0, split_k=4),
                GemmConfig(64, 64, 128, 6, 128, 0, split_k=2), GemmConfig(64, 64, 128, 3, 128, 0, split_k=2),
