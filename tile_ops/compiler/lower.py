@@ -20,13 +20,13 @@ from tvm.sym.analyzer import Analyzer
 from tvm.tirx import op as top
 from tvm.tirx.script import builder as T
 
+from ..jit.kernel import FLAG_SLOTS, WORKSPACE
 from ..lang import ir
 from ..lang.ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
 from .exprs import collect_loads, rewrite, uses
 from .infer import LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
 from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx
-from ..jit.kernel import FLAG_SLOTS, WORKSPACE as WORKSPACE_PARAM
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
@@ -103,7 +103,7 @@ class Lowerer:
                     self.globals[p] = T.arg(p.name, T.Buffer(p.shape, p.dtype))
                 sk = self.hopper.stream_k if self.hopper else None
                 if sk:  # nominal extent (the launcher sizes it to the device's grid): slots, then flags
-                    self.workspace = T.arg(WORKSPACE_PARAM, T.Buffer(
+                    self.workspace = T.arg(WORKSPACE, T.Buffer(
                         (FLAG_SLOTS + self.hopper.resident_ctas() * sk.floats_per_cta(),), "float32"))
                 if self.ws:
                     self.hopper.declare_tensormaps()

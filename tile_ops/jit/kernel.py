@@ -56,7 +56,8 @@ class EntryArgs:
 
     A kept name with a ``meta.tensormaps`` spec takes the TMA descriptor (128 bytes, passed by value)
     of the pointer of the spec's ``"tensor"``; ``WORKSPACE`` takes the workspace's pointer (``build``'s
-    ``workspace``); any other kept name is a program parameter and takes its pointer.  ``encode`` is the launcher's ``encode_tensor_map`` unless a test passes another.
+    ``workspace``); any other kept name is a program parameter and takes its pointer.  ``encode`` is the
+    launcher's ``encode_tensor_map`` unless a test passes another.
     """
 
     _MAX_DESCRIPTORS = 64  # the caching allocator hands out many pointers in a long run: stay tiny
