@@ -38,6 +38,9 @@ def parse_config(name, GemmConfig):
     kw = dict(swizzle=0 if "no-raster" in flags else 8, epilogue="shared" if "tma-store" in flags else "direct",
               pingpong="pingpong" in flags)
     for f in flags:
+        if f.startswith("cluster") and "x" in f:  # clusterCxN
+            kw["cluster"], kw["cluster_n"] = map(int, f[len("cluster"):].split("x"))
+            continue
         for prefix, key in (("sk", "stream_k"), ("k", "split_k"), ("cluster", "cluster")):
             if f.startswith(prefix) and f[len(prefix):].isdigit():
                 kw[key] = int(f[len(prefix):])

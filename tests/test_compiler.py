@@ -454,6 +454,30 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
 
 
 @needs_nvcc
+@pytest.mark.parametrize("persistent", [False, True])
+def test_two_dimensional_cluster_multicasts_a_along_n_and_b_along_m(persistent):
+    """A 4x2 cluster of 128x128 tiles (4 M tiles x 2 N tiles): B's tile is loaded in 4 slices of 16 rows,
+    each multicast to the blocks of its cluster row (same N tile), A's in 2 slices of 64 rows to its
+    column (same M tile); a consumer releases a stage on the 4 + 2 - 1 blocks that write into it.
+    One wave (1000^3) launches the hardware's 4x2 clusters; more tiles walk a 1-D grid of whole clusters."""
+    M = N = 1000 if not persistent else 4096
+    cfg = GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=4, cluster_n=2)
+    k = gemm(M, N, 1000, cfg=cfg, target="sm_90a")
+    assert k.meta.tensormaps["A_tmap"]["box"] == [64, 64, 1] and k.meta.tensormaps["B_tmap"]["box"] == [64, 16, 1]
+    dims = "(8, 1, 1)" if persistent else "(4, 2, 1)"
+    assert f"__cluster_dims__{dims}" in k.source and k.meta.grid == ((128, 1, 1) if persistent else (8, 8, 1))
+    masks = re.findall(r"bytes_multicast__cluster\(.*\(\(ushort\)\((\d+) << ([^;]*)\);", k.source)
+    assert sorted({m[0] for m in masks}) == ["15", "17"], masks  # a row of 4 ranks; a column: ranks r, r + 4
+    releases = re.findall(r"tile_ops_cluster_release\(\(&", k.source)  # calls, not the definition
+    assert len(releases) == 2 * 5, len(releases)  # 5 peers, in the loop and after it
+    assert k.meta.resources["spill_stores"] == 0
+    with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 5 column tiles of N=640"):
+        gemm(1024, 640, 256, cfg=cfg, target="sm_90a")
+    with pytest.raises(ValueError, match=r"a cluster of at most 8 blocks in all"):
+        GemmConfig(cluster=4, cluster_n=4)
+
+
+@needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("scale, N", [(-0.5, 256), (0.0, 1000), (1e-46, 1000), (0.125, 1000)])
 def test_softmax_scale_folds_into_exp2_only_when_it_commutes_with_max(scale, N):
@@ -516,9 +540,12 @@ def test_persistent_clustered_grid_is_whole_clusters(N, split):
 def test_cluster_errors_say_what_is_accepted():
     with pytest.raises(tile_ops.lang.TileLangError, match="sm_90a"):
         compile_program(_row_max_over_cluster(), "sm_80")
-    with pytest.raises(tile_ops.lang.TileLangError, match=r"cluster=3: must be in \[1, 8\].*divide the grid's x"):
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"cluster=3: n or \(cx, cy\) blocks, at most 8 .*"
+                                                          r"each dividing its grid extent \(grid \[4, 1\]\)"):
         _row_max_over_cluster(cluster=3, grid_x=4)
-    with pytest.raises(tile_ops.lang.TileLangError, match=r"needs a clustered kernel"):
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"cluster=\(4, 4\): .*at most 8 in all"):
+        _row_max_over_cluster(cluster=(4, 4), grid_x=4)
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"needs a kernel clustered along x"):
         _row_max_over_cluster(cluster=1, grid_x=2)
 
     def in_a_loop():
@@ -546,7 +573,7 @@ def test_cluster_errors_say_what_is_accepted():
         merge(shape_l=(32,))
     with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge: l must be a whole float32 fragment"):
         merge(l_scope="shared")
-    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge needs a clustered kernel"):
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge needs a kernel clustered along x"):
         merge(cluster=1)
 
     def merge_same():

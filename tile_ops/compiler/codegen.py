@@ -25,7 +25,7 @@ def emit_cuda(lowered: LoweredKernel, arch: str) -> tuple[str, str, list[str]]:
         source = re.sub(r"__launch_bounds__\((\d+)\)", rf"__launch_bounds__(\1, {lowered.ctas_per_sm})", source)
     if lowered.cluster > 1:  # compile-time cluster dims: a plain cuLaunchKernel launches clusters
         source = source.replace('extern "C" __global__ void ',  # the declaration and the definition
-                                f'extern "C" __global__ void __cluster_dims__({lowered.cluster}, 1, 1) ')
+                                f'extern "C" __global__ void __cluster_dims__{lowered.cluster_dims} ')
     m = _ENTRY.search(source)
     if m is None:
         raise RuntimeError("tile_ops: could not find the kernel entry in TVM's CUDA output")

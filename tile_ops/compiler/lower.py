@@ -45,7 +45,8 @@ class LoweredKernel:
     layouts: dict  # buffer name -> description
     tensormaps: dict  # CUDA parameter name -> tensor-map spec for the launcher
     ctas_per_sm: int = 1  # CTAs meant to be resident per SM (__launch_bounds__'s minimum blocks)
-    cluster: int = 1  # blocks per thread-block cluster along x (__cluster_dims__)
+    cluster: int = 1  # blocks per thread-block cluster
+    cluster_dims: tuple = (1, 1, 1)  # __cluster_dims__: (cx, cy, 1), or (blocks, 1, 1) over a persistent 1-D grid
     persistent_tiles: int = 0  # > 0: CTAs loop over at most this many units (tiles) with a stride of gridDim.x
     workspace_floats: int = 0  # > 0 (stream-K): per-CTA fp32 partials of the launcher's workspace (stream_k.py)
 
@@ -76,7 +77,8 @@ class Lowerer:
         self.sm90 = arch == "sm_90a"  # wgmma, TMA and setmaxnreg need the arch-specific sm_90a target
         self.threads = self.kernel.threads
         self.buffers = prog.buffers
-        self.cluster = self.kernel.cluster
+        self.cluster_dims = self.kernel.cluster  # (cx, cy): rank = x % cx + y % cy * cx
+        self.cluster = math.prod(self.cluster_dims)
         if self.cluster > 1 and not self.sm90:
             raise error(self.kernel.loc, f"cluster={self.cluster}: thread-block clusters need the sm_90a (Hopper) "
                                          f"target, this kernel is compiled for {arch}")
@@ -136,6 +138,7 @@ class Lowerer:
             [(p.name, p.shape, p.dtype) for p in self.prog.params],
             {b.name: self._describe(b) for b in k.allocs}, tensormaps,
             self.hopper.ctas_per_sm if self.hopper else 1, self.cluster,
+            (self.cluster, 1, 1) if self.hopper and self.hopper.persistent else (*self.cluster_dims, 1),
             self.hopper.work_units() if self.hopper and self.hopper.persistent else 0,
             sk.floats_per_cta() if sk else 0,
         )
@@ -151,20 +154,21 @@ class Lowerer:
 
     def _rasterize(self, ids):
         """T.use_swizzle: walk the grid in panels of `panel` columns so consecutive blocks share tiles in L2.
-        A cluster's blocks (neighbours along x) move as one column: the panels are of clusters."""
+        A cluster's blocks move as one: the panels are of clusters."""
         panel = self.kernel.swizzle_panel
         if not panel:
             return ids
-        n = self.cluster
-        gx, gy = self.kernel.grid[0] // n, self.kernel.grid[1]
-        bx, by = tirx.floordiv(ids[0], n), ids[1]
+        cx, cy = self.cluster_dims
+        gx, gy = self.kernel.grid[0] // cx, self.kernel.grid[1] // cy
+        bx, by = tirx.floordiv(ids[0], cx), tirx.floordiv(ids[1], cy) if cy > 1 else ids[1]
         linear = by * gx + bx
         per_panel = panel * gy
         pidx = tirx.floordiv(linear, per_panel)
         within = tirx.floormod(linear, per_panel)
         width = tirx.min(panel, gx - pidx * panel)
-        x = pidx * panel + tirx.floormod(within, width)
-        return [x * n + tirx.floormod(ids[0], n) if n > 1 else x, tirx.floordiv(within, width)] + ids[2:]
+        x, y = pidx * panel + tirx.floormod(within, width), tirx.floordiv(within, width)
+        return [x * cx + tirx.floormod(ids[0], cx) if cx > 1 else x,
+                y * cy + tirx.floormod(ids[1], cy) if cy > 1 else y] + ids[2:]
 
     # ------------------------------------------------------------------ memory
 

@@ -59,7 +59,7 @@ class WarpSpecialization:
     stores: list  # shared->global tile copies outside the loop (the epilogue), issued as TMA stores
     stages: int
     deferred_wait: bool  # the loop only issues gemms: keep one wgmma group in flight across iterations
-    multicast: list  # loads every block of the cluster makes alike: each loads 1/n of the rows for all n
+    multicast: list  # (load, cluster axes): loads alike along those axes, each block loads 1/n of the rows for all n
 
 
 class Hopper:
@@ -94,7 +94,7 @@ class Hopper:
         stores = [c for c in walk(k.body) if isinstance(c, Copy) and not _contains(loop, c)
                   and c.src.buffer.scope == "shared" and c.dst.buffer.scope == "global" and self._tma_ok(c)]
         same_steps = not any(uses(o.extent, k.block_vars[0]) for o in outer + [loop])  # lockstep pipelines
-        multicast = [c for c in loads if same_steps and self._multicast_ok(c)]
+        multicast = [(c, axes) for c in loads if same_steps for axes in [self._multicast_axes(c)] if axes]
         return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred, multicast)
 
     def _constant_steps(self, what: str) -> int:
@@ -110,15 +110,13 @@ class Hopper:
                                f"that does not depend on the block): got {steps}")
         return int(steps)
 
-    def _multicast_ok(self, c: Copy) -> bool:
-        """A load whose global window does not depend on the block's rank in its cluster (grid x) reads
-        the same tile in every block of the cluster: split into n row slices of whole 8-row swizzle
-        atoms, each block loads one slice into all n blocks (TMA multicast)."""
-        n, rank_var = self.lw.cluster, self.lw.kernel.block_vars[0]
-        rows = c.dst.buffer.shape[0]
-        if n == 1 or rows % (8 * n):
-            return False
-        return not any(uses(x, rank_var) for x in c.src.starts)
+    def _multicast_axes(self, c: Copy) -> tuple:
+        """The cluster axes (0: grid x, 1: grid y) along which a load's global window does not change: its
+        n blocks along them read the same tile, so it is split into n row slices of whole 8-row swizzle
+        atoms and each block loads one slice into all n blocks (TMA multicast).  () when none."""
+        dims, block_vars = self.lw.cluster_dims, self.lw.kernel.block_vars
+        axes = tuple(a for a, n in enumerate(dims) if n > 1 and not any(uses(x, block_vars[a]) for x in c.src.starts))
+        return axes if axes and c.dst.buffer.shape[0] % (8 * math.prod(dims[a] for a in axes)) == 0 else ()
 
     def _tma_ok(self, c: Copy) -> bool:
         """A tile copy between global and shared memory TMA can do: same dtype, a swizzled 2-D tile
@@ -244,14 +242,46 @@ class Hopper:
         exchange = consumer * len(self.lw.cluster_reduces) + i
         return self.bars.ptr_to([self._pipeline_barriers() + 2 * exchange + parity])
 
+    def _axes(self, c: Copy) -> tuple:
+        return next((axes for m, axes in self.ws.multicast if m is c), ())
+
     def _slices(self, c: Copy) -> int:
-        return self.lw.cluster if any(c is m for m in self.ws.multicast) else 1
+        return math.prod(self.lw.cluster_dims[a] for a in self._axes(c))
+
+    def _multicast_group(self, axes: tuple):
+        """(this block's slice index, ctaMask) of a load multicast along ``axes``: its cluster row (axis 0),
+        column (axis 1) or the whole cluster; rank = x + y * cx."""
+        (cx, cy), n = self.lw.cluster_dims, self.lw.cluster
+        rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
+        rx, ry = (rank, 0) if cy == 1 else (tirx.floormod(rank, cx), tirx.floordiv(rank, cx))
+        if axes == (0, 1):
+            return rank, tirx.const((1 << n) - 1, "uint16")
+        if axes == (0,):
+            mask = (1 << cx) - 1
+            return rx, tirx.const(mask, "uint16") if cy == 1 else tirx.Cast("uint16", tirx.const(mask, "int32") << (ry * cx))
+        column = sum(1 << (j * cx) for j in range(cy))
+        return ry, tirx.Cast("uint16", tirx.const(column, "int32") << rx)
+
+    def _stage_writers(self) -> list:
+        """Ranks of the blocks whose producers write into this block's stages, itself included (the union
+        of its multicast groups): its consumers release a stage on each of them."""
+        (cx, cy), n = self.lw.cluster_dims, self.lw.cluster
+        axes = {a for _, ax in self.ws.multicast for a in ax}
+        if not axes:
+            return []
+        if any(ax == (0, 1) for _, ax in self.ws.multicast) or cy == 1:
+            return list(range(n))
+        rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
+        rx, ry = tirx.floormod(rank, cx), tirx.floordiv(rank, cx)
+        if axes == {1}:  # the column
+            return [rx + j * cx for j in range(cy)]
+        row = [ry * cx + i for i in range(cx)]
+        return row if axes == {0} else row + [rx + tirx.floormod(ry + j, cy) * cx for j in range(1, cy)]
 
     def _release_count(self) -> int:
-        """Arrivals that free a stage: one per consumer warp, of every block of the cluster when the
-        stage holds multicast rows (a peer's producer writes into this block's stage too)."""
-        per_block = self.lw.threads // 32
-        return per_block * self.lw.cluster if self.ws.multicast else per_block
+        """Arrivals that free a stage: one per consumer warp of every block that writes into it (with
+        multicast loads, the peers' producers write into this block's stages too)."""
+        return self.lw.threads // 32 * max(1, len(self._stage_writers()))
 
     def init_barriers(self):
         """Thread 0 initializes the pipeline's and the cluster exchanges' mbarriers; then every thread of a
@@ -330,7 +360,13 @@ class Hopper:
     def _enter_tile(self, t, gx, gy):
         """The program's block indices of tile t (in grid order, then rasterized)."""
         lw = self.lw
-        ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
+        (cx, cy), n = lw.cluster_dims, lw.cluster
+        if cy == 1:  # clusters along x: n consecutive tiles
+            ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
+        else:  # cluster c = t // n of the grid of clusters, rank r = t % n at (r % cx, r // cx) in it
+            c, r, ccx, ccy = tirx.floordiv(t, n), tirx.floormod(t, n), gx // cx, gy // cy
+            ids = [tirx.floormod(c, ccx) * cx + tirx.floormod(r, cx),
+                   tirx.floormod(tirx.floordiv(c, ccx), ccy) * cy + tirx.floordiv(r, cx), tirx.floordiv(c, ccx * ccy)]
         lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
 
     def _units(self, cta, ctas, total, gx, gy):
@@ -453,7 +489,7 @@ class Hopper:
         rank = len(coords)
         kind = f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
         if n > 1:
-            me = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
+            me, mask = self._multicast_group(self._axes(c))
             rows = t.layout.rows // n
         for p in range(t.layout.cols // t.layout.panel):
             dst = lw.stage_base(t, stage) + p * t.layout.panel_elems
@@ -463,8 +499,7 @@ class Hopper:
                 continue
             cs[1] = cs[1] + me * rows
             emit_ptx(kind + ".multicast::cluster", t.view.ptr_to([dst + me * rows * t.layout.panel]),
-                     T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage),
-                     tirx.const((1 << n) - 1, "uint16"))
+                     T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage), mask)
 
     def tma_store(self, c: Copy, vm):
         """The epilogue's shared->global tile copy through TMA.  The body's barrier before it already
@@ -555,8 +590,9 @@ class Hopper:
             with T.Then():
                 if not self.ws.multicast:
                     emit_ptx("mbarrier.arrive.shared::cta.b64", self.empty(s))
-                for peer in range(self.lw.cluster if self.ws.multicast else 0):  # every block's copy of stage s
-                    T.evaluate(_call("tile_ops_cluster_release", self.empty(s), tirx.const(peer, "uint32")))
+                for peer in self._stage_writers():  # every writer's copy of stage s
+                    T.evaluate(_call("tile_ops_cluster_release", self.empty(s), tirx.const(peer, "uint32")
+                                     if isinstance(peer, int) else tirx.Cast("uint32", peer)))
 
     # ------------------------------------------------------------------ thread-block clusters
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import math
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -68,6 +69,9 @@ class Kernel:
 
     ``cluster=n`` (sm_90a): each n neighbouring blocks along x form a thread-block cluster, scheduled
     together, whose blocks combine fragments with ``T.cluster_allreduce``; bx % n is a block's rank.
+    ``cluster=(cx, cy)``: a cx-by-cy rectangle of blocks (grid x and y); its rank is bx % cx + by % cy * cx.
+    In a cluster, a ``T.copy`` into a pipeline stage whose global window does not depend on bx (or by) is
+    loaded once per cluster row (column) and multicast to its blocks.
     ``persistent=False`` (sm_90a) keeps one block per tile where the compiler would otherwise launch one
     CTA per SM walking the tiles (it does when a warp-specialized kernel has more than one wave).
     ``pingpong=True`` (threads=128): on the warp-specialized sm_90a path each CTA runs two copies of the
@@ -80,7 +84,7 @@ class Kernel:
     that is the same for every tile, and its gemm accumulators cleared right before it.  A schedule
     only: other paths run the program as written."""
 
-    def __init__(self, *grid, threads: int = 128, cluster: int = 1, persistent: bool = True,
+    def __init__(self, *grid, threads: int = 128, cluster: int | tuple = 1, persistent: bool = True,
                  pingpong: bool = False, stream_k: int = 0):
         if not 1 <= len(grid) <= 3:
             raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
@@ -88,16 +92,14 @@ class Kernel:
             raise error(user_loc(), f"threads={threads}: must be a multiple of 32 in [32, 1024]")
         self.grid = [int(ir.tirx_simplify(g)) for g in grid]
         self.threads = threads
-        if not 1 <= cluster <= MAX_CLUSTER or self.grid[0] % cluster:
-            raise error(user_loc(), f"cluster={cluster}: must be in [1, {MAX_CLUSTER}] (the portable cluster size) "
-                                    f"and divide the grid's x extent {self.grid[0]}")
+        self.cluster = _cluster_dims(cluster, self.grid)
         if pingpong and (threads != 128 or not persistent):
             raise error(user_loc(), f"pingpong=True runs two 128-thread warpgroups over a persistent tile loop: "
                                     f"it needs threads=128 (got {threads}) and persistent=True (got {persistent})")
         if stream_k and (stream_k < 2 or pingpong or not persistent):
             raise error(user_loc(), f"stream_k={stream_k}: the most K parts of a tile, >= 2 (0: off); it needs "
                                     f"persistent=True and pingpong=False (got {persistent}, {pingpong})")
-        self.cluster, self.persistent, self.pingpong = cluster, bool(persistent), bool(pingpong)
+        self.persistent, self.pingpong = bool(persistent), bool(pingpong)
         self.stream_k = int(stream_k)
 
     def __enter__(self):
@@ -227,13 +229,24 @@ def cluster_softmax_merge(row_max, row_sum):
     _cluster_exchange("T.cluster_softmax_merge", "softmax", (row_max, row_sum))
 
 
+def _cluster_dims(cluster, grid) -> tuple:
+    """(cx, cy) of T.Kernel's ``cluster``: an int n is (n, 1); each must divide its grid extent."""
+    dims = tuple(cluster) if isinstance(cluster, (tuple, list)) else (cluster, 1)
+    extents = list(grid[:2]) + [1] * (2 - len(grid[:2]))
+    if (len(dims) != 2 or not all(isinstance(d, int) and d >= 1 for d in dims) or math.prod(dims) > MAX_CLUSTER
+            or any(e % d for e, d in zip(extents, dims))):
+        raise error(user_loc(), f"cluster={cluster}: n or (cx, cy) blocks, at most {MAX_CLUSTER} in all (the "
+                                f"portable cluster size), each dividing its grid extent (grid {extents})")
+    return dims
+
+
 def _cluster_exchange(name, kind, buffers):
     for b in buffers:
         if not isinstance(b, TileBuffer) or b.scope != "fragment" or b.dtype != "float32":
             raise error(user_loc(), f"{name}: {getattr(b, 'name', b)!s} must be a whole float32 fragment")
     t = ir.tracer()
-    if t.kernel is None or t.kernel.cluster == 1:
-        raise error(user_loc(), f"{name} needs a clustered kernel: T.Kernel(..., cluster=n) with n > 1")
+    if t.kernel is None or t.kernel.cluster[0] == 1 or t.kernel.cluster[1] != 1:
+        raise error(user_loc(), f"{name} needs a kernel clustered along x: T.Kernel(..., cluster=n) with n > 1")
     if len(t.bodies) > 1:  # exchange slots alternate per tile, not per loop iteration
         raise error(user_loc(), f"{name} must be at the kernel's top level, not inside a loop "
                                 "(combine once per tile, after the loop)")

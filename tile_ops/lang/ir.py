@@ -222,7 +222,7 @@ class Kernel(Node):
     body: list = field(default_factory=list)
     allocs: list = field(default_factory=list)
     swizzle_panel: int = 0
-    cluster: int = 1  # neighbouring blocks along grid x that form a thread-block cluster (sm_90a)
+    cluster: tuple = (1, 1)  # (x, y) extents of the rectangle of blocks forming a thread-block cluster (sm_90a)
     persistent: bool = True  # may the compiler make CTAs walk the tiles (sm_90a, more than one wave)
     pingpong: bool = False  # two consumer warpgroups per CTA, each running the program on alternate tiles
     stream_k: int = 0  # >= 2: the last wave's tiles split along K into up to this many parts (sm_90a)
