@@ -52,6 +52,25 @@ EXTRA_CONFIGS = {
                # ... and 4-way B multicast (1000^3's 8 M tiles in two clusters of 4): a quarter of B's bytes
                GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=4),
                GemmConfig(128, 64, 64, 6, 128, 8, epilogue="shared", cluster=4),
+               # 64-row tiles (16 x 8 = 128 CTAs) with their 16 KiB B tile multicast: L2 bytes of 128x128/cluster2
+               GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster=2),
+               GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster=4),
+               GemmConfig(64, 128, 64, 4, 128, 8, epilogue="shared", cluster=2),
+               GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2),
+               GemmConfig(64, 128, 64, 5, 128, 8, epilogue="shared", cluster=2),
+               GemmConfig(64, 128, 64, 7, 128, 8, epilogue="shared", cluster=2),
+               GemmConfig(64, 128, 128, 3, 128, 8, epilogue="shared", cluster=2),
+               GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster_n=2),  # A's 8 KiB multicast instead
+               # 2-D clusters (cuBLAS's 1000^3 kernel runs 4x2): B multicast along M, A along N
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=2),
+               GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared", cluster=2, cluster_n=2),
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=4, cluster_n=2),
+               GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=4),
+               GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster=4, cluster_n=2),
+               GemmConfig(128, 64, 64, 6, 128, 8, epilogue="shared", cluster=2, cluster_n=4),
+               GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=4, cluster_n=2),
+               GemmConfig(64, 128, 64, 6, 256, 8, "full_col", epilogue="shared", cluster=4, cluster_n=2),
+               GemmConfig(128, 64, 64, 6, 256, 8, epilogue="shared", cluster=2, cluster_n=4),
                # split-K decode (16x8192x8192: 64 tiles of 64x128 -> 128 / 256 CTAs; 128 tiles of 64x64 -> 256)
                GemmConfig(64, 128, 64, 6, 128, 0, split_k=2), GemmConfig(64, 128, 64, 6, 128, 0, split_k=4),
                GemmConfig(64, 64, 128, 6, 128, 0, split_k=2), GemmConfig(64, 64, 128, 3, 128, 0, split_k=2),
@@ -84,8 +103,15 @@ PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.a
 def config_name(cfg):
     return (f"{cfg.block_M}x{cfg.block_N}x{cfg.block_K}/s{cfg.num_stages}/t{cfg.threads}"
             + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + (f"/sk{cfg.stream_k}" if cfg.stream_k else "") + ("/tma-store" if cfg.epilogue == "shared" else "")
-            + (f"/cluster{cfg.cluster}" if cfg.cluster > 1 else "") + ("/pingpong" if cfg.pingpong else "")
+            + (f"/cluster{cfg.cluster}" if cfg.cluster * cfg.cluster_n > 1 else "")
+            + (f"x{cfg.cluster_n}" if cfg.cluster_n > 1 else "") + ("/pingpong" if cfg.pingpong else "")
             + ("" if cfg.swizzle else "/no-raster"))
+
+
+def other_shapes(spec):
+    """The --shapes not in the table (ragged ones, say), benchmarked in fp16."""
+    table = {"x".join(map(str, s)) for shapes in SHAPES.values() for s in shapes}
+    return [tuple(map(int, s.split("x"))) for s in (spec or "").split(",") if s and s not in table]
 
 
 def kernels_for(M, N, K, dtype, configs, arch):
@@ -119,7 +145,8 @@ def main():
     p.add_argument("--arch", default=default_arch(), choices=sorted(PATHS))
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time a few block configs, report the best")
-    p.add_argument("--config-filter", help="with --configs: only the extra configs whose name contains this")
+    p.add_argument("--config-filter", help="with --configs: only the extra configs whose name contains this (or one of a|b|...)")
+    p.add_argument("--config-exclude", help="with --configs: leave out the extra configs whose name contains this")
     p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
     p.add_argument("--tilelang", action="store_true", help="add TileLang's 20-line GEMM (needs tilelang)")
     p.add_argument("--compile-only", action="store_true",
@@ -130,8 +157,10 @@ def main():
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
     jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in pick_shapes(shapes, args.shapes)]
-    extra = [c for c in EXTRA_CONFIGS[args.arch] if not args.config_filter or args.config_filter in config_name(c)] \
-        if args.configs else []
+    jobs += [(*s, "float16") for s in other_shapes(args.shapes)]
+    extra = [c for c in EXTRA_CONFIGS[args.arch] if (not args.config_filter or any(
+        f in config_name(c) for f in args.config_filter.split("|")))
+             and not (args.config_exclude and args.config_exclude in config_name(c))] if args.configs else []
     configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + [
         c for c in extra if (c.split_k == 1 and not c.stream_k) or job[0] * job[1] <= 1024 * 1024]))
         for job in jobs}  # split K: short grids

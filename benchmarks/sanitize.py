@@ -65,7 +65,8 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 DEFAULT_TOOLS = ("memcheck", "racecheck", "synccheck")
 # (label, (M, N, K)): small, ragged with unaligned rows (no TMA), ragged with 16-byte aligned rows (TMA)
 SHAPES = {
-    "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
+    "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72)),
+             ("short-grid", (768, 1024, 136))],  # sm_90a: pairs of 64-row tiles in clusters (B multicast)
     "matmul20": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
     "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
                      # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles

@@ -24,6 +24,9 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
     GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared", cluster=2),  # B multicast to pairs of M tiles
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2),
+    GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=2),  # A and B multicast
+    GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster=4, cluster_n=2),
+    GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2),  # short grids: 64-row pairs
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
@@ -47,8 +50,19 @@ def _dt(t):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_gemm_config_on_hopper(cfg, shape, variant):
-    if -(-shape[0] // cfg.block_M) % cfg.cluster:
-        pytest.skip(f"cluster={cfg.cluster} does not divide the M tiles of this shape")
+    if -(-shape[0] // cfg.block_M) % cfg.cluster or -(-shape[1] // cfg.block_N) % cfg.cluster_n:
+        pytest.skip(f"cluster={cfg.cluster}x{cfg.cluster_n} does not divide the M x N tiles of this shape")
+    check(cfg, shape, variant, "sm_90a")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", [(1000, 1000, 999), (1024, 1001, 1000), (768, 1024, 2048)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_half_wave_default_on_unaligned_and_short_grids(shape, variant):
+    """Short grids default to clustered 64x128 tiles: also where rows are not 16-byte aligned (no TMA)."""
+    cfg = default_config(*shape, "sm_90a")
+    assert (cfg.block_M, cfg.cluster) == (64, 2)
     check(cfg, shape, variant, "sm_90a")
 
 

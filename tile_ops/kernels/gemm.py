@@ -24,12 +24,14 @@ class GemmConfig:
     split_k: int = 1  # > 1: K split over this many CTAs per tile, fp32 partials reduced by a second kernel
     epilogue: str = "direct"  # "direct": registers -> global; "shared": through a shared tile (TMA store on sm_90a)
     cluster: int = 1  # > 1 (sm_90a): clusters of neighbouring M tiles of one N tile, B's tile multicast to them
+    cluster_n: int = 1  # > 1 (sm_90a): ... and of neighbouring N tiles of one M tile, A's tile multicast to them
     pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate tiles
     stream_k: int = 0  # >= 2 (sm_90a): the last wave's tiles split along K into up to this many parts, in-kernel
 
     def __post_init__(self):
-        if not 1 <= self.cluster <= T.MAX_CLUSTER:
-            raise ValueError(f"GemmConfig.cluster={self.cluster}: must be in [1, {T.MAX_CLUSTER}]")
+        if min(self.cluster, self.cluster_n) < 1 or self.cluster * self.cluster_n > T.MAX_CLUSTER:
+            raise ValueError(f"GemmConfig.cluster={self.cluster}, cluster_n={self.cluster_n}: each >= 1, a cluster of "
+                             f"at most {T.MAX_CLUSTER} blocks in all")
         if self.split_k < 1:
             raise ValueError(f"GemmConfig.split_k={self.split_k}: must be >= 1")
         if self.stream_k and (self.stream_k < 2 or self.split_k > 1):
@@ -52,13 +54,24 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
             return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
-                return cfg
+                return _HALF_WAVE if cfg.block_N == 128 and _half_wave(M, N) else cfg
         return _HOPPER_TILES[-1]
     if M <= 64:
         return GemmConfig(64, 128, 64, 4, 128, 0)
     if M * N <= 1024 * 1024:
         return GemmConfig(128, 128, 64, 3, 256, 8)
     return GemmConfig(128, 128, 32, 3, 128, 8)  # best of bench_gemm.py --configs on the H200 (NOTES.md)
+
+
+# 128x128 tiles that fill at most half the SMs (1000^3: 64): twice the CTAs in 64-row tiles, each pair of M
+# tiles a cluster that multicasts their shared 16 KiB B tile; 8 stages won 4 of the 5 short grids measured
+# by 10-23 % over 6 stages, and lost 1000^3 by 6 % (NOTES v9)
+_HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
+
+
+def _half_wave(M: int, N: int, sms: int = 132) -> bool:
+    tiles = -(-M // 64) * -(-N // 128)
+    return tiles <= sms and -(-M // 64) % 2 == 0
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
@@ -116,6 +129,8 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
     if not decode and min(M, N) >= 128:  # two consumer warpgroups on alternate 128x128 tiles (NOTES v6)
         swizzles = (0, 8) if -(-N // 128) > 8 and -(-M // 128) > 1 else (0,)
         space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
+    if not decode and -(-M // 64) % 2 == 0 and _pow2(N) >= 128:  # pairs of 64-row tiles sharing B: short grids
+        space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
     return space
 
 
@@ -159,14 +174,17 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
 
-    clustered = cfg.cluster > 1  # grid x is the cluster's dim: M tiles, so the cluster's blocks share B's tile
+    clustered = cfg.cluster * cfg.cluster_n > 1  # grid x: M tiles, grid y: N tiles, a cfg.cluster x cluster_n rectangle
     grid = [T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits]
     if clustered and grid[1] % cfg.cluster:
         raise ValueError(f"gemm: cluster={cfg.cluster} must divide the {grid[1]} row tiles of M={M} (block_M={bM})")
+    if clustered and grid[0] % cfg.cluster_n:
+        raise ValueError(f"gemm: cluster_n={cfg.cluster_n} must divide the {grid[0]} column tiles of N={N} "
+                         f"(block_N={bN})")
 
     def body(A, B, Bias, C):
         with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
-                      cluster=cfg.cluster, pingpong=cfg.pingpong, stream_k=cfg.stream_k) as ids:
+                      cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k) as ids:
             by, bx, bz = ids if clustered else (ids[1], ids[0], ids[2])
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
