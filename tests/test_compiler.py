@@ -477,6 +477,31 @@ def test_two_dimensional_cluster_multicasts_a_along_n_and_b_along_m(persistent):
         GemmConfig(cluster=4, cluster_n=4)
 
 
+def _column_multicast(steps):
+    """A 2x2 grid in one (1, 2) cluster: A's window does not depend on by, so its column may share it."""
+    @T.prim_func
+    def column(A: T.Tensor((128, 1024), "float16"), C: T.Tensor((128, 128), "float16")):
+        with T.Kernel(2, 2, threads=128, cluster=(1, 2)) as (bx, by):
+            A_s = T.alloc_shared((64, 64), "float16")
+            S = T.alloc_fragment((64, 64), "float32")
+            T.clear(S)
+            for k in T.Pipelined(steps(by), num_stages=2):
+                T.copy(A[bx * 64, k * 64], A_s)
+                T.gemm(A_s, A_s, S, transpose_B=True)
+            T.copy(S, C[bx * 64, by * 64])
+    return column
+
+
+@needs_nvcc
+def test_multicast_needs_lockstep_pipelines_along_its_axis():
+    """Blocks that share a multicast stage must take the same number of steps: a trip count that depends on
+    by keeps the column's loads apart (else one block waits for releases its peer never makes)."""
+    same = compile_program(_column_multicast(lambda by: 4), "sm_90a")
+    assert "multicast::cluster" in same.source and "__cluster_dims__(1, 2, 1)" in same.source
+    apart = compile_program(_column_multicast(lambda by: by * 4 + 4), "sm_90a")
+    assert "multicast::cluster" not in apart.source and "tile_ops_cluster_release((" not in apart.source
+
+
 @needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("scale, N", [(-0.5, 256), (0.0, 1000), (1e-46, 1000), (0.125, 1000)])

@@ -6,7 +6,7 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config
+from tile_ops.kernels.gemm import _HALF_WAVE, GemmConfig, build_gemm, default_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,11 +59,11 @@ def test_gemm_config_on_hopper(cfg, shape, variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("shape", [(1000, 1000, 999), (1024, 1001, 1000), (768, 1024, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_half_wave_default_on_unaligned_and_short_grids(shape, variant):
-    """Short grids default to clustered 64x128 tiles: also where rows are not 16-byte aligned (no TMA)."""
-    cfg = default_config(*shape, "sm_90a")
-    assert (cfg.block_M, cfg.cluster) == (64, 2)
-    check(cfg, shape, variant, "sm_90a")
+def test_half_wave_pairs_on_unaligned_and_short_grids(shape, variant):
+    """Short grids with 16-byte rows default to clustered pairs of 64x128 tiles; the same config is also
+    right where rows are not aligned (no TMA: synchronous copies; not the default there)."""
+    assert (default_config(*shape, "sm_90a") == _HALF_WAVE) == all(d % 8 == 0 for d in shape)
+    check(_HALF_WAVE, shape, variant, "sm_90a")
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))

@@ -202,6 +202,29 @@ def test_default_config_splits_only_short_decode_grids(shape, split):
         assert K // 64 >= 8 * split or split == 1
 
 
+@pytest.mark.parametrize("shape, paired", [
+    ((1000, 1000, 1000), True), ((1024, 1024, 4096), True), ((768, 1024, 2048), True), ((1000, 1000, 999), False),
+    ((960, 1024, 512), False), ((1536, 1024, 1024), False), ((2048, 2048, 2048), False), ((512, 1024, 1024), False)])
+def test_default_pairs_64_row_tiles_only_on_short_aligned_grids(shape, paired):
+    """Clustered 64x128 pairs where 128x128 tiles would fill at most half the SMs, the 64-row tiles pair up
+    (960: 15 of them) and every row is 16 bytes (999: no TMA); a batch that fills the grid keeps 128x128."""
+    cfg = default_config(*shape, "sm_90a")
+    assert (cfg == gemm_kernels._HALF_WAVE) == paired
+    if paired:
+        assert (cfg.block_M, cfg.block_N, cfg.cluster, cfg.epilogue) == (64, 128, 2, "shared")
+        assert default_config(*shape, "sm_90a", batch=2).block_M == 128
+
+
+def test_get_gemm_kernel_unpairs_a_batched_short_grid(monkeypatch):
+    built = []
+    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None: built.append(args[-1]) or FakeKernel([], [], "p"))
+    monkeypatch.setattr(gemm_kernels, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
+    a, b = torch.zeros(1, 1000, 1000, dtype=torch.float16), torch.zeros(1, 1000, 1000, dtype=torch.float16)
+    gemm_kernels.get_gemm_kernel(a, b, a)
+    gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
+    assert built[0] == gemm_kernels._HALF_WAVE and (built[1].block_M, built[1].cluster) == (128, 1)
+
+
 def test_hopper_decode_space_offers_split_k():
     decode = gemm_kernels.config_space(16, 8192, 8192, arch="sm_90a")
     assert {c.split_k for c in decode} == {1, 2, 4}

@@ -80,7 +80,7 @@ class Lowerer:
         self.cluster_dims = self.kernel.cluster  # (cx, cy): rank = x % cx + y % cy * cx
         self.cluster = math.prod(self.cluster_dims)
         if self.cluster > 1 and not self.sm90:
-            raise error(self.kernel.loc, f"cluster={self.cluster}: thread-block clusters need the sm_90a (Hopper) "
+            raise error(self.kernel.loc, f"cluster={self.cluster_dims}: thread-block clusters need the sm_90a (Hopper) "
                                          f"target, this kernel is compiled for {arch}")
         self.infer = LayoutInference(self.kernel, self.buffers, wgmma=self.sm90).run()
         self.ana = Analyzer()

@@ -93,8 +93,7 @@ class Hopper:
         deferred = bool(compute) and all(isinstance(s, Gemm) and self.is_wgmma(s) for s in compute)
         stores = [c for c in walk(k.body) if isinstance(c, Copy) and not _contains(loop, c)
                   and c.src.buffer.scope == "shared" and c.dst.buffer.scope == "global" and self._tma_ok(c)]
-        same_steps = not any(uses(o.extent, k.block_vars[0]) for o in outer + [loop])  # lockstep pipelines
-        multicast = [(c, axes) for c in loads if same_steps for axes in [self._multicast_axes(c)] if axes]
+        multicast = [(c, axes) for c in loads for axes in [self._multicast_axes(c, outer + [loop])] if axes]
         return WarpSpecialization(loop, outer, loads, stores, max(loop.num_stages, 1), deferred, multicast)
 
     def _constant_steps(self, what: str) -> int:
@@ -110,12 +109,14 @@ class Hopper:
                                f"that does not depend on the block): got {steps}")
         return int(steps)
 
-    def _multicast_axes(self, c: Copy) -> tuple:
-        """The cluster axes (0: grid x, 1: grid y) along which a load's global window does not change: its
-        n blocks along them read the same tile, so it is split into n row slices of whole 8-row swizzle
-        atoms and each block loads one slice into all n blocks (TMA multicast).  () when none."""
+    def _multicast_axes(self, c: Copy, loops: list) -> tuple:
+        """The cluster axes (0: grid x, 1: grid y) along which a load's global window does not change, nor
+        the pipeline's trip counts (``loops``: the blocks step their stages in lockstep): its n blocks along
+        them read the same tile, so it is split into n row slices of whole 8-row swizzle atoms and each
+        block loads one slice into all n blocks (TMA multicast).  () when none."""
         dims, block_vars = self.lw.cluster_dims, self.lw.kernel.block_vars
-        axes = tuple(a for a, n in enumerate(dims) if n > 1 and not any(uses(x, block_vars[a]) for x in c.src.starts))
+        axes = tuple(a for a, n in enumerate(dims) if n > 1 and not any(
+            uses(x, block_vars[a]) for x in [*c.src.starts, *(o.extent for o in loops)]))
         return axes if axes and c.dst.buffer.shape[0] % (8 * math.prod(dims[a] for a in axes)) == 0 else ()
 
     def _tma_ok(self, c: Copy) -> bool:

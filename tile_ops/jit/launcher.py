@@ -133,7 +133,7 @@ class CudaFunction:
         launch(function, grid, block, self.smem_bytes, stream, args, self.name)
 
     def max_active_clusters(self, device: int, cluster: int, block_threads: int) -> int:
-        """Clusters of this kernel (compiled with __cluster_dims__(cluster, 1, 1)) resident at once on
+        """Clusters of this persistent kernel (a 1-D grid, __cluster_dims__(cluster, 1, 1)) resident at once on
         ``device``; -1 if the driver cannot say."""
         _, function = self.bind(device)
         return get_launcher().max_active_clusters(function, cluster, block_threads, self.smem_bytes)

@@ -47,14 +47,15 @@ _HOPPER_TILES = [GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
                  GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 64, 64, 8, 128, 8)]
 
 
-def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfig:
-    """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode."""
+def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int = 1) -> GemmConfig:
+    """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode
+    (``batch`` multiplies the tiles only where a short grid is decided: the half-wave pairs)."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound; 512-byte B rows per CTA, K split until B streams from ~every SM
             return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
-                return _HALF_WAVE if cfg.block_N == 128 and _half_wave(M, N) else cfg
+                return _HALF_WAVE if cfg.block_N == 128 and _half_wave(M, N, K, batch) else cfg
         return _HOPPER_TILES[-1]
     if M <= 64:
         return GemmConfig(64, 128, 64, 4, 128, 0)
@@ -69,9 +70,10 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> GemmConfi
 _HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
 
 
-def _half_wave(M: int, N: int, sms: int = 132) -> bool:
-    tiles = -(-M // 64) * -(-N // 128)
-    return tiles <= sms and -(-M // 64) % 2 == 0
+def _half_wave(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> bool:
+    """One wave of 64x128 tiles in pairs, loaded by TMA (16-byte rows whichever operand is transposed)."""
+    tiles = batch * -(-M // 64) * -(-N // 128)
+    return tiles <= sms and -(-M // 64) % 2 == 0 and M % 8 == N % 8 == K % 8 == 0
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
@@ -365,7 +367,7 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     """(kernel, a, b): the kernel for these operands and the operand views it reads.
 
     A split-K config (``split_k > 1``) chosen by ``config_for`` (tuned or heuristic, both per (M, N, K))
-    is divided by the batch count: a batch already multiplies the CTAs.  An explicit ``cfg`` is used as is."""
+    is divided by the batch count: a batch already multiplies the CTAs; so is the short-grid pairing.  An explicit ``cfg`` is used as is."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
@@ -373,6 +375,8 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
         cfg = config_for("gemm", M, N, K, _DT[a.dtype], a.device)
         if cfg.split_k > 1 and Bt > 1:
             cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
+        if cfg == _HALF_WAVE and Bt > 1:  # a short grid per matrix may be a full one over the batch
+            cfg = default_config(M, N, K, batch=Bt)
     kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg)
     return kernel, a, b
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import math
+import operator
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -231,9 +232,12 @@ def cluster_softmax_merge(row_max, row_sum):
 
 def _cluster_dims(cluster, grid) -> tuple:
     """(cx, cy) of T.Kernel's ``cluster``: an int n is (n, 1); each must divide its grid extent."""
-    dims = tuple(cluster) if isinstance(cluster, (tuple, list)) else (cluster, 1)
     extents = list(grid[:2]) + [1] * (2 - len(grid[:2]))
-    if (len(dims) != 2 or not all(isinstance(d, int) and d >= 1 for d in dims) or math.prod(dims) > MAX_CLUSTER
+    try:
+        dims = tuple(map(operator.index, cluster if isinstance(cluster, (tuple, list)) else (cluster, 1)))
+    except TypeError:
+        dims = ()
+    if (len(dims) != 2 or builtins.min(dims) < 1 or math.prod(dims) > MAX_CLUSTER
             or any(e % d for e, d in zip(extents, dims))):
         raise error(user_loc(), f"cluster={cluster}: n or (cx, cy) blocks, at most {MAX_CLUSTER} in all (the "
                                 f"portable cluster size), each dividing its grid extent (grid {extents})")
