@@ -249,17 +249,23 @@ class Hopper:
     def _slices(self, c: Copy) -> int:
         return math.prod(self.lw.cluster_dims[a] for a in self._axes(c))
 
+    def _cluster_position(self):
+        """(rank, x, y) of this block in its cluster: rank = x + y * cx (y is 0 in a 1-D cluster)."""
+        cx, cy = self.lw.cluster_dims
+        rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
+        return (rank, rank, 0) if cy == 1 else (rank, tirx.floormod(rank, cx), tirx.floordiv(rank, cx))
+
     def _multicast_group(self, axes: tuple):
         """(this block's slice index, ctaMask) of a load multicast along ``axes``: its cluster row (axis 0),
-        column (axis 1) or the whole cluster; rank = x + y * cx."""
+        column (axis 1) or the whole cluster."""
         (cx, cy), n = self.lw.cluster_dims, self.lw.cluster
-        rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
-        rx, ry = (rank, 0) if cy == 1 else (tirx.floormod(rank, cx), tirx.floordiv(rank, cx))
+        rank, rx, ry = self._cluster_position()
         if axes == (0, 1):
             return rank, tirx.const((1 << n) - 1, "uint16")
         if axes == (0,):
             mask = (1 << cx) - 1
-            return rx, tirx.const(mask, "uint16") if cy == 1 else tirx.Cast("uint16", tirx.const(mask, "int32") << (ry * cx))
+            return rx, (tirx.const(mask, "uint16") if cy == 1
+                        else tirx.Cast("uint16", tirx.const(mask, "int32") << (ry * cx)))
         column = sum(1 << (j * cx) for j in range(cy))
         return ry, tirx.Cast("uint16", tirx.const(column, "int32") << rx)
 
@@ -272,8 +278,7 @@ class Hopper:
             return []
         if any(ax == (0, 1) for _, ax in self.ws.multicast) or cy == 1:
             return list(range(n))
-        rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
-        rx, ry = tirx.floormod(rank, cx), tirx.floordiv(rank, cx)
+        _, rx, ry = self._cluster_position()
         if axes == {1}:  # the column
             return [rx + j * cx for j in range(cy)]
         row = [ry * cx + i for i in range(cx)]
@@ -362,12 +367,10 @@ class Hopper:
         """The program's block indices of tile t (in grid order, then rasterized)."""
         lw = self.lw
         (cx, cy), n = lw.cluster_dims, lw.cluster
-        if cy == 1:  # clusters along x: n consecutive tiles
-            ids = [tirx.floormod(t, gx), tirx.floormod(tirx.floordiv(t, gx), gy), tirx.floordiv(t, gx * gy)]
-        else:  # cluster c = t // n of the grid of clusters, rank r = t % n at (r % cx, r // cx) in it
-            c, r, ccx, ccy = tirx.floordiv(t, n), tirx.floormod(t, n), gx // cx, gy // cy
-            ids = [tirx.floormod(c, ccx) * cx + tirx.floormod(r, cx),
-                   tirx.floormod(tirx.floordiv(c, ccx), ccy) * cy + tirx.floordiv(r, cx), tirx.floordiv(c, ccx * ccy)]
+        # cluster c = t // n of the grid of clusters, rank r = t % n at (r % cx, r // cx) in it
+        c, r, ccx, ccy = tirx.floordiv(t, n), tirx.floormod(t, n), gx // cx, gy // cy
+        ids = [tirx.floormod(c, ccx) * cx + tirx.floormod(r, cx),
+               tirx.floormod(tirx.floordiv(c, ccx), ccy) * cy + tirx.floordiv(r, cx), tirx.floordiv(c, ccx * ccy)]
         lw.block_vars = dict(zip(lw.kernel.block_vars, lw._rasterize(ids[: len(lw.kernel.grid)])))
 
     def _units(self, cta, ctas, total, gx, gy):
@@ -623,7 +626,7 @@ class Hopper:
         elems = math.prod(node.buffers[0].shape)
         base = parity * (n * elems * vals)  # slots [parity][rank][element][value]
         flat = [_flat_index(lay.coords(lw.tid, r), node.buffers[0].shape) for r in range(lay.local_size)]
-        rank = tirx.Cast("int32", _call("tile_ops_cluster_rank", return_type="uint32"))
+        rank = self._cluster_position()[0]
         owner = lay.owner(lw.tid)
         # every consumer (of this warpgroup, with pingpong) is done reading this buffer's previous use (two
         # of its tiles ago) before the owners' values let a peer run ahead and overwrite it

@@ -367,7 +367,8 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     """(kernel, a, b): the kernel for these operands and the operand views it reads.
 
     A split-K config (``split_k > 1``) chosen by ``config_for`` (tuned or heuristic, both per (M, N, K))
-    is divided by the batch count: a batch already multiplies the CTAs; so is the short-grid pairing.  An explicit ``cfg`` is used as is."""
+    is divided by the batch count: a batch already multiplies the CTAs; the short-grid pairing is re-derived
+    with the batch.  An explicit ``cfg`` is used as is."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
