@@ -89,16 +89,16 @@ def main():
     p.add_argument("--configs", action="store_true", help="also time a few other fused configs, report the best")
     p.add_argument("--parts", action="store_true", help="also time the reported config without its rescale pass "
                                                          "and without its softmax math")
-    p.add_argument("--parts-filter", help="with --parts: also the parts of the configs whose name contains this")
-    p.add_argument("--config-filter", help="with --configs: only the extra configs whose name contains this")
+    p.add_argument("--parts-filter", help="with --parts: also the parts of the configs whose name contains this (or one of a|b|...)")
+    p.add_argument("--config-filter", help="with --configs: only the extra configs whose name contains this (or one of a|b|...)")
     p.add_argument("--shapes", help="comma-separated MxNxK: only these of the table's shapes")
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
     shapes = pick_shapes(SHAPES, args.shapes)
-    extra = [c for c in EXTRA_CONFIGS if not args.config_filter or args.config_filter in config_name(c)] \
-        if args.configs else []
+    extra = [c for c in EXTRA_CONFIGS if not args.config_filter or any(
+        f in config_name(c) for f in args.config_filter.split("|"))] if args.configs else []
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:
         fused = list(pool.map(lambda s: build(s, list(dict.fromkeys([default_config(*s)] + extra))), shapes))
         plain = list(pool.map(lambda s: gemm(*s, 1, 1, 1, False, False, False, "float16", "float16",
@@ -125,7 +125,7 @@ def main():
         if args.parts and best is not None:
             parts_us = time_parts((M, N, K), best, a, b, out)
             for cfg in kernels if args.parts_filter else ():
-                if cfg != best and args.parts_filter in config_name(cfg):
+                if cfg != best and any(f in config_name(cfg) for f in args.parts_filter.split("|")):
                     print(f"{M}x{N}x{K} {config_name(cfg)} parts: {time_parts((M, N, K), cfg, a, b, out)}",
                           file=sys.stderr)
         rows.append({"shape": f"{M}x{N}x{K}", "fused_us": round(t_fused, 1), "our_gemm_us": round(t_gemm, 1),

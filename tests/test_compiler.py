@@ -741,3 +741,68 @@ def test_ragged_softmax_walk_does_not_spill(N):
     cfg = default_config(8192, N, 1024, "sm_90a")
     k = gemm_softmax(8192, N, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert cfg.split == 5 and k.meta.resources["spill_stores"] == 0, k.meta.resources
+
+
+# ----------------------------------------------------------------------------- synchronization of re-reads
+
+
+def _stage_and_scale(n_tiles=3):
+    """A serial loop over column tiles: each loaded into shared memory and stored back (two tile ops on
+    one shared tile), then a pass re-reading the block's own output in another thread mapping."""
+    @T.prim_func
+    def stage_and_scale(X: T.Tensor((64, 64 * n_tiles), "float16"), Y: T.Tensor((64, 64 * n_tiles), "float16")):
+        with T.Kernel(1, threads=128) as bx:
+            X_s = T.alloc_shared((64, 64), "float16")
+            F = T.alloc_fragment((64, 64), "float32")
+            for j in T.serial(n_tiles):
+                T.copy(X[0, j * 64], X_s)
+                T.copy(X_s, Y[0, j * 64])
+            T.clear(F)
+            T.copy(F, Y[0, 0])  # fragment layout: each thread writes 4-byte pieces of many rows
+            for r, c in T.Parallel(64, 64):  # row-major vectors: other threads' pieces
+                Y[r, c] = Y[r, c] + 1.0
+    return stage_and_scale
+
+
+def test_serial_loop_of_shared_tile_ops_syncs_at_its_back_edge():
+    """An iteration's load into X_s must not overwrite the tile the previous iteration is still storing
+    from it: the loop body ends with a barrier."""
+    src = compile_program(_stage_and_scale(), "sm_80").source
+    loop = src[src.index("for (int i = 0; i < 3; ++i) {"):]
+    body = loop[:loop.index("\n  }\n")]
+    assert body.rstrip().endswith("tvm_builtin_cuda_cta_sync();"), body[-300:]
+
+
+def test_global_tile_written_then_read_by_other_threads_is_behind_a_barrier():
+    """The fragment store and the row-major pass touch the same elements from different threads: a block
+    barrier orders the first's global writes before the second's reads."""
+    src = compile_program(_stage_and_scale(), "sm_80").source
+    first_reread = src.index("= *(half4*)(Y_ptr")
+    last_store = src.rindex("*(half4*)(Y_ptr", 0, first_reread)  # the fragment's, before the pass
+    assert "tvm_builtin_cuda_cta_sync();" in src[last_store:first_reread]
+
+
+@needs_nvcc
+def test_softmax_walk_stages_every_tile_and_rescales_after_the_stores_landed():
+    """Rows walked by pairs of blocks, four 128x256 tiles each: every tile leaves through the shared tile
+    and TMA (no 4-byte fragment stores to global), the last one only once normalized (its first store is
+    moved past column N); the rescale pass reads the output only after the issuer waited for the stores'
+    writes (not only their reads of shared memory) and the async proxy's writes were fenced, and reads it
+    as whole vectors, all loads of a tile in flight before its stores."""
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=2)
+    k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    src = k.source
+    assert "*(half2*)(Out_ptr" not in src  # no 4-byte fragment stores to global
+    assert len(re.findall(r"cp_async_bulk_tensor_s2g\w*\(\(\(void", src)) == 2 * 4  # in the walk, the last tile; 4 panels
+    wait = src.index("cp_async_bulk_wait_group_async_bulk_wait_group_0();")
+    fence = src.index("fence_proxy_proxy_async_global();")
+    first_reread = src.index("= *(half4*)(Out_ptr")
+    assert wait < fence < first_reread
+    memory = [ln.split()[1] if ln.split()[0].startswith("@") else ln.split()[0]
+              for ln in (line.split(";")[0].split("*/")[-1].strip() for line in k.sass().splitlines())
+              if re.match(r"(@!?U?P\d )?(LDG|STG)", ln)]
+    longest = max(len(run) for run in re.findall(r"(?:LDG\S* )+", " ".join(memory) + " "))
+    assert longest // 4 >= 16, memory[-40:]  # "LDG.E.64 " runs: a tile's re-reads issued together
+    assert k.meta.resources["spill_stores"] == 0

@@ -54,6 +54,8 @@ SOFTMAX_CONFIGS = {
     "default": None,
     "split_n": SoftmaxConfig(64, 256, 64, 3, 256, "full_col"),  # two warpgroups split a 64-row tile's columns
     "cluster_walk": SoftmaxConfig(64, 128, 64, 4, 128, "full_row", split=2),  # 2 blocks a row, each walks N/2
+    # 128x256 tiles walked by pairs: every tile staged and TMA-stored, the last kept in registers
+    "pair_walk": SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=2),
     "cluster_tile": SoftmaxConfig(128, 128, 64, 4, 256, "full_row", split=8),  # up to 8 blocks, one tile each
     # two consumer warpgroups per CTA on alternate row blocks (one column tile per block)
     "pingpong_cluster": SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=4, pingpong=True),
@@ -121,6 +123,24 @@ def test_gemm_softmax_pingpong_walks_many_tiles(M):
     a = torch.randn(M, K, dtype=torch.float16, device="cuda")
     b = torch.randn(K, N, dtype=torch.float16, device="cuda")
     b[:, 512:] *= 3
+    out = poisoned(kernel)
+    kernel.launch(a, b, out)
+    ref = torch.softmax(0.125 * (a.double() @ b.double()), dim=-1)
+    assert rel_err(out, ref) < TOL["float16"]
+
+
+@pytest.mark.skipif(not HOPPER, reason="thread-block clusters: sm_90a")
+@pytest.mark.parametrize("M,N", [(16384, 2048), (9000, 1800)])
+def test_gemm_softmax_persistent_walk(M, N):
+    """More row blocks than resident pairs (128 or 71 on ~66): each pair walks several row blocks, each
+    of four column tiles, so the staged tile, the per-tile maxima and the exchange are reused across
+    row blocks; a ragged N leaves the last tile partly masked."""
+    K = 128
+    cfg = SOFTMAX_CONFIGS["pair_walk"]
+    kernel = gemm_softmax(M, N, K, 0.125, "float16", "float16", cfg, target="sm_90a")
+    a = torch.randn(M, K, dtype=torch.float16, device="cuda")
+    b = torch.randn(K, N, dtype=torch.float16, device="cuda")
+    b[:, : N // 3] *= 3  # the row max in the first tiles: the earlier tiles' factors differ from 1
     out = poisoned(kernel)
     kernel.launch(a, b, out)
     ref = torch.softmax(0.125 * (a.double() @ b.double()), dim=-1)

@@ -330,12 +330,16 @@ class Lowerer:
         shared_before = False
         with ExitStack() as rest:  # stream-K: what follows the main loop, for the units that run it
             for node in nodes:
+                if self._reads_block_writes(node):  # global memory this block wrote, read back
+                    self.sync_global_writes()
+                    shared_before = False  # that ends with a consumer barrier
                 touches = self._touches_shared(node)
                 if shared_before and touches:
                     self.sync()
                 shared_before = shared_before or touches
                 try:
                     self.stmt(node, var_map or {})
+                    self.written |= set(self._global_writes(node))
                 except TileLangError as e:
                     if getattr(e, "located", False):
                         raise
@@ -344,6 +348,7 @@ class Lowerer:
                     self.hopper.stream_k_fixup(rest)
 
     def sync(self):
+        self.written = frozenset()  # bar.sync orders the threads' generic global writes before what follows
         if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads
             emit_ptx("fence.proxy.async.shared::cta")
         if self.ws and self.ws.stores:  # what follows the barrier may rewrite a tile TMA is still storing
@@ -370,6 +375,41 @@ class Lowerer:
         if isinstance(node, Fill):
             return node.buffer.scope == "shared"
         return False
+
+    # global tensors the block wrote since its last barrier (generic stores), and since the last wait for
+    # its TMA stores' writes: another thread re-reading them needs the barrier (and the wait) first
+    written = frozenset()
+    tma_written = frozenset()
+
+    def _is_tma_store(self, node) -> bool:
+        return bool(self.ws) and any(node is c for c in self.ws.stores)
+
+    def _global_writes(self, node) -> list:
+        """Global tensors ``node`` writes with generic stores (TMA stores are tracked by ``copy``)."""
+        nodes = [node] + list(walk(node.body)) if isinstance(node, (For, Parallel)) else [node]
+        out = [n.dst.buffer for n in nodes if isinstance(n, Copy) and not self._is_tma_store(n)]
+        out += [n.buffer for n in nodes if isinstance(n, Store)]
+        return [b for b in out if b.scope == "global"]
+
+    def _reads_block_writes(self, node) -> bool:
+        """Whether ``node`` reads a global tensor this block wrote since the last barrier: every thread
+        reads back what it wrote itself only when the two accesses share a thread mapping, which the
+        compiler does not assume (a tile op's own read-modify-write of an element is one thread's)."""
+        pending = self.written | self.tma_written
+        if not pending:
+            return False
+        nodes = [node] + list(walk(node.body)) if isinstance(node, (For, Parallel)) else [node]
+        reads = [n.src.buffer for n in nodes if isinstance(n, Copy)]
+        reads += [self.buffers.get(v) for n in nodes if isinstance(n, Store) for v, _ in collect_loads(n.value)]
+        return any(r is b for r in reads for b in pending)
+
+    def sync_global_writes(self):
+        """A consumer barrier after which the block's global writes are visible to all its threads; with
+        TMA stores pending, their issuer first waits for their writes (not only their shared reads)."""
+        if self.tma_written:
+            self.hopper.wait_stores_written()
+        else:
+            self.sync()
 
     def stmt(self, node, vm):
         if isinstance(node, For):
@@ -400,14 +440,29 @@ class Lowerer:
         if node.kind == "pipelined" and node.num_stages > 1 and any(
                 self._is_async_copy(s) for s in node.body):
             return self.pipelined(node, vm, extent)
+        # an iteration's reads come after the previous one's writes
+        self.written |= set(self._global_writes(node))
+        self.tma_written |= {n.dst.buffer for n in walk(node.body) if self._is_tma_store(n)}
         frame = T.unroll(0, extent) if node.kind == "unroll" else T.serial(0, extent)
         with frame as v:
             IRBuilder.name(node.var.name, v)
             inner = dict(vm)
             inner[node.var] = v
             self.body(node.body, inner)
-            if node.kind == "pipelined" and any(self._touches_shared(s) for s in node.body):
+            if self._races_next_iteration(node):
                 self.sync()
+
+    def _races_next_iteration(self, node: For) -> bool:
+        """Whether an iteration's shared accesses can race the next one's, so the loop needs a barrier at
+        its back edge: a (cp.async-less) pipelined loop touching shared memory, or a serial loop with two
+        or more tile ops on shared memory, unless its first is a warp-specialized main loop whose
+        mbarriers already order it after the previous iteration's readers."""
+        touching = [s for s in node.body if self._touches_shared(s)]
+        if node.kind == "pipelined":
+            return bool(touching)
+        if len(touching) < 2:
+            return False
+        return not (self.ws and touching[0] is self.ws.loop and self.ws.deferred_wait)
 
     # ------------------------------------------------------------------ pipelining
 
@@ -457,7 +512,8 @@ class Lowerer:
     # ------------------------------------------------------------------ copies
 
     def copy(self, node: Copy, vm, stage=None, asynchronous=False):
-        if self.ws and any(node is c for c in self.ws.stores):
+        if self._is_tma_store(node):
+            self.tma_written |= {node.dst.buffer}
             return self.hopper.tma_store(node, vm)
         src, dst = node.src, node.dst
         s_scope, d_scope = src.buffer.scope, dst.buffer.scope
@@ -522,7 +578,7 @@ class Lowerer:
             total *= e
         chunks = total // vec
         iters = -(-chunks // self.threads)
-        with T.unroll(0, iters) if iters <= 16 else T.serial(0, iters) as it:
+        with T.unroll(0, iters) if iters <= 32 else T.serial(0, iters) as it:
             q = it * self.threads + self.tid
             idx, flat = [], q * vec
             for e in reversed(extents):

@@ -530,6 +530,17 @@ class Hopper:
             with T.Then():
                 emit_ptx("cp.async.bulk.wait_group.read", 0)
 
+    def wait_stores_written(self):
+        """Before the consumers read global memory that this block's TMA stores wrote: the issuer waits
+        until the stores are complete (not only read from shared memory), a consumer barrier, and each
+        reader orders the async proxy's writes before its own reads."""
+        with T.If(self.lw.tid == 0):
+            with T.Then():
+                emit_ptx("cp.async.bulk.wait_group", 0)
+        self.lw.sync()
+        emit_ptx("fence.proxy.async.global")
+        self.lw.tma_written = frozenset()
+
     def consumer_loop(self, node: For, vm, n):
         """The main loop; pingpong warpgroups take it in turns, tile by tile: a warpgroup waits on the
         stages' parities only once the other has waited on every earlier step (the barriers are then at
