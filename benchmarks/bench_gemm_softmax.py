@@ -48,6 +48,9 @@ EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper o
     SoftmaxConfig(64, 128, 64, 4, 128, "full_row", 8),
     # stream-K: the last round's row blocks split along K over the idle clusters (64 on 15: 4 in 3 parts)
     *[SoftmaxConfig(128, 256, 64, 3, 256, "full_row", 8, stream_k=parts) for parts in (2, 3)],
+    # a row's tiles over the whole grid (no cluster: all 132 SMs), statistics exchanged through global memory
+    SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True),
+    *[SoftmaxConfig(128, 128, 64, stages, 256, "full_row", deferred=True) for stages in (4, 5)],
 ]
 
 
@@ -55,7 +58,7 @@ def config_name(c):
     return f"{c.block_M}x{c.block_N}x{c.block_K}/s{c.num_stages}/t{c.threads}" + (
         f"/{c.policy}" if c.policy != "square" else "") + (f"/cluster{c.split}" if c.split > 1 else "") + (
         "" if c.persistent else "/nonpersistent") + ("/pingpong" if c.pingpong else "") + (
-        f"/sk{c.stream_k}" if c.stream_k else "")
+        f"/sk{c.stream_k}" if c.stream_k else "") + ("/deferred" if c.deferred else "")
 
 
 def build(shape, configs):

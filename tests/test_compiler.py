@@ -430,10 +430,9 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
     """8192x2048 rows split over clusters of 8 blocks with one 128x256 tile each: __cluster_dims__, a
     persistent grid of 16 whole clusters (128 SMs), the row max and sum exchanged through the peers'
     shared memory on mbarriers (the producer runs ahead into the next tile), the output stored once by TMA."""
-    from tile_ops.kernels.gemm_softmax import default_config
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
 
-    cfg = default_config(8192, 2048, 1024, "sm_90a")
-    assert (cfg.block_M, cfg.block_N, cfg.split) == (128, 256, 8)
+    cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8)  # (the default is deferred=True since v10)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert "__cluster_dims__(8, 1, 1)" in k.source and "mapa.shared::cluster" in k.source
     assert k.meta.grid == (128, 1, 1) and k.meta.resources["spill_stores"] == 0
@@ -548,14 +547,22 @@ def test_cluster_softmax_merge_is_one_exchange_of_pairs():
     assert mix["STAS"] == 2 * 4 and mix["UCGABAR_ARV"] == 1 and k.meta.resources["spill_stores"] == 0, mix
 
 
+def _row_split_over_a_cluster(N):
+    """128x256 tiles, a row split over the widest cluster (the default before deferred stores, v10)."""
+    from dataclasses import replace
+
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig, _widest_split
+
+    tiles = SoftmaxConfig(128, 256, 64, 3, 256, "full_row")
+    return replace(tiles, split=_widest_split(N, tiles))
+
+
 @needs_nvcc
 @pytest.mark.parametrize("N, split", [(640, 3), (2304, 5), (3072, 6)])
 def test_persistent_clustered_grid_is_whole_clusters(N, split):
     """Rows of 3, 5 or 6 tiles split over clusters of that size: the persistent grid (before the
     launcher asks the driver) is a multiple of the cluster, so a cluster's blocks walk the same tiles."""
-    from tile_ops.kernels.gemm_softmax import default_config
-
-    cfg = default_config(8192, N, 1024, "sm_90a")
+    cfg = _row_split_over_a_cluster(N)
     assert cfg.split == split
     k = gemm_softmax(8192, N, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert k.meta.persistent_tiles == 64 * split and k.meta.grid[0] % split == 0 and k.meta.grid[0] <= 132
@@ -736,9 +743,7 @@ def test_pingpong_errors_say_what_is_accepted():
 def test_ragged_softmax_walk_does_not_spill(N):
     """Rows split over 5 blocks that each walk two 256-wide tiles, the last block's second tile partly or
     wholly past N: the column mask must not cost spills."""
-    from tile_ops.kernels.gemm_softmax import default_config
-
-    cfg = default_config(8192, N, 1024, "sm_90a")
+    cfg = _row_split_over_a_cluster(N)
     k = gemm_softmax(8192, N, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
     assert cfg.split == 5 and k.meta.resources["spill_stores"] == 0, k.meta.resources
 
@@ -806,3 +811,58 @@ def test_softmax_walk_stages_every_tile_and_rescales_after_the_stores_landed():
     longest = max(len(run) for run in re.findall(r"(?:LDG\S* )+", " ".join(memory) + " "))
     assert longest // 4 >= 16, memory[-40:]  # "LDG.E.64 " runs: a tile's re-reads issued together
     assert k.meta.resources["spill_stores"] == 0
+
+
+# ----------------------------------------------------------------------------- T.row_softmax_store
+
+
+def test_row_softmax_store_exchanges_statistics_off_the_consumers_path():
+    """A row's 128x256 tiles over the whole grid (8 per row block, 132 persistent CTAs): the consumers
+    publish each tile's (max, sum) to the workspace and arrive on a barrier; the producer warpgroup's
+    second warp signals them (GPU-scope fence and count on the row block's flag), waits for the row's
+    other tiles, computes the row factors into shared memory, counts itself a reader (the last resets
+    the flag); the consumers store the previous tile right after the next main loop, before its softmax."""
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True)
+    k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    src = k.source
+    assert k.meta.workspace_fixed_floats == 8 * 64 * 128 * 2 and k.meta.persistent_tiles == 512
+    assert k.meta.resources["spill_stores"] == 0 and k.meta.grid == (132, 1, 1)
+    start = src.index("(((int)threadIdx.x) >> 5) == 9)")
+    helper = src[start:src.index("setmaxnreg_inc", start)]
+    for call in ("tile_ops_stream_k_signal(", "tile_ops_row_stats_wait(", "tile_ops_row_factor(",
+                 "tile_ops_row_stats_read("):
+        assert call in helper, call
+    consumer = src[src.index("pending_tile_ptr[0] = 0;"):]
+    main_loop_end = consumer.index("wait_group_sync_aligned_0();")
+    factors_wait = consumer.index("tvm_builtin_cuda_mbarrier_wait", main_loop_end)
+    store = consumer.index("s2g", factors_wait)
+    first_exp = consumer.index("tile_ops_exp2(")
+    publish = consumer.index("tile_ops_workspace_ptr[", first_exp)
+    assert main_loop_end < factors_wait < store < first_exp < publish
+
+
+def test_row_softmax_store_errors_say_what_is_accepted():
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True)
+    with pytest.raises(ValueError, match="N and K multiples of 8"):
+        gemm_softmax(1000, 1100, 200, 0.125, "float16", "float16", cfg, target="sm_90a")
+    with pytest.raises(ValueError, match="deferred: one tile per block over the whole grid"):
+        SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=2, deferred=True)
+    with pytest.raises(tile_ops.lang.TileLangError, match="warp-specialized sm_90a path"):
+        gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, target="sm_80")
+
+    def clustered():
+        @T.prim_func
+        def bad(X: T.Tensor((128, 512), "float16"), Y: T.Tensor((128, 512), "float16")):
+            with T.Kernel(2, 1, threads=128, cluster=2) as (bx, by):
+                S = T.alloc_fragment((64, 256), "float32")
+                m = T.alloc_fragment((64,), "float32")
+                P_s = T.alloc_shared((64, 256), "float16")
+                T.row_softmax_store(S, m, m, P_s, Y[0, bx * 256])
+        return bad
+
+    with pytest.raises(tile_ops.lang.TileLangError, match="without cluster"):
+        compile_program(clustered(), "sm_90a")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tvm
 
 from ..lang import ir
-from ..lang.ir import Copy, For, Gemm, Parallel, Reduce, Store, error
+from ..lang.ir import Copy, For, Gemm, Parallel, Reduce, RowSoftmaxStore, Store, error
 from .exprs import collect_loads
 from .layout import BlockedLayout, MmaAccumLayout, MmaWarps, SharedLayout
 
@@ -14,7 +14,7 @@ from .layout import BlockedLayout, MmaAccumLayout, MmaWarps, SharedLayout
 def walk(body):
     for node in body:
         yield node
-        if isinstance(node, (For, Parallel)):
+        if isinstance(node, (For, Parallel, RowSoftmaxStore)):
             yield from walk(node.body)
 
 

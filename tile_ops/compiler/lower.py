@@ -22,7 +22,8 @@ from tvm.tirx.script import builder as T
 
 from ..jit.kernel import FLAG_SLOTS, WORKSPACE
 from ..lang import ir
-from ..lang.ir import ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, Store, TileLangError, error
+from ..lang.ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, RowSoftmaxStore, Store, TileLangError,
+                      error)
 from .exprs import collect_loads, rewrite, uses
 from .infer import LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
@@ -49,6 +50,7 @@ class LoweredKernel:
     cluster_dims: tuple = (1, 1, 1)  # __cluster_dims__: (cx, cy, 1), or (blocks, 1, 1) over a persistent 1-D grid
     persistent_tiles: int = 0  # > 0: CTAs loop over at most this many units (tiles) with a stride of gridDim.x
     workspace_floats: int = 0  # > 0 (stream-K): per-CTA fp32 partials of the launcher's workspace (stream_k.py)
+    workspace_fixed_floats: int = 0  # > 0 (T.row_softmax_store): the row statistics, after the flags
 
 
 class MemoryPlan(NamedTuple):
@@ -104,9 +106,12 @@ class Lowerer:
                 for p in self.prog.params:
                     self.globals[p] = T.arg(p.name, T.Buffer(p.shape, p.dtype))
                 sk = self.hopper.stream_k if self.hopper else None
-                if sk:  # nominal extent (the launcher sizes it to the device's grid): slots, then flags
+                fixed = self.hopper.row_stats_floats() if self.hopper else 0
+                if sk:  # nominal extent (the launcher sizes it to the device's grid): flags, then slots
                     self.workspace = T.arg(WORKSPACE, T.Buffer(
                         (FLAG_SLOTS + self.hopper.resident_ctas() * sk.floats_per_cta(),), "float32"))
+                elif fixed:  # flags, then the row statistics of every tile
+                    self.workspace = T.arg(WORKSPACE, T.Buffer((FLAG_SLOTS + fixed,), "float32"))
                 if self.ws:
                     self.hopper.declare_tensormaps()
                 T.device_entry()
@@ -140,7 +145,7 @@ class Lowerer:
             self.hopper.ctas_per_sm if self.hopper else 1, self.cluster,
             (self.cluster, 1, 1) if self.hopper and self.hopper.persistent else (*self.cluster_dims, 1),
             self.hopper.work_units() if self.hopper and self.hopper.persistent else 0,
-            sk.floats_per_cta() if sk else 0,
+            sk.floats_per_cta() if sk else 0, fixed,
         )
 
     def _describe(self, b) -> str:
@@ -346,6 +351,8 @@ class Lowerer:
                     raise error(node.loc, str(e)) from None
                 if self.ws and node is self.ws.loop and self.hopper.unit:
                     self.hopper.stream_k_fixup(rest)
+                if self.ws and node is self.ws.loop and self.hopper.row_softmax is not None:
+                    self.hopper.store_pending()  # TMA reads the staged tile while the tile's softmax runs
 
     def sync(self):
         self.written = frozenset()  # bar.sync orders the threads' generic global writes before what follows
@@ -362,7 +369,7 @@ class Lowerer:
     def _touches_shared(self, node) -> bool:
         if isinstance(node, Copy):
             return "shared" in (node.src.buffer.scope, node.dst.buffer.scope)
-        if isinstance(node, Gemm):
+        if isinstance(node, (Gemm, RowSoftmaxStore)):
             return True
         if isinstance(node, Reduce):
             lay = self.infer.layouts.get(node.src)
@@ -426,6 +433,11 @@ class Lowerer:
             self.reduce(node)
         elif isinstance(node, ClusterReduce):
             self.hopper.cluster_allreduce(node)
+        elif isinstance(node, RowSoftmaxStore):
+            if not self.ws:  # (on sm_90a, Hopper refuses it while planning)
+                raise error(node.loc, "T.row_softmax_store needs the warp-specialized sm_90a path (TMA loads, "
+                                      "wgmma, a producer warpgroup); this kernel is compiled without it")
+            self.hopper.row_softmax_store(node, vm)
         elif isinstance(node, Store):
             if node.buffer.scope == "fragment":
                 raise error(node.loc, f"fragment {node.buffer.name} can only be written inside T.Parallel or by tile ops")

@@ -24,11 +24,13 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..lang import MAX_CLUSTER
-from ..lang.ir import Copy, For, Gemm, error
+from ..jit.kernel import FLAG_SLOTS
+from ..lang.ir import Copy, For, Gemm, RowSoftmaxStore, error
 from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
 from .stream_k import Registers, StreamK, accumulators, plan, unit
+from .stream_k import _call as _flag_call
 
 PRODUCER_THREADS = 128
 SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
@@ -74,6 +76,9 @@ class Hopper:
         if lw.kernel.stream_k and self.ws:
             self.stream_k = StreamK(lw, accumulators(lw.kernel, self.ws.loop), lw.kernel.stream_k)
             self.steps_per_tile = self._constant_steps(f"stream_k={lw.kernel.stream_k}")
+        self.row_softmax = next((n for n in walk(lw.kernel.body) if isinstance(n, RowSoftmaxStore)), None)
+        if self.row_softmax is not None:
+            self._check_row_softmax()
 
     # ------------------------------------------------------------------ planning
 
@@ -225,10 +230,23 @@ class Hopper:
     def _pipeline_barriers(self) -> int:
         return 2 * self.ws.stages if self.ws else 0
 
+    def _exchange_barriers(self) -> int:
+        return 2 * len(self.lw.cluster_reduces) * self.lw.consumers
+
     def barrier_bytes(self) -> int:
         """The pipeline's full/empty mbarriers, then two per T.cluster_allreduce (one per tile parity) and
-        consumer warpgroup."""
-        return 8 * (self._pipeline_barriers() + 2 * len(self.lw.cluster_reduces) * self.lw.consumers)
+        consumer warpgroup; with T.row_softmax_store, two "published" and two "factors ready" (by tile
+        parity)."""
+        rows = 4 if self.row_softmax is not None else 0
+        return 8 * (self._pipeline_barriers() + self._exchange_barriers() + rows)
+
+    def published(self, slot):
+        """The consumers have stored the row statistics of their tile of this parity."""
+        return self.bars.ptr_to([self._pipeline_barriers() + self._exchange_barriers() + slot])
+
+    def factors_ready(self, slot):
+        """The row-statistics warp has written the row factors of the tile of this parity."""
+        return self.bars.ptr_to([self._pipeline_barriers() + self._exchange_barriers() + 2 + slot])
 
     def bind_barriers(self, arena, offset: int):
         if self.barrier_bytes():
@@ -306,6 +324,10 @@ class Hopper:
                     for consumer in range(lw.consumers):
                         for parity in (0, 1):
                             emit_ptx("mbarrier.init.shared::cta.b64", self.exchanged(i, parity, consumer), 1)
+                if self.row_softmax is not None:
+                    for slot in (0, 1):  # every consumer thread; every lane of the statistics warp
+                        emit_ptx("mbarrier.init.shared::cta.b64", self.published(slot), lw.threads)
+                        emit_ptx("mbarrier.init.shared::cta.b64", self.factors_ready(slot), 32)
                 emit_ptx("fence.mbarrier_init.release.cluster")
         T.evaluate(TS.cuda.cta_sync())
         if lw.cluster > 1:
@@ -326,7 +348,8 @@ class Hopper:
         consumers store this one's results, which hides the epilogue and the pipeline fill.  The grid
         returned is the H200's; the launcher sizes it to the device it runs on (Kernel.grid_on)."""
         total = math.prod(grid)
-        walks = self.lw.consumers > 1 or self.stream_k  # always walk tiles (units)
+        # always walk tiles (units); a row's tiles must all be resident (T.row_softmax_store)
+        walks = self.lw.consumers > 1 or self.stream_k or self.row_softmax is not None
         if not self.ws or not self.lw.kernel.persistent or (total <= self.resident_ctas() and not walks):
             self.persistent = None
             return grid
@@ -416,6 +439,10 @@ class Hopper:
                             self.producer_nest(self.ws.outer, {}, cnt)
                         if ws.multicast:
                             self.producer_tail(cnt)
+                if self.row_softmax is not None:  # the producer warpgroup's second warp
+                    with T.If(tirx.floordiv(lw.tid, 32) == consumers // 32 + 1):
+                        with T.Then():
+                            self.row_statistics_warp(cta)
             with T.Else():
                 if regs:
                     emit_ptx("setmaxnreg.inc.sync.aligned.u32", regs)
@@ -431,6 +458,10 @@ class Hopper:
                 if lw.consumers > 1:  # the program sees its own warpgroup's thread index
                     lw.tid = tirx.floormod(lw.tid, lw.threads)
                     T.buffer_store(self.consumer_steps, lw.consumer * self.steps_per_tile, [0])
+                if self.row_softmax is not None:
+                    self.pending = T.alloc_local([3], "int32")  # a staged tile to store, and its block (x, y)
+                    IRBuilder.name("pending_tile", self.pending)
+                    T.buffer_store(self.pending, 0, [0])
                 with self.tiles(cta, lw.consumer if lw.consumers > 1 else None):
                     lw.body(body)
                     if self.persistent and guard_tile_start:
@@ -438,6 +469,10 @@ class Hopper:
                     if lw.consumers > 1:  # the other warpgroup's tile takes the next steps
                         cnt = self.consumer_steps
                         T.buffer_store(cnt, cnt[0] + (lw.consumers - 1) * self.steps_per_tile, [0])
+                if self.row_softmax is not None:  # the block's last tile
+                    with T.If(self.pending[0] == 1):
+                        with T.Then():
+                            self._store_pending(self.row_softmax, self.cta_tiles - 1)
                 if ws.stores:  # the block's shared memory must outlive TMA's reads of the last tile
                     self.wait_stores_read()
 
@@ -677,6 +712,108 @@ class Hopper:
         for i in range(uses):
             T.buffer_store(self.exchanges, 0, [i])
 
+    # ------------------------------------------------------------------ T.row_softmax_store
+
+    def _check_row_softmax(self):
+        node, k = self.row_softmax, self.lw.kernel
+        if not self.ws:
+            raise error(node.loc, "T.row_softmax_store needs the warp-specialized sm_90a path: one T.Pipelined "
+                                  "main loop of TMA loads and wgmma gemms")
+        if node.store not in self.ws.stores:
+            raise error(node.loc, "T.row_softmax_store: its destination must be a tile of a global tensor that "
+                                  "TMA can store (16-byte aligned rows)")
+        lay = self.lw.infer.layouts[node.row_max]
+        if self.lw.infer.layouts[node.row_sum] != lay or not hasattr(lay, "owner"):
+            raise error(node.loc, "T.row_softmax_store: row_max and row_sum must be row reductions of the tile")
+        if 2 * k.grid[1] > FLAG_SLOTS:
+            raise error(node.loc, f"T.row_softmax_store: {k.grid[1]} row blocks; at most {FLAG_SLOTS // 2}")
+
+    def row_stats_floats(self) -> int:
+        """The row statistics in the workspace (after its flags): (max, sum) of every row of every tile."""
+        if self.row_softmax is None:
+            return 0
+        gx, gy = self.lw.kernel.grid[:2]
+        return gx * gy * self.row_softmax.tile.shape[0] * 2
+
+    def _stats_index(self, bx, by, row):
+        gx, bM = self.lw.kernel.grid[0], self.row_softmax.tile.shape[0]
+        return FLAG_SLOTS + ((by * gx + bx) * bM + row) * 2
+
+    def store_pending(self):
+        """Right after a tile's main loop: store the block's previous tile (its factors were computed
+        during this main loop), so that TMA reads it while the consumers compute this tile's softmax."""
+        with T.If(self.pending[0] == 1):
+            with T.Then():
+                self._store_pending(self.row_softmax, self.tile_ordinal - 1)
+
+    def row_softmax_store(self, node, vm):
+        """Tile t of the block: publish its rows' (max, sum) to the workspace (the statistics warp signals
+        them, off the consumers' path) and stage the tile in place of the previous one, which
+        ``store_pending`` stored after the main loop."""
+        lw = self.lw
+        bx, by = (lw.expr(v) for v in lw.kernel.block_vars[:2])
+        lay, m, l = lw.infer.layouts[node.row_max], lw.frags[node.row_max], lw.frags[node.row_sum]
+        owner = lay.owner(lw.tid)
+        with T.If(owner if owner is not None else tirx.const(True, "bool")):
+            with T.Then():
+                for r in range(lay.local_size):
+                    at = self._stats_index(bx, by, lay.coords(lw.tid, r)[0])
+                    T.buffer_store(lw.workspace, m[r], [at])
+                    T.buffer_store(lw.workspace, l[r], [at + 1])
+        emit_ptx("mbarrier.arrive.shared::cta.b64", self.published(tirx.floormod(self.tile_ordinal, 2)))
+        lw.sync()  # TMA has read the staged tile (wait_stores_read): it can be rewritten
+        lw.copy(node.stage, vm)
+        for i, v in enumerate((1, bx, by)):
+            T.buffer_store(self.pending, v, [i])
+
+    def _store_pending(self, node, ordinal):
+        """The staged tile of the block's tile ``ordinal`` times its row factors, stored by TMA."""
+        lw = self.lw
+        slot = tirx.floormod(ordinal, 2)
+        # the tile was staged in the accumulator's thread mapping, before a main loop that has no consumer
+        # barrier; the rescale reads it row-major (compute-sanitizer racecheck found this one missing)
+        lw.sync()
+        T.evaluate(TS.cuda.mbarrier_wait(self.factors_ready(slot), tirx.floormod(tirx.floordiv(ordinal, 2), 2)))
+        lw.parallel(node.rescale, {node.slot: slot})
+        lw.sync()  # the rescaled tile, complete and fenced for TMA
+        bx, by = lw.kernel.block_vars[:2]
+        lw.copy(node.store, {bx: self.pending[1], by: self.pending[2]})
+
+    def row_statistics_warp(self, cta):
+        """Per tile of the block, once its consumers have published the tile's row statistics: make them
+        visible at GPU scope and count them on the row block's flag; wait until every tile of the row
+        block has; compute each row's factor 2^(own max - max) / sum into the staged tile's slot; count
+        this reader, the last of the row block's resetting the flag for the next launch."""
+        lw, node = self.lw, self.row_softmax
+        gx, gy = lw.kernel.grid[:2]
+        bM = node.tile.shape[0]
+        lane = tirx.floormod(lw.tid, 32)
+        flags = T.address_of(lw.workspace[0])
+        with self.tiles(cta):
+            bx, by = (lw.expr(v) for v in lw.kernel.block_vars[:2])
+            o = self.tile_ordinal
+            slot = tirx.floormod(o, 2)
+            T.evaluate(TS.cuda.mbarrier_wait(self.published(slot), tirx.floormod(tirx.floordiv(o, 2), 2)))
+            with T.If(lane == 0):
+                with T.Then():
+                    T.evaluate(_flag_call("tile_ops_stream_k_signal", flags, by))  # fence, count
+            T.evaluate(_call("tile_ops_row_stats_wait", flags, by, gx))
+            for q in range(-(-bM // 32)):
+                row = lane + 32 * q
+                factor = _call("tile_ops_row_factor", flags, self._stats_index(0, by, row), bM * 2, gx, bx,
+                               return_type="float32")
+                if bM % 32:
+                    with T.If(row < bM):
+                        with T.Then():
+                            lw.store(node.factors, [slot, row], factor)
+                else:
+                    lw.store(node.factors, [slot, row], factor)
+            # every lane releases its own factors (racecheck does not follow a warp sync into one arrive)
+            emit_ptx("mbarrier.arrive.shared::cta.b64", self.factors_ready(slot))
+            with T.If(lane == 0):
+                with T.Then():
+                    T.evaluate(_call("tile_ops_row_stats_read", flags, by, gy + by, gx))
+
     # ------------------------------------------------------------------ wgmma
 
     def gemm(self, g: Gemm):
@@ -796,6 +933,45 @@ __forceinline__ __device__ void tile_ops_cluster_put(float* p, uint64_t* bar, un
 """,
     # a stage's release orders only this warp's reads of it (done: the wgmma wait), so the arrive is
     # relaxed to CTA scope (a cluster-scope release costs a fence each)
+    # every lane spins until all `count` tiles of the row block have counted their statistics
+    "tile_ops_row_stats_wait": """
+__forceinline__ __device__ void tile_ops_row_stats_wait(float* flags, int flag, int count) {
+  int* f = reinterpret_cast<int*>(flags) + flag;
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(f) : "memory");
+  } while (seen < count);
+}
+""",
+    # one row's factor 2^(m_own - max) / sum over the n tiles' (max, sum) pairs, `stride` floats apart, in
+    # one pass (online max and sum); a tile without values (-inf) adds nothing
+    "tile_ops_row_factor": """
+__forceinline__ __device__ float tile_ops_row_factor(float* ws, int at, int stride, int n, int own) {
+  float top = -INFINITY, own_max = -INFINITY, sum = 0.0f;
+  #pragma unroll 8
+  for (int j = 0; j < n; ++j) {  // L2 loads (.cg: no stale L1 line), after the flag's acquire
+    float2 s = __ldcg(reinterpret_cast<const float2*>(ws + at + j * stride));
+    float next = fmaxf(top, s.x);
+    sum = (next == -INFINITY ? 0.0f : sum * exp2f(top - next)) + (s.x == -INFINITY ? 0.0f : s.y * exp2f(s.x - next));
+    top = next;
+    own_max = j == own ? s.x : own_max;
+  }
+  return own_max == -INFINITY ? 0.0f : exp2f(own_max - top) / sum;
+}
+""",
+    # this reader is done with the row block's statistics; the last of its `count` readers resets the
+    # flag and the count for the next launch (kernel boundaries order those stores before its reads)
+    "tile_ops_row_stats_read": """
+__forceinline__ __device__ void tile_ops_row_stats_read(float* flags, int flag, int done, int count) {
+  int* f = reinterpret_cast<int*>(flags);
+  int before;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(f + done) : "memory");
+  if (before == count - 1) {
+    asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" :: "l"(f + flag) : "memory");
+    asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" :: "l"(f + done) : "memory");
+  }
+}
+""",
     "tile_ops_cluster_release": """
 __forceinline__ __device__ void tile_ops_cluster_release(uint64_t* bar, unsigned peer) {
   unsigned a = (unsigned)__cvta_generic_to_shared(bar), r;

@@ -33,6 +33,12 @@ class KernelMeta:
     persistent_tiles: int = 0
     # stream-K (> 0): fp32 partials per CTA in the workspace the launcher passes as WORKSPACE (see workspace())
     workspace_floats: int = 0
+    # T.row_softmax_store (> 0): the row statistics of every tile, after the flags
+    workspace_fixed_floats: int = 0
+
+    @property
+    def needs_workspace(self) -> bool:
+        return bool(self.workspace_floats or self.workspace_fixed_floats)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -249,7 +255,7 @@ class Kernel:
         launch, handle = fn.bind(index)
         build, stream = self._entry_args.build, _current_stream_getter()
         grid, block, smem, name = self.grid_on(index), m.block, fn.smem_bytes, fn.name
-        if m.workspace_floats:
+        if m.needs_workspace:
             nbytes = self.workspace_bytes(grid)
 
             def bound(ptrs):
@@ -265,11 +271,12 @@ class Kernel:
         return bound
 
     def workspace_bytes(self, grid) -> int:
-        """A stream-K kernel's workspace for a launch of ``grid``: the flags, then a slot of partials per CTA."""
+        """A kernel's workspace for a launch of ``grid``: the flags, then a slot of partials per CTA (stream-K)
+        or the row statistics of every tile (T.row_softmax_store)."""
         if grid[0] > FLAG_SLOTS:
             raise ValueError(f"{self.meta.name}: a stream-K launch of {grid[0]} CTAs; the workspace has flags for "
                              f"{FLAG_SLOTS}")
-        return (FLAG_SLOTS + grid[0] * self.meta.workspace_floats) * 4
+        return (FLAG_SLOTS + self.meta.workspace_fixed_floats + grid[0] * self.meta.workspace_floats) * 4
 
     def plan(self, device, buffers, scratch=None):
         """This kernel's launch as a plan program for the ops' fast path (csrc/plans.cpp):
@@ -279,7 +286,7 @@ class Kernel:
         single kernel needs none.  A stream-K kernel's plan is its launcher (``launch(a, b, out, c)``
         over the plan buffers a=0, b=1, c=2, out=3): its workspace is per stream."""
         fn, m = self._fn(), self.meta
-        if m.workspace_floats:
+        if m.needs_workspace:
             run = self.launcher(device)
 
             def launch(a, b, out, c):
@@ -319,7 +326,7 @@ class Kernel:
         index = _device_index(device)
         grid = self.grid_on(index)
         ws = None
-        if m.workspace_floats:  # allocated and zeroed on the launch's stream
+        if m.needs_workspace:  # allocated and zeroed on the launch's stream
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
                 ws = workspace(index, stream, self.workspace_bytes(grid))
         self._fn().launch(grid, m.block, self._entry_args.build(ptrs, index, ws.data_ptr() if ws is not None else 0),

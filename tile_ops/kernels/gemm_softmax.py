@@ -27,6 +27,9 @@ from tile_ops.autotune import config_for
 from .gemm import _DT, _kib, _ESIZE, _output_tile_fits, _pow2
 
 LOG2E = 1.4426950408889634
+# the deferred store's exchange takes a few microseconds per tile (NOTES v10): a main loop of 8 K steps
+# of 64 hides it
+DEFERRED_MIN_K = 512
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,16 @@ class SoftmaxConfig:
     persistent: bool = True  # False: a block (cluster) per row block even with more than one wave (sm_90a)
     pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate row blocks
     stream_k: int = 0  # >= 2 (sm_90a, one tile per block): the last wave's row blocks split along K into up to this many parts
+    # sm_90a: a row's tiles spread over the grid without a cluster, every tile stored once its row's
+    # statistics are in, after the block's next tile (T.row_softmax_store): all SMs, GEMM-like waves
+    deferred: bool = False
 
     def __post_init__(self):
         if not 1 <= self.split <= T.MAX_CLUSTER:
             raise ValueError(f"SoftmaxConfig.split={self.split}: must be in [1, {T.MAX_CLUSTER}] (a cluster's blocks)")
+        if self.deferred and (self.split > 1 or self.pingpong or self.stream_k or not self.persistent):
+            raise ValueError("SoftmaxConfig.deferred: one tile per block over the whole grid; it takes no split, "
+                             "pingpong, stream_k or persistent=False")
 
 
 def block_columns(N: int, cfg: SoftmaxConfig) -> int:
@@ -64,12 +73,17 @@ def _widest_split(N: int, cfg: SoftmaxConfig, most: int = T.MAX_CLUSTER) -> int:
 
 
 def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxConfig:
-    """sm_90a: 128x256 tiles, a row split over a cluster of up to 8 blocks (one tile each up to N = 2048,
-    then short walks): bench_gemm_softmax.py --configs on the H200, NOTES.md v5."""
+    """sm_90a: 128x256 tiles; rows of more than one tile spread over the whole grid, their statistics
+    exchanged through global memory (``deferred``: every SM busy, where clusters of 8 fit on 120 of
+    132) when TMA can store them and K is long enough to hide the exchange; otherwise a row split over
+    a cluster of up to 8 blocks (one tile each up to N = 2048, then short walks).  bench_gemm_softmax.py
+    --configs on the H200, NOTES.md v5 and v10."""
     if (arch or default_arch()) == "sm_90a":
         if N <= 64:  # one 64-wide tile per row block, a block per 64 rows
             return SoftmaxConfig(block_M=64, block_N=64, block_K=64, num_stages=4, threads=128)
         tiles = SoftmaxConfig(128, 256, 64, 3, 256, "full_row")
+        if N > tiles.block_N and N % 8 == 0 and K % 8 == 0 and K >= DEFERRED_MIN_K:
+            return replace(tiles, deferred=True)
         return replace(tiles, split=_widest_split(N, tiles))
     return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
 
@@ -100,6 +114,9 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
         # 64-row blocks (finer over the clusters that fit), the two warpgroups splitting the columns
         space += [cfg for cfg in (SoftmaxConfig(64, 256, 64, 4, 256, "full_col", split) for split in (2, 4, 8))
                   if _every_block_has_columns(N, cfg)]
+        if N % 8 == 0 and K % 8 == 0:  # rows over the whole grid, statistics through global memory
+            space += [SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True),
+                      SoftmaxConfig(128, 128, 64, 4, 256, "full_row", deferred=True)]
     return space
 
 
@@ -113,7 +130,9 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
     n_tiles = block_columns(N, cfg) // cfg.block_N
     rows = _kib(cfg.block_M * cfg.block_N * esize)
-    if n_tiles > 1:
+    if cfg.deferred:  # the row factors of two tiles
+        rows += _kib(2 * cfg.block_M * 4)
+    elif n_tiles > 1:
         rows += _kib(n_tiles * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4)
     # (max, sum) slots and their mbarriers, two tile parities
     exchange = 2 * _kib(cfg.split * cfg.block_M * 8) + 16 if cfg.split > 1 else 0
@@ -141,6 +160,9 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     if cfg.stream_k and n_tiles > 1:
         raise ValueError(f"gemm_softmax: stream_k needs one column tile per block (N={N} gives {n_tiles} of "
                          f"{bN} over split={split}): its K parts meet before the tile's softmax")
+    if cfg.deferred and (N % 8 or K % 8):
+        raise ValueError(f"gemm_softmax: deferred=True stores and loads every tile by TMA, which needs 16-byte "
+                         f"rows: N and K multiples of 8, got N={N}, K={K}")
     if cfg.pingpong and n_tiles > 1:
         raise ValueError(f"gemm_softmax: pingpong needs one column tile per block (N={N} gives {n_tiles} of "
                          f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")
@@ -164,6 +186,13 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
         for r, col in T.Parallel(bM, bN):
             S[r, col] = S[r, col] * pre + T.if_then_else(col0 + col < N, 0.0, -T.infinity("float32"))
 
+    if cfg.deferred:
+        if not staged:
+            raise ValueError(f"gemm_softmax: deferred=True stages a {cfg.block_M}x{cfg.block_N} {out_dtype} tile "
+                             f"beside the pipeline, which does not fit in shared memory; use fewer stages, "
+                             f"a narrower block_N or a float16/bfloat16 output")
+        return _deferred_kernel(M, N, K, dtype, out_dtype, cfg, scores, post, parts)
+
     @T.prim_func
     def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
         with T.Kernel(split, T.ceildiv(M, bM), threads=cfg.threads, cluster=split,
@@ -183,6 +212,37 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
             else:
                 _walk(A, B, A_s, B_s, S, Out, scores, post, bx * bM, rank * cols, n_tiles, split, parts, out_dtype,
                       staged, N)
+
+    return gemm_softmax_kernel
+
+
+def _deferred_kernel(M, N, K, dtype, out_dtype, cfg: SoftmaxConfig, scores, post: float, parts: str):
+    """One (bM, bN) tile per block over a (column tiles, row blocks) grid; T.row_softmax_store combines
+    the row's statistics across the grid and stores the tile normalized."""
+    bM, bN = cfg.block_M, cfg.block_N
+
+    @T.prim_func
+    def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), threads=cfg.threads) as (bx, by):
+            A_s = T.alloc_shared((bM, cfg.block_K), dtype)
+            B_s = T.alloc_shared((cfg.block_K, bN), dtype)
+            S = T.alloc_fragment((bM, bN), "float32")
+            P_s = T.alloc_shared((bM, bN), out_dtype)
+            scores(A, B, A_s, B_s, S, by * bM, bx * bN)
+            if parts == "gemm":
+                _to_log2_units(S, post)
+            else:
+                m = T.alloc_fragment((bM,), "float32")
+                l = T.alloc_fragment((bM,), "float32")
+                _row_max_log2(S, m, post)
+                for r, col in T.Parallel(bM, bN):
+                    S[r, col] = T.exp2(S[r, col] * post - m[r])
+                T.reduce_sum(S, l, dim=1)
+            if parts == "all":
+                T.row_softmax_store(S, m, l, P_s, Out[by * bM, bx * bN])
+            else:
+                T.copy(S, P_s)
+                T.copy(P_s, Out[by * bM, bx * bN])
 
     return gemm_softmax_kernel
 
@@ -328,7 +388,12 @@ def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
     """The kernel computing out (M, N) = softmax(scale * a (M, K) @ b (K, N), -1)."""
     M, K = a.shape
     N = b.shape[1]
-    cfg = cfg or config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
+    if cfg is None:
+        cfg = config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
+        if cfg.deferred and not _output_tile_fits(shared_memory_bytes(cfg, M, N, K, _DT[a.dtype]), cfg,
+                                                  _DT[a.dtype], _DT[out.dtype]):  # a float32 output
+            cfg = replace(cfg, deferred=False)
+            cfg = replace(cfg, split=_widest_split(N, cfg))
     return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
 
 

@@ -17,7 +17,7 @@ _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Tensor", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
     "ceildiv", "clear", "cluster_allreduce", "cluster_softmax_merge", "copy", "exp", "exp2", "fill", "gemm",
     "if_then_else", "infinity", "log", "log2",
-    "max", "min", "prim_func", "reduce_max", "reduce_sum", "serial", "unroll", "use_swizzle", "sqrt", "abs",
+    "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_softmax_store", "serial", "unroll", "use_swizzle", "sqrt", "abs",
 }
 
 

@@ -230,6 +230,44 @@ def cluster_softmax_merge(row_max, row_sum):
     _cluster_exchange("T.cluster_softmax_merge", "softmax", (row_max, row_sum))
 
 
+def row_softmax_store(tile, row_max, row_sum, staged, dst):
+    """Store ``tile`` (float32 fragment of 2^(s - row_max) per row, ``row_sum`` its row sums) to ``dst``
+    normalized over the whole row, whose tiles are the blocks of the grid's x axis at the same y: the
+    softmax of a row split over many blocks, without a cluster.  Every block publishes its rows' (max,
+    sum); the tile waits in ``staged`` (a shared tile) and is stored once the row's other tiles have
+    published theirs, after the block's next tile: the CTAs walk the tiles in grid order (persistent,
+    without rasterization), so a row's tiles run at the same time.  sm_90a (warp-specialized) only."""
+    t = ir.tracer()
+    k = t.kernel
+    for b, what in ((tile, "tile"), (row_max, "row_max"), (row_sum, "row_sum")):
+        if not isinstance(b, TileBuffer) or b.scope != "fragment" or b.dtype != "float32":
+            raise error(user_loc(), f"T.row_softmax_store: {what} must be a whole float32 fragment")
+    if len(tile.shape) != 2 or row_max.shape != tile.shape[:1] or row_sum.shape != tile.shape[:1]:
+        raise error(user_loc(), f"T.row_softmax_store: row_max and row_sum must have the tile's rows "
+                                f"({tile.shape[0]},), got {row_max.shape} and {row_sum.shape}")
+    if not isinstance(staged, TileBuffer) or staged.scope != "shared" or staged.shape != tile.shape:
+        raise error(user_loc(), f"T.row_softmax_store: staged must be a shared tile of the tile's shape {tile.shape}")
+    if (len(k.grid) != 2 or k.cluster != (1, 1) or k.pingpong or k.stream_k or not k.persistent
+            or k.swizzle_panel):
+        raise error(user_loc(), "T.row_softmax_store needs T.Kernel(column tiles, row blocks, ...) over a 2-D grid, "
+                                "persistent, without cluster, pingpong, stream_k or T.use_swizzle (the CTAs walk "
+                                "the tiles in grid order so that a row's tiles run at the same time)")
+    if len(t.bodies) > 1 or any(isinstance(n, ir.RowSoftmaxStore) for n in k.body):
+        raise error(user_loc(), "T.row_softmax_store: once per tile, at the kernel's top level")
+    bM, bN = tile.shape
+    factors = ir.new_buffer((2, bM), "float32", "shared", name="row_factors")
+    slot = tirx.Var("factor_slot", "int32")
+    node = emit(ir.RowSoftmaxStore(tile, row_max, row_sum, staged, factors, slot))
+    t.bodies.append(node.body)
+    try:
+        copy(tile, staged)
+        for r, c in Parallel(bM, bN):
+            staged[r, c] = staged[r, c] * factors[slot, r]
+        copy(staged, dst)
+    finally:
+        t.bodies.pop()
+
+
 def _cluster_dims(cluster, grid) -> tuple:
     """(cx, cy) of T.Kernel's ``cluster``: an int n is (n, 1); each must divide its grid extent."""
     extents = list(grid[:2]) + [1] * (2 - len(grid[:2]))

@@ -199,6 +199,33 @@ class ClusterReduce(Node):
 
 
 @dataclass
+class RowSoftmaxStore(Node):
+    """``T.row_softmax_store``: the tile of 2^(s - row_max) stored normalized over every tile of its rows,
+    which the grid's x blocks (same y) hold.  ``body`` holds the tile ops the compiler orders around the
+    exchange of row statistics: staging ``tile`` into ``staged``, rescaling ``staged`` by the per-row
+    ``factors[slot, row]`` (two slots, alternating by tile) and storing it to the destination."""
+    tile: TileBuffer
+    row_max: TileBuffer
+    row_sum: TileBuffer
+    staged: TileBuffer
+    factors: TileBuffer
+    slot: tirx.Var
+    body: list = field(default_factory=list)
+
+    @property
+    def stage(self) -> "Copy":
+        return self.body[0]
+
+    @property
+    def rescale(self) -> "Parallel":
+        return self.body[1]
+
+    @property
+    def store(self) -> "Copy":
+        return self.body[2]
+
+
+@dataclass
 class For(Node):
     var: tirx.Var
     extent: Any
