@@ -3,7 +3,7 @@ ragged shapes of each kernel, on both code paths (issue 4 item 6).
 
     python benchmarks/sanitize.py [--out DIR] [--jobs 8] [--tools memcheck racecheck synccheck]
                                   [--timeout 150] [--budget 370] [--only gemm] [--paths sm_90a] [--dry-run]
-                                  [--shapes cluster-walk]
+                                  [--shapes cluster-walk deferred deferred-ragged]
 
 Kernels: ``gemm`` (the library factory, tile_ops.kernels.gemm, with its default config for the shape and
 path; the ragged shapes also take the bias), ``gemm_softmax`` (tile_ops.kernels.gemm_softmax, default
@@ -70,7 +70,9 @@ SHAPES = {
     "matmul20": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
     "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
                      # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles
-                     ("cluster", (256, 2048, 64)), ("cluster-walk", (200, 2312, 72))],
+                     ("cluster", (256, 2048, 64)), ("cluster-walk", (200, 2312, 72)),
+                     # sm_90a T.row_softmax_store: rows over the grid, statistics through the workspace
+                     ("deferred", (512, 1024, 512)), ("deferred-ragged", (300, 776, 520))],
 }
 SCALE = 0.125  # gemm_softmax's scale
 RTOL = 1e-2  # max |out - ref| <= RTOL * max |ref| (fp16 output, fp32 accumulation)
