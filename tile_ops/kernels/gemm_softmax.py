@@ -76,14 +76,17 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxCo
     """sm_90a: 128x256 tiles; rows of more than one tile spread over the whole grid, their statistics
     exchanged through global memory (``deferred``: every SM busy, where clusters of 8 fit on 120 of
     132) when TMA can store them and K is long enough to hide the exchange; otherwise a row split over
-    a cluster of up to 8 blocks (one tile each up to N = 2048, then short walks).  bench_gemm_softmax.py
-    --configs on the H200, NOTES.md v5 and v10."""
+    a cluster of up to 8 blocks (one tile each up to N = 2048, then short walks; from N = 8192 walks of
+    128-wide tiles: 2048x8192x256 64 us against 137).  bench_gemm_softmax.py --configs on the H200, NOTES.md
+    v5, v10."""
     if (arch or default_arch()) == "sm_90a":
         if N <= 64:  # one 64-wide tile per row block, a block per 64 rows
             return SoftmaxConfig(block_M=64, block_N=64, block_K=64, num_stages=4, threads=128)
         tiles = SoftmaxConfig(128, 256, 64, 3, 256, "full_row")
         if N > tiles.block_N and N % 8 == 0 and K % 8 == 0 and K >= DEFERRED_MIN_K:
             return replace(tiles, deferred=True)
+        if N >= 4 * T.MAX_CLUSTER * tiles.block_N:  # long walks: of 128-wide tiles (NOTES v10, measured at N = 8192)
+            tiles = SoftmaxConfig(128, 128, 64, 4, 256, "full_row")
         return replace(tiles, split=_widest_split(N, tiles))
     return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
 
