@@ -841,6 +841,8 @@ def test_row_softmax_store_exchanges_statistics_off_the_consumers_path():
     first_exp = consumer.index("tile_ops_exp2(")
     publish = consumer.index("tile_ops_workspace_ptr[", first_exp)
     assert main_loop_end < factors_wait < store < first_exp < publish
+    # no barrier between the softmax and the publish (it waits for nothing); one before the stage copy
+    assert "bar_sync" not in consumer[first_exp:publish]
 
 
 def test_row_softmax_store_errors_say_what_is_accepted():
@@ -853,6 +855,38 @@ def test_row_softmax_store_errors_say_what_is_accepted():
         SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=2, deferred=True)
     with pytest.raises(tile_ops.lang.TileLangError, match="warp-specialized sm_90a path"):
         gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, target="sm_80")
+    # a CTA holding two tiles of one row would wait on its own later tile: rows of at most 16 tiles
+    with pytest.raises(ValueError, match="at most 16 tiles"):
+        gemm_softmax(1024, 50304, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
+    from tile_ops.kernels.gemm_softmax import config_space, default_config
+
+    assert not default_config(4096, 50304, 1024, "sm_90a").deferred
+    assert all(-(-50304 // c.block_N) <= 16 for c in config_space(4096, 50304, 1024) if c.deferred)
+
+    def nested():  # the previous tile is stored after a tile's one main loop: not inside another loop
+        @T.prim_func
+        def bad(A: T.Tensor((256, 256), "float16"), B: T.Tensor((256, 512), "float16"),
+                Y: T.Tensor((256, 512), "float16")):
+            with T.Kernel(2, 2, threads=256) as (bx, by):
+                A_s = T.alloc_shared((128, 64), "float16")
+                B_s = T.alloc_shared((64, 256), "float16")
+                S = T.alloc_fragment((128, 256), "float32")
+                m = T.alloc_fragment((128,), "float32")
+                l = T.alloc_fragment((128,), "float32")
+                P_s = T.alloc_shared((128, 256), "float16")
+                T.clear(S)
+                for h in T.serial(2):
+                    for k in T.Pipelined(2, num_stages=2):
+                        T.copy(A[by * 128, h * 128 + k * 64], A_s)
+                        T.copy(B[h * 128 + k * 64, bx * 256], B_s)
+                        T.gemm(A_s, B_s, S, policy="full_row")
+                T.reduce_max(S, m, dim=1)
+                T.reduce_sum(S, l, dim=1)
+                T.row_softmax_store(S, m, l, P_s, Y[by * 128, bx * 256])
+        return bad
+
+    with pytest.raises(tile_ops.lang.TileLangError, match="T.Pipelined loop at the kernel's top level"):
+        compile_program(nested(), "sm_90a")
 
     def clustered():
         @T.prim_func

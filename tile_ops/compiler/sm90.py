@@ -33,6 +33,7 @@ from .stream_k import Registers, StreamK, accumulators, plan, unit
 from .stream_k import _call as _flag_call
 
 PRODUCER_THREADS = 128
+MAX_ROW_TILES = 16  # T.row_softmax_store: tiles a row, at most the CTAs of the smallest Hopper grid
 SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
 SM_SHARED_BYTES = 228 * 1024  # per SM, of which each resident CTA reserves 1 KiB
 REGISTERS = 65536  # per SM
@@ -727,6 +728,12 @@ class Hopper:
             raise error(node.loc, "T.row_softmax_store: row_max and row_sum must be row reductions of the tile")
         if 2 * k.grid[1] > FLAG_SLOTS:
             raise error(node.loc, f"T.row_softmax_store: {k.grid[1]} row blocks; at most {FLAG_SLOTS // 2}")
+        if k.grid[0] > MAX_ROW_TILES:  # a CTA holding two tiles of a row would wait for its own later one
+            raise error(node.loc, f"T.row_softmax_store: {k.grid[0]} tiles a row; at most {MAX_ROW_TILES}, so "
+                                  f"that a row's tiles run on distinct CTAs of any Hopper grid (even a "
+                                  f"{MAX_ROW_TILES}-SM MIG slice)")
+        if self.ws.outer:  # the previous tile is stored after the one main loop of a tile
+            raise error(node.loc, "T.row_softmax_store needs the T.Pipelined loop at the kernel's top level")
 
     def row_stats_floats(self) -> int:
         """The row statistics in the workspace (after its flags): (max, sum) of every row of every tile."""
@@ -778,6 +785,7 @@ class Hopper:
         lw.sync()  # the rescaled tile, complete and fenced for TMA
         bx, by = lw.kernel.block_vars[:2]
         lw.copy(node.store, {bx: self.pending[1], by: self.pending[2]})
+        T.buffer_store(self.pending, 0, [0])
 
     def row_statistics_warp(self, cta):
         """Per tile of the block, once its consumers have published the tile's row statistics: make them
@@ -810,6 +818,7 @@ class Hopper:
                     lw.store(node.factors, [slot, row], factor)
             # every lane releases its own factors (racecheck does not follow a warp sync into one arrive)
             emit_ptx("mbarrier.arrive.shared::cta.b64", self.factors_ready(slot))
+            T.evaluate(TS.cuda.warp_sync())  # every lane is past its spin on the flag before it may be reset
             with T.If(lane == 0):
                 with T.Then():
                     T.evaluate(_call("tile_ops_row_stats_read", flags, by, gy + by, gx))

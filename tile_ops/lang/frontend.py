@@ -236,7 +236,9 @@ def row_softmax_store(tile, row_max, row_sum, staged, dst):
     softmax of a row split over many blocks, without a cluster.  Every block publishes its rows' (max,
     sum); the tile waits in ``staged`` (a shared tile) and is stored once the row's other tiles have
     published theirs, after the block's next tile: the CTAs walk the tiles in grid order (persistent,
-    without rasterization), so a row's tiles run at the same time.  sm_90a (warp-specialized) only."""
+    without rasterization), so a row's tiles run at the same time.  sm_90a (warp-specialized) only; a row
+    of at most 16 tiles.  The CTAs wait on each other: all must be resident at once (the launcher sizes
+    the grid to the device's SMs; SMs that another kernel holds meanwhile delay the rows they wait on)."""
     t = ir.tracer()
     k = t.kernel
     for b, what in ((tile, "tile"), (row_max, "row_max"), (row_sum, "row_sum")):
