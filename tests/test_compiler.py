@@ -831,7 +831,7 @@ def test_row_softmax_store_exchanges_statistics_off_the_consumers_path():
     assert k.meta.resources["spill_stores"] == 0 and k.meta.grid == (132, 1, 1)
     start = src.index("(((int)threadIdx.x) >> 5) == 9)")
     helper = src[start:src.index("setmaxnreg_inc", start)]
-    for call in ("tile_ops_stream_k_signal(", "tile_ops_row_stats_wait(", "tile_ops_row_factor(",
+    for call in ("tile_ops_flag_signal(", "tile_ops_flag_wait(", "tile_ops_row_factor(",
                  "tile_ops_row_stats_read("):
         assert call in helper, call
     consumer = src[src.index("pending_tile_ptr[0] = 0;"):]

@@ -392,9 +392,13 @@ class Lowerer:
     def _is_tma_store(self, node) -> bool:
         return bool(self.ws) and any(node is c for c in self.ws.stores)
 
+    @staticmethod
+    def _with_nested(node) -> list:
+        return [node] + list(walk(node.body)) if isinstance(node, (For, Parallel)) else [node]
+
     def _global_writes(self, node) -> list:
         """Global tensors ``node`` writes with generic stores (TMA stores are tracked by ``copy``)."""
-        nodes = [node] + list(walk(node.body)) if isinstance(node, (For, Parallel)) else [node]
+        nodes = self._with_nested(node)
         out = [n.dst.buffer for n in nodes if isinstance(n, Copy) and not self._is_tma_store(n)]
         out += [n.buffer for n in nodes if isinstance(n, Store)]
         return [b for b in out if b.scope == "global"]
@@ -406,7 +410,7 @@ class Lowerer:
         pending = self.written | self.tma_written
         if not pending:
             return False
-        nodes = [node] + list(walk(node.body)) if isinstance(node, (For, Parallel)) else [node]
+        nodes = self._with_nested(node)
         reads = [n.src.buffer for n in nodes if isinstance(n, Copy)]
         reads += [self.buffers.get(v) for n in nodes if isinstance(n, Store) for v, _ in collect_loads(n.value)]
         return any(r is b for r in reads for b in pending)

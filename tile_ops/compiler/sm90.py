@@ -29,11 +29,9 @@ from ..lang.ir import Copy, For, Gemm, RowSoftmaxStore, error
 from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
-from .stream_k import Registers, StreamK, accumulators, plan, unit
-from .stream_k import _call as _flag_call
+from .stream_k import Registers, StreamK, accumulators, flag_signal, flag_wait, plan, unit
 
 PRODUCER_THREADS = 128
-MAX_ROW_TILES = 16  # T.row_softmax_store: tiles a row, at most the CTAs of the smallest Hopper grid
 SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
 SM_SHARED_BYTES = 228 * 1024  # per SM, of which each resident CTA reserves 1 KiB
 REGISTERS = 65536  # per SM
@@ -728,10 +726,6 @@ class Hopper:
             raise error(node.loc, "T.row_softmax_store: row_max and row_sum must be row reductions of the tile")
         if 2 * k.grid[1] > FLAG_SLOTS:
             raise error(node.loc, f"T.row_softmax_store: {k.grid[1]} row blocks; at most {FLAG_SLOTS // 2}")
-        if k.grid[0] > MAX_ROW_TILES:  # a CTA holding two tiles of a row would wait for its own later one
-            raise error(node.loc, f"T.row_softmax_store: {k.grid[0]} tiles a row; at most {MAX_ROW_TILES}, so "
-                                  f"that a row's tiles run on distinct CTAs of any Hopper grid (even a "
-                                  f"{MAX_ROW_TILES}-SM MIG slice)")
         if self.ws.outer:  # the previous tile is stored after the one main loop of a tile
             raise error(node.loc, "T.row_softmax_store needs the T.Pipelined loop at the kernel's top level")
 
@@ -804,18 +798,13 @@ class Hopper:
             T.evaluate(TS.cuda.mbarrier_wait(self.published(slot), tirx.floormod(tirx.floordiv(o, 2), 2)))
             with T.If(lane == 0):
                 with T.Then():
-                    T.evaluate(_flag_call("tile_ops_stream_k_signal", flags, by))  # fence, count
-            T.evaluate(_call("tile_ops_row_stats_wait", flags, by, gx))
-            for q in range(-(-bM // 32)):
+                    T.evaluate(flag_signal(flags, by))
+            T.evaluate(flag_wait(flags, by, gx, reset=False))  # every lane: the row block's last reader resets
+            for q in range(bM // 32):  # (wgmma tiles: bM is a multiple of 64)
                 row = lane + 32 * q
                 factor = _call("tile_ops_row_factor", flags, self._stats_index(0, by, row), bM * 2, gx, bx,
                                return_type="float32")
-                if bM % 32:
-                    with T.If(row < bM):
-                        with T.Then():
-                            lw.store(node.factors, [slot, row], factor)
-                else:
-                    lw.store(node.factors, [slot, row], factor)
+                lw.store(node.factors, [slot, row], factor)
             # every lane releases its own factors (racecheck does not follow a warp sync into one arrive)
             emit_ptx("mbarrier.arrive.shared::cta.b64", self.factors_ready(slot))
             T.evaluate(TS.cuda.warp_sync())  # every lane is past its spin on the flag before it may be reset
@@ -940,18 +929,6 @@ __forceinline__ __device__ void tile_ops_cluster_put(float* p, uint64_t* bar, un
                : "memory");
 }
 """,
-    # a stage's release orders only this warp's reads of it (done: the wgmma wait), so the arrive is
-    # relaxed to CTA scope (a cluster-scope release costs a fence each)
-    # every lane spins until all `count` tiles of the row block have counted their statistics
-    "tile_ops_row_stats_wait": """
-__forceinline__ __device__ void tile_ops_row_stats_wait(float* flags, int flag, int count) {
-  int* f = reinterpret_cast<int*>(flags) + flag;
-  int seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(f) : "memory");
-  } while (seen < count);
-}
-""",
     # one row's factor 2^(m_own - max) / sum over the n tiles' (max, sum) pairs, `stride` floats apart, in
     # one pass (online max and sum); a tile without values (-inf) adds nothing
     "tile_ops_row_factor": """
@@ -981,6 +958,8 @@ __forceinline__ __device__ void tile_ops_row_stats_read(float* flags, int flag, 
   }
 }
 """,
+    # a stage's release orders only this warp's reads of it (done: the wgmma wait), so the arrive is
+    # relaxed to CTA scope (a cluster-scope release costs a fence each)
     "tile_ops_cluster_release": """
 __forceinline__ __device__ void tile_ops_cluster_release(uint64_t* bar, unsigned peer) {
   unsigned a = (unsigned)__cvta_generic_to_shared(bar), r;

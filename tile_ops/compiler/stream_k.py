@@ -149,12 +149,12 @@ class StreamK:
                 barrier()
                 with T.If(lw.tid == 0):
                     with T.Then():
-                        T.evaluate(_call("tile_ops_stream_k_signal", flags, flag))
+                        T.evaluate(flag_signal(flags, flag))
         with T.If(unit["owner"] != 0):
             with T.Then():
                 with T.If(lw.tid == 0):
                     with T.Then():
-                        T.evaluate(_call("tile_ops_stream_k_wait", flags, flag, unit["parts"] - 1))
+                        T.evaluate(flag_wait(flags, flag, unit["parts"] - 1, reset=True))
                 barrier()
                 with T.serial(0, unit["parts"] - 1) as p:
                     IRBuilder.name("part", p)
@@ -182,28 +182,36 @@ def _ramp(base, vec: int):
 
 
 _HELPERS = {
-    # every consumer's partial stores are before this (a barrier): the fence makes them visible at GPU scope
-    # (cumulativity) before the count
-    "tile_ops_stream_k_signal": """
-__forceinline__ __device__ void tile_ops_stream_k_signal(float* flags, int flag) {
+    # every write this count stands for is before this (a barrier, or an mbarrier's acquire): the fence
+    # makes them visible at GPU scope (cumulativity) before the count
+    "tile_ops_flag_signal": """
+__forceinline__ __device__ void tile_ops_flag_signal(float* flags, int flag) {
   int* f = reinterpret_cast<int*>(flags) + flag;
   asm volatile("fence.acq_rel.gpu;\\n red.relaxed.gpu.global.add.s32 [%0], 1;" :: "l"(f) : "memory");
 }
 """,
-    # the writers of this launch are all counted once the flag reaches `count`; reset it for the next launch
-    # (kernel boundaries order that store before any of the next launch's)
-    "tile_ops_stream_k_wait": """
-__forceinline__ __device__ void tile_ops_stream_k_wait(float* flags, int flag, int count) {
+    # spin until the flag reaches `count` (acquire); `reset`: the only reader sets it back to 0 for the next
+    # launch (kernel boundaries order that store before any of the next launch's)
+    "tile_ops_flag_wait": """
+__forceinline__ __device__ void tile_ops_flag_wait(float* flags, int flag, int count, int reset) {
   int* f = reinterpret_cast<int*>(flags) + flag;
   int seen;
   do {
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(f) : "memory");
   } while (seen < count);
-  asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" :: "l"(f) : "memory");
+  if (reset) asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" :: "l"(f) : "memory");
 }
 """,
 }
 
 
-def _call(name, *args):
-    return TS.cuda.func_call(name, *args, source_code=_HELPERS[name], return_type="void")
+def flag_signal(flags, flag):
+    """Count one more completed writer on workspace flag ``flag`` (``flags``: the workspace's address)."""
+    return TS.cuda.func_call("tile_ops_flag_signal", flags, flag, source_code=_HELPERS["tile_ops_flag_signal"],
+                             return_type="void")
+
+
+def flag_wait(flags, flag, count, reset: bool):
+    """Wait until workspace flag ``flag`` counts ``count`` writers; ``reset``: then zero it (its only reader)."""
+    return TS.cuda.func_call("tile_ops_flag_wait", flags, flag, count, int(reset),
+                             source_code=_HELPERS["tile_ops_flag_wait"], return_type="void")

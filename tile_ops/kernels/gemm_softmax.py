@@ -30,7 +30,6 @@ LOG2E = 1.4426950408889634
 # the deferred store's exchange takes a few microseconds per tile (NOTES v10): a main loop of 8 K steps
 # of 64 hides it
 DEFERRED_MIN_K = 512
-DEFERRED_MAX_TILES = 16  # a row's tiles on distinct CTAs of any Hopper grid (compiler/sm90.py MAX_ROW_TILES)
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxCo
         if N <= 64:  # one 64-wide tile per row block, a block per 64 rows
             return SoftmaxConfig(block_M=64, block_N=64, block_K=64, num_stages=4, threads=128)
         tiles = SoftmaxConfig(128, 256, 64, 3, 256, "full_row")
-        if tiles.block_N < N <= DEFERRED_MAX_TILES * tiles.block_N and N % 8 == 0 and K % 8 == 0 \
+        if tiles.block_N < N <= T.MAX_ROW_TILES * tiles.block_N and N % 8 == 0 and K % 8 == 0 \
                 and K >= DEFERRED_MIN_K:
             return replace(tiles, deferred=True)
         if N >= 4 * T.MAX_CLUSTER * tiles.block_N:  # long walks: of 128-wide tiles (NOTES v10, measured at N = 8192)
@@ -122,7 +121,7 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
         if N % 8 == 0 and K % 8 == 0:  # rows over the whole grid, statistics through global memory
             space += [cfg for cfg in (SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True),
                                       SoftmaxConfig(128, 128, 64, 4, 256, "full_row", deferred=True))
-                      if -(-N // cfg.block_N) <= DEFERRED_MAX_TILES]
+                      if -(-N // cfg.block_N) <= T.MAX_ROW_TILES]
     return space
 
 
@@ -169,9 +168,9 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     if cfg.deferred and (N % 8 or K % 8):
         raise ValueError(f"gemm_softmax: deferred=True stores and loads every tile by TMA, which needs 16-byte "
                          f"rows: N and K multiples of 8, got N={N}, K={K}")
-    if cfg.deferred and -(-N // bN) > DEFERRED_MAX_TILES:
-        raise ValueError(f"gemm_softmax: deferred=True takes rows of at most {DEFERRED_MAX_TILES} tiles (N <= "
-                         f"{DEFERRED_MAX_TILES * bN} with block_N={bN}), got N={N}; use a cluster split")
+    if cfg.deferred and -(-N // bN) > T.MAX_ROW_TILES:
+        raise ValueError(f"gemm_softmax: deferred=True takes rows of at most {T.MAX_ROW_TILES} tiles (N <= "
+                         f"{T.MAX_ROW_TILES * bN} with block_N={bN}), got N={N}; use a cluster split")
     if cfg.pingpong and n_tiles > 1:
         raise ValueError(f"gemm_softmax: pingpong needs one column tile per block (N={N} gives {n_tiles} of "
                          f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")

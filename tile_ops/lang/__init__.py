@@ -12,6 +12,9 @@ from .errors import TileLangError  # noqa: F401
 
 float16, bfloat16, float32, float64, int32 = "float16", "bfloat16", "float32", "float64", "int32"
 MAX_CLUSTER = 8  # blocks in a thread-block cluster: the portable maximum (T.Kernel(..., cluster=n))
+# T.row_softmax_store: tiles a row, on distinct CTAs of any Hopper grid (a 16-SM MIG slice included): a CTA
+# holding two tiles of a row would wait for its own later one
+MAX_ROW_TILES = 16
 
 _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Tensor", "alloc_fragment", "alloc_local", "alloc_shared", "cast",

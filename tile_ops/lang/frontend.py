@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from . import MAX_CLUSTER, ir
+from . import MAX_CLUSTER, MAX_ROW_TILES, ir
 from .ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error,
                  user_loc)
 
@@ -254,6 +254,10 @@ def row_softmax_store(tile, row_max, row_sum, staged, dst):
         raise error(user_loc(), "T.row_softmax_store needs T.Kernel(column tiles, row blocks, ...) over a 2-D grid, "
                                 "persistent, without cluster, pingpong, stream_k or T.use_swizzle (the CTAs walk "
                                 "the tiles in grid order so that a row's tiles run at the same time)")
+    if k.grid[0] > MAX_ROW_TILES:
+        raise error(user_loc(), f"T.row_softmax_store: {k.grid[0]} tiles a row; at most {MAX_ROW_TILES}, so that "
+                                f"a row's tiles run on distinct CTAs of any Hopper grid (even a "
+                                f"{MAX_ROW_TILES}-SM MIG slice)")
     if len(t.bodies) > 1 or any(isinstance(n, ir.RowSoftmaxStore) for n in k.body):
         raise error(user_loc(), "T.row_softmax_store: once per tile, at the kernel's top level")
     bM, bN = tile.shape
