@@ -1,6 +1,7 @@
 """Nsight Compute counters of our GEMM beside cuBLAS's at one shape: where the gap comes from.
 
     python benchmarks/profile_gemm.py [--shape 4096x4096x4096] [--dtype float16] [--config NAME] [--stalls N]
+                                      [--op gemm_softmax]
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling the second
 launch of each kernel, and prints per kernel: time, SM clock, tensor-pipe (wgmma) utilization, SM and
@@ -48,9 +49,12 @@ def parse_config(name, GemmConfig):
     return GemmConfig(bm, bn, bk, int(stages[1:]), int(threads[1:]), **kw)
 
 
-def print_stalls(child, top):
+KERNEL_REGEX = {"gemm": "regex:gemm_kernel", "gemm_softmax": "regex:gemm_softmax_kernel"}
+
+
+def print_stalls(child, top, op):
     """ncu's source view of our kernel (second launch): the ``top`` SASS instructions by warp-stall samples."""
-    cmd = ["ncu", "--clock-control", "none", "-k", "regex:gemm_kernel", "--launch-skip", "1", "--launch-count", "1",
+    cmd = ["ncu", "--clock-control", "none", "-k", KERNEL_REGEX[op], "--launch-skip", "1", "--launch-count", "1",
            "--section", "SourceCounters", "--page", "source", "--print-source", "sass", "--csv"] + child
     proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [r for r in csv.reader(io.StringIO(proc.stdout)) if len(r) > 3]
@@ -69,22 +73,32 @@ def print_stalls(child, top):
         print(f"{100 * value(r) / total:5.1f}%  {r[src][:100]}")
 
 
-def run_kernels(shape, dtype, config):
-    import torch
-
+def our_launch(op, shape, dtype, config):
+    """``launch(a, b, c)`` of our kernel for ``op`` at ``shape``."""
     from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config
+    from tile_ops.kernels.gemm_softmax import gemm_softmax
 
     M, N, K = shape
-    if config:
-        cfg = parse_config(config, GemmConfig)
-    else:
-        cfg = default_config(M, N, K, "sm_90a")
+    if op == "gemm_softmax":
+        if config:
+            sys.exit("--config names GEMM configs; --op gemm_softmax profiles the fused kernel's default")
+        k = gemm_softmax(M, N, K, 0.125, dtype, dtype, target="sm_90a")
+        return k.launch
+    cfg = parse_config(config, GemmConfig) if config else default_config(M, N, K, "sm_90a")
     k = build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target="sm_90a")
+    return lambda a, b, c: k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()], a.device)
+
+
+def run_kernels(op, shape, dtype, config):
+    import torch
+
+    M, N, K = shape
+    launch = our_launch(op, shape, dtype, config)
     dt = getattr(torch, dtype)
     a, b = torch.randn(M, K, dtype=dt, device="cuda"), torch.randn(K, N, dtype=dt, device="cuda")
     c = torch.empty(M, N, dtype=dt, device="cuda")
     for _ in range(2):
-        k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()], a.device)
+        launch(a, b, c)
         torch.matmul(a, b)
     torch.cuda.synchronize()
 
@@ -95,12 +109,14 @@ def main():
     p.add_argument("--dtype", default="float16")
     p.add_argument("--config", help="a bench_gemm.py config name; default: the library's default config")
     p.add_argument("--stalls", type=int, default=0, help="also print the N SASS lines with the most stall samples")
+    p.add_argument("--op", choices=sorted(KERNEL_REGEX), default="gemm", help="which of our kernels")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     shape = tuple(map(int, args.shape.split("x")))
     if args.child:
-        return run_kernels(shape, args.dtype, args.config)
-    child = [sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape, "--dtype", args.dtype]
+        return run_kernels(args.op, shape, args.dtype, args.config)
+    child = [sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape, "--dtype", args.dtype,
+             "--op", args.op]
     child += ["--config", args.config] if args.config else []
     for metrics in (list(METRICS), [m for m in METRICS if "gmma" not in m]):  # the gmma counter is newest
         # skip the two randn kernels and the first launch of each GEMM; profile the second of each
@@ -131,7 +147,7 @@ def main():
         if full != name:
             print(f"{name}: {full}")
     if args.stalls:
-        print_stalls(child, args.stalls)
+        print_stalls(child, args.stalls, args.op)
 
 
 if __name__ == "__main__":
