@@ -6,7 +6,7 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import _HALF_WAVE, GemmConfig, build_gemm, default_config
+from tile_ops.kernels.gemm import _HALF_WAVE, _PAIRED_128, GemmConfig, build_gemm, default_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -64,6 +64,17 @@ def test_half_wave_pairs_on_unaligned_and_short_grids(shape, variant):
     right where rows are not aligned (no TMA: synchronous copies; not the default there)."""
     assert (default_config(*shape, "sm_90a") == _HALF_WAVE) == all(d % 8 == 0 for d in shape)
     check(_HALF_WAVE, shape, variant, "sm_90a")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", [(2048, 2048, 1024), (1536, 2056, 1000), (2048, 2048, 2048)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_paired_128_default_over_more_than_a_wave(shape, variant):
+    """More 128x128 tiles than SMs with an even M-tile count default to clustered pairs (B multicast),
+    six stages, grid order; ragged N and K included."""
+    assert default_config(*shape, "sm_90a") == _PAIRED_128
+    check(_PAIRED_128, shape, variant, "sm_90a")
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))

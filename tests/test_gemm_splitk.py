@@ -215,6 +215,19 @@ def test_default_pairs_64_row_tiles_only_on_short_aligned_grids(shape, paired):
         assert default_config(*shape, "sm_90a", batch=2).block_M == 128
 
 
+@pytest.mark.parametrize("shape, paired", [
+    ((2048, 2048, 2048), True), ((1536, 2048, 2048), True), ((2048, 2560, 2048), True), ((1024, 2048, 4096), False),
+    ((1152, 2048, 2048), False), ((2048, 2048, 2044), False), ((4096, 4096, 4096), False), ((1000, 1000, 1000), False)])
+def test_default_pairs_128_tiles_over_more_than_one_wave(shape, paired):
+    """128x128 tiles in clustered pairs where there are more of them than SMs (1024x2048: 128, one wave,
+    stays unclustered), the M tiles pair up (1152: 9) and rows are 16 bytes (2044: no TMA)."""
+    cfg = default_config(*shape, "sm_90a")
+    assert (cfg == gemm_kernels._PAIRED_128) == paired
+    if paired:
+        assert (cfg.block_M, cfg.block_N, cfg.cluster, cfg.num_stages, cfg.epilogue) == (128, 128, 2, 6, "shared")
+        assert cfg in gemm_kernels.config_space(*shape, arch="sm_90a")  # the tuner measures it too
+
+
 def test_get_gemm_kernel_unpairs_a_batched_short_grid(monkeypatch):
     built = []
     monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None: built.append(args[-1]) or FakeKernel([], [], "p"))
@@ -222,7 +235,8 @@ def test_get_gemm_kernel_unpairs_a_batched_short_grid(monkeypatch):
     a, b = torch.zeros(1, 1000, 1000, dtype=torch.float16), torch.zeros(1, 1000, 1000, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a, b, a)
     gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
-    assert built[0] == gemm_kernels._HALF_WAVE and (built[1].block_M, built[1].cluster) == (128, 1)
+    # three 1000x1000 matrices: 192 tiles of 128x128, more than a wave, so the 128x128 pairs
+    assert built[0] == gemm_kernels._HALF_WAVE and built[1] == gemm_kernels._PAIRED_128
 
 
 def test_hopper_decode_space_offers_split_k():

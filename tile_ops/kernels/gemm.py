@@ -55,7 +55,9 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
             return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
-                return _HALF_WAVE if cfg.block_N == 128 and _half_wave(M, N, K, batch) else cfg
+                if cfg.block_N == 128 and _half_wave(M, N, K, batch):
+                    return _HALF_WAVE
+                return _PAIRED_128 if cfg.block_N == 128 and _paired_waves(M, N, K, batch) else cfg
         return _HOPPER_TILES[-1]
     if M <= 64:
         return GemmConfig(64, 128, 64, 4, 128, 0)
@@ -74,6 +76,18 @@ def _half_wave(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> bool:
     """One wave of 64x128 tiles in pairs, loaded by TMA (16-byte rows whichever operand is transposed)."""
     tiles = batch * -(-M // 64) * -(-N // 128)
     return tiles <= sms and -(-M // 64) % 2 == 0 and M % 8 == N % 8 == K % 8 == 0
+
+
+# 128x128 tiles over more than one wave (2048^3: 256): pairs of M tiles multicast their B tile, six stages,
+# grid order: +1-7 % over the unclustered tiles at 5 of 6 such shapes, paired beside cuBLAS; one wave of
+# them (1024x2048x4096: 128 tiles) lost 4 % (NOTES v11)
+_PAIRED_128 = GemmConfig(128, 128, 64, 6, 128, 0, epilogue="shared", cluster=2)
+
+
+def _paired_waves(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> bool:
+    """More 128x128 tiles than SMs, in pairs of M tiles loaded by TMA (16-byte rows)."""
+    m_tiles = -(-M // 128)
+    return batch * m_tiles * -(-N // 128) > sms and m_tiles % 2 == 0 and M % 8 == N % 8 == K % 8 == 0
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
@@ -133,6 +147,8 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
     if not decode and -(-M // 64) % 2 == 0 and _pow2(N) >= 128:  # pairs of 64-row tiles sharing B: short grids
         space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
+    if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
+        space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
     return space
 
 
