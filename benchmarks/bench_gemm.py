@@ -61,6 +61,11 @@ EXTRA_CONFIGS = {
                GemmConfig(64, 128, 64, 7, 128, 8, epilogue="shared", cluster=2),
                GemmConfig(64, 128, 128, 3, 128, 8, epilogue="shared", cluster=2),
                GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster_n=2),  # A's 8 KiB multicast instead
+               # 1000^3 in ~cuBLAS's 112 CTAs (its 128x72 tiles would need non-16-column B panels): 128x80 (104
+               # CTAs) and 64x160 (112), B multicast along M over clusters of up to 8 (NOTES v11, not yet run)
+               GemmConfig(128, 80, 64, 8, 128, 8, epilogue="shared"),
+               *[GemmConfig(128, 80, 64, 7, 128, 8, epilogue="shared", cluster=c) for c in (2, 4, 8)],
+               *[GemmConfig(64, 160, 64, 7, 128, 8, epilogue="shared", cluster=c) for c in (2, 4, 8)],
                # 2-D clusters (cuBLAS's 1000^3 kernel runs 4x2): B multicast along M, A along N
                GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=2),
                GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared", cluster=2, cluster_n=2),
