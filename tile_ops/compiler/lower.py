@@ -353,7 +353,7 @@ class Lowerer:
                 if self.ws and node is self.ws.loop and self.hopper.unit:
                     self.hopper.stream_k_fixup(rest)
                 if self.ws and node is self.ws.loop and self.hopper.row_softmax is not None:
-                    self.hopper.store_pending()  # TMA reads the staged tile while the tile's softmax runs
+                    self.hopper.store_pending(self.hopper.tile_ordinal - 1)  # the previous tile
 
     def sync(self):
         self.written = frozenset()  # bar.sync orders the threads' generic global writes before what follows
@@ -392,13 +392,9 @@ class Lowerer:
     def _is_tma_store(self, node) -> bool:
         return bool(self.ws) and any(node is c for c in self.ws.stores)
 
-    @staticmethod
-    def _with_nested(node) -> list:
-        return [node] + list(walk(node.body)) if isinstance(node, (For, Parallel)) else [node]
-
     def _global_writes(self, node) -> list:
         """Global tensors ``node`` writes with generic stores (TMA stores are tracked by ``copy``)."""
-        nodes = self._with_nested(node)
+        nodes = list(walk([node]))
         out = [n.dst.buffer for n in nodes if isinstance(n, Copy) and not self._is_tma_store(n)]
         out += [n.buffer for n in nodes if isinstance(n, Store)]
         return [b for b in out if b.scope == "global"]
@@ -410,7 +406,7 @@ class Lowerer:
         pending = self.written | self.tma_written
         if not pending:
             return False
-        nodes = self._with_nested(node)
+        nodes = list(walk([node]))
         reads = [n.src.buffer for n in nodes if isinstance(n, Copy)]
         reads += [self.buffers.get(v) for n in nodes if isinstance(n, Store) for v, _ in collect_loads(n.value)]
         return any(r is b for r in reads for b in pending)

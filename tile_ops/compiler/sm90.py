@@ -469,9 +469,7 @@ class Hopper:
                         cnt = self.consumer_steps
                         T.buffer_store(cnt, cnt[0] + (lw.consumers - 1) * self.steps_per_tile, [0])
                 if self.row_softmax is not None:  # the block's last tile
-                    with T.If(self.pending[0] == 1):
-                        with T.Then():
-                            self._store_pending(self.row_softmax, self.cta_tiles - 1)
+                    self.store_pending(self.cta_tiles - 1)
                 if ws.stores:  # the block's shared memory must outlive TMA's reads of the last tile
                     self.wait_stores_read()
 
@@ -740,12 +738,13 @@ class Hopper:
         gx, bM = self.lw.kernel.grid[0], self.row_softmax.tile.shape[0]
         return FLAG_SLOTS + ((by * gx + bx) * bM + row) * 2
 
-    def store_pending(self):
-        """Right after a tile's main loop: store the block's previous tile (its factors were computed
-        during this main loop), so that TMA reads it while the consumers compute this tile's softmax."""
+    def store_pending(self, ordinal):
+        """Store the block's staged tile, its tile ``ordinal``, if there is one: right after the next
+        tile's main loop (its factors were computed during that loop, and TMA reads it while the
+        consumers compute the new tile's softmax), and after the block's last tile."""
         with T.If(self.pending[0] == 1):
             with T.Then():
-                self._store_pending(self.row_softmax, self.tile_ordinal - 1)
+                self._store_pending(self.row_softmax, ordinal)
 
     def row_softmax_store(self, node, vm):
         """Tile t of the block: publish its rows' (max, sum) to the workspace (the statistics warp signals

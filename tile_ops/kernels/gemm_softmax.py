@@ -400,8 +400,7 @@ def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
         cfg = config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
         if cfg.deferred and not _output_tile_fits(shared_memory_bytes(cfg, M, N, K, _DT[a.dtype]), cfg,
                                                   _DT[a.dtype], _DT[out.dtype]):  # a float32 output
-            cfg = replace(cfg, deferred=False)
-            cfg = replace(cfg, split=_widest_split(N, cfg))
+            cfg = replace(cfg, deferred=False, split=_widest_split(N, cfg))
     return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
 
 
