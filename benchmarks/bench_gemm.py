@@ -63,11 +63,6 @@ EXTRA_CONFIGS = {
                GemmConfig(64, 128, 64, 7, 128, 8, epilogue="shared", cluster=2),
                GemmConfig(64, 128, 128, 3, 128, 8, epilogue="shared", cluster=2),
                GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster_n=2),  # A's 8 KiB multicast instead
-               # 1000^3 in ~cuBLAS's 112 CTAs (its 128x72 tiles would need non-16-column B panels): 128x80 (104
-               # CTAs) and 64x160 (112), B multicast along M over clusters of up to 8 (NOTES v11, not yet run)
-               GemmConfig(128, 80, 64, 8, 128, 8, epilogue="shared"),
-               *[GemmConfig(128, 80, 64, 7, 128, 8, epilogue="shared", cluster=c) for c in (2, 4, 8)],
-               *[GemmConfig(64, 160, 64, 7, 128, 8, epilogue="shared", cluster=c) for c in (2, 4, 8)],
                # 2-D clusters (cuBLAS's 1000^3 kernel runs 4x2): B multicast along M, A along N
                GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=2),
                GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared", cluster=2, cluster_n=2),
@@ -100,7 +95,12 @@ EXTRA_CONFIGS = {
                GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared", stream_k=2),
                GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, stream_k=2),
                GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared", stream_k=4),
-               GemmConfig(64, 256, 64, 4, 128, 0, stream_k=4)],
+               GemmConfig(64, 256, 64, 4, 128, 0, stream_k=4),
+               # mid grids (1536x2048x2048: 192 tiles of 128x128, 1.45 waves): 128x192 tiles fill one wave
+               # (132); stream-K splits the partial last wave of the paired 128x128 default instead
+               GemmConfig(128, 192, 64, 4, 256, 8, epilogue="shared"), GemmConfig(128, 192, 64, 5, 256, 8),
+               GemmConfig(128, 192, 64, 4, 256, 0, epilogue="shared", cluster=2),
+               GemmConfig(128, 128, 64, 6, 128, 0, epilogue="shared", cluster=2, stream_k=2)],
 }
 PAIRED_ROUNDS = 3
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}  # relative Frobenius error vs float64
@@ -169,7 +169,7 @@ def main():
         f in config_name(c) for f in args.config_filter.split("|")))
              and not (args.config_exclude and args.config_exclude in config_name(c))] if args.configs else []
     configs = {job: list(dict.fromkeys([default_config(*job[:3], args.arch)] + [
-        c for c in extra if (c.split_k == 1 and not c.stream_k) or job[0] * job[1] <= 1024 * 1024]))
+        c for c in extra if c.split_k == 1 or job[0] * job[1] <= 1024 * 1024]))
         for job in jobs}  # split K: short grids
     with cf.ThreadPoolExecutor(os.cpu_count()) as pool:  # compile everything up front, in parallel
         built = dict(zip(jobs, pool.map(lambda j: kernels_for(*j, configs[j], args.arch), jobs)))
