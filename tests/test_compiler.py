@@ -289,7 +289,7 @@ def test_hopper_falls_back_where_tma_cannot_go():
 @needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (2048, 2048, 2048), (1000, 1000, 1000), (16, 8192, 8192),
-                                   (704, 704, 4096)])
+                                   (704, 704, 4096), (1536, 2048, 2048), (1152, 2048, 2048)])
 def test_library_gemm_default_configs_on_hopper_have_no_spills(shape):
     """The configs the ops launch by default on sm_90a: TMA + wgmma + mbarriers in SASS, no register spills."""
     from tile_ops.kernels.gemm import default_config

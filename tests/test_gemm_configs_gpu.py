@@ -6,7 +6,7 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import _HALF_WAVE, _PAIRED_128, GemmConfig, build_gemm, default_config
+from tile_ops.kernels.gemm import _HALF_WAVE, _PAIRED_128, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,7 +32,7 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
 ]
 # (M, N, K): more tiles than resident CTAs (persistent), ragged everything, rows not 16-byte aligned
-# (no TMA: synchronous copies), decode
+# (padded for TMA), decode
 SHAPES = [(2048, 2048, 1024), (1000, 1000, 1000), (127, 255, 129), (16, 4096, 4096)]
 VARIANTS = {  # name: (batch, trans_A, trans_B, bias, dtype, out_dtype)
     "plain": (1, False, False, False, torch.float16, torch.float16),
@@ -57,24 +57,37 @@ def test_gemm_config_on_hopper(cfg, shape, variant):
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("shape", [(1000, 1000, 999), (1024, 1001, 1000), (768, 1024, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_half_wave_pairs_on_unaligned_and_short_grids(shape, variant):
-    """Short grids with 16-byte rows default to clustered pairs of 64x128 tiles; the same config is also
-    right where rows are not aligned (no TMA: synchronous copies; not the default there)."""
-    assert (default_config(*shape, "sm_90a") == _HALF_WAVE) == all(d % 8 == 0 for d in shape)
-    check(_HALF_WAVE, shape, variant, "sm_90a")
+def test_half_wave_pairs_on_unaligned_and_short_grids(shape, variant, pad):
+    """Short grids default to clustered pairs of 64x128 tiles, rows that are not 16 bytes included: padded
+    for TMA, or (pad=False) read by the synchronous-copy path."""
+    assert default_config(*shape, "sm_90a") == _HALF_WAVE
+    check(_HALF_WAVE, shape, variant, "sm_90a", pad)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("shape", [(2048, 2048, 1024), (1536, 2056, 1000), (2048, 2048, 2048)],
+@pytest.mark.parametrize("shape", [(2048, 2048, 1024), (2048, 2056, 1000), (2048, 2048, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_paired_128_default_over_more_than_a_wave(shape, variant):
     """More 128x128 tiles than SMs with an even M-tile count default to clustered pairs (B multicast),
     six stages, grid order; ragged N and K included."""
     assert default_config(*shape, "sm_90a") == _PAIRED_128
     check(_PAIRED_128, shape, variant, "sm_90a")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape, cfg", [((1536, 2048, 2048), _WIDE_PAIRED), ((1500, 2000, 2000), _WIDE_PAIRED),
+                                        ((1152, 2048, 2048), _WIDE), ((777, 3001, 1234), _WIDE)],
+                         ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
+def test_wide_default_where_it_fills_the_wave(shape, cfg, variant):
+    """128x192 tiles (in pairs where the M tiles pair up) where they fill one wave; 777x3001x1234 also pads
+    both operands' rows (and stores rows of 3001 without TMA)."""
+    assert default_config(*shape, "sm_90a") == cfg
+    check(cfg, shape, variant, "sm_90a")
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
@@ -85,11 +98,11 @@ def test_default_configs_and_shared_epilogue_everywhere(shape, target):
     check(GemmConfig(128, 128, 32, 3, 128, 8, epilogue="shared"), shape, "transposed+bias bf16", target)
 
 
-def check(cfg, shape, variant, target):
+def check(cfg, shape, variant, target, pad=True):
     M, N, K = shape
     batch, ta, tb, has_bias, dtype, out_dtype = VARIANTS[variant]
     kernel = build_gemm(M, N, K, batch, batch, batch, ta, tb, has_bias, _dt(dtype), _dt(out_dtype), cfg,
-                        target=target)
+                        target=target, pad=pad)
     a = torch.randn(batch, *((K, M) if ta else (M, K)), device="cuda").to(dtype)
     b = torch.randn(batch, *((N, K) if tb else (K, N)), device="cuda").to(dtype)
     bias = (torch.randn(N, device="cuda") * K ** 0.5).to(dtype)  # as large as a @ b: a missing bias fails

@@ -161,7 +161,7 @@ def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monke
 
 def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
     built = []
-    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None: built.append(("gemm", args)) or
+    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None, **_: built.append(("gemm", args)) or
                         FakeKernel([("W", (args[-1].split_k, args[3], args[0], args[1]), "float32")], [], "p"))
     monkeypatch.setattr(gemm_kernels, "gemm_splitk_reduce", lambda *args, target=None: built.append(("reduce", args))
                         or FakeKernel([], [], "r"))
@@ -202,41 +202,41 @@ def test_default_config_splits_only_short_decode_grids(shape, split):
         assert K // 64 >= 8 * split or split == 1
 
 
-@pytest.mark.parametrize("shape, paired", [
-    ((1000, 1000, 1000), True), ((1024, 1024, 4096), True), ((768, 1024, 2048), True), ((1000, 1000, 999), False),
-    ((960, 1024, 512), False), ((1536, 1024, 1024), False), ((2048, 2048, 2048), False), ((512, 1024, 1024), False)])
-def test_default_pairs_64_row_tiles_only_on_short_aligned_grids(shape, paired):
-    """Clustered 64x128 pairs where 128x128 tiles would fill at most half the SMs, the 64-row tiles pair up
-    (960: 15 of them) and every row is 16 bytes (999: no TMA); a batch that fills the grid keeps 128x128."""
-    cfg = default_config(*shape, "sm_90a")
-    assert (cfg == gemm_kernels._HALF_WAVE) == paired
-    if paired:
-        assert (cfg.block_M, cfg.block_N, cfg.cluster, cfg.epilogue) == (64, 128, 2, "shared")
-        assert default_config(*shape, "sm_90a", batch=2).block_M == 128
-
-
-@pytest.mark.parametrize("shape, paired", [
-    ((2048, 2048, 2048), True), ((1536, 2048, 2048), True), ((2048, 2560, 2048), True), ((1024, 2048, 4096), False),
-    ((1152, 2048, 2048), False), ((2048, 2048, 2044), False), ((4096, 4096, 4096), False), ((1000, 1000, 1000), False)])
-def test_default_pairs_128_tiles_over_more_than_one_wave(shape, paired):
+@pytest.mark.parametrize("shape, default", [
+    ((2048, 2048, 2048), "_PAIRED_128"), ((2048, 2560, 2048), "_PAIRED_128"), ((2048, 2048, 2044), "_PAIRED_128"),
+    ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_PAIRED"), ((1500, 2000, 2000), "_WIDE_PAIRED"),
+    ((2000, 3000, 1000), "_WIDE_PAIRED"), ((1152, 2048, 2048), "_WIDE"), ((4096, 4096, 4096), None),
+    ((1000, 1000, 1000), "_HALF_WAVE"), ((1000, 1000, 999), "_HALF_WAVE")])
+def test_default_tiles_fit_the_waves(shape, default):
     """128x128 tiles in clustered pairs where there are more of them than SMs (1024x2048: 128, one wave,
-    stays unclustered), the M tiles pair up (1152: 9) and rows are 16 bytes (2044: no TMA)."""
+    stays unclustered); 128x192 tiles where they fill one wave and 128x128 or 128x256 ones would leave
+    most of a second idle (1536x2048: 132 against 192 of 128x128; 2000x3000: 256 against 192 of 128x256),
+    paired where the M tiles pair up (1152: 9 do not); rows that are not 16 bytes (2044, 999) change
+    nothing: build_gemm pads them for TMA."""
     cfg = default_config(*shape, "sm_90a")
-    assert (cfg == gemm_kernels._PAIRED_128) == paired
-    if paired:
-        assert (cfg.block_M, cfg.block_N, cfg.cluster, cfg.num_stages, cfg.epilogue) == (128, 128, 2, 6, "shared")
-        assert cfg in gemm_kernels.config_space(*shape, arch="sm_90a")  # the tuner measures it too
+    if default is None:
+        assert cfg in gemm_kernels._HOPPER_TILES
+        return
+    assert cfg == getattr(gemm_kernels, default)
+    if default != "_WIDE":
+        assert (cfg.cluster, cfg.epilogue) == (2, "shared")
+    assert cfg in gemm_kernels.config_space(*shape, arch="sm_90a")  # the tuner measures it too
 
 
-def test_get_gemm_kernel_unpairs_a_batched_short_grid(monkeypatch):
+def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
     built = []
-    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None: built.append(args[-1]) or FakeKernel([], [], "p"))
+    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None, **_: built.append(args[-1]) or FakeKernel([], [], "p"))
     monkeypatch.setattr(gemm_kernels, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
     a, b = torch.zeros(1, 1000, 1000, dtype=torch.float16), torch.zeros(1, 1000, 1000, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a, b, a)
     gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
     # three 1000x1000 matrices: 192 tiles of 128x128, more than a wave, so the 128x128 pairs
     assert built[0] == gemm_kernels._HALF_WAVE and built[1] == gemm_kernels._PAIRED_128
+    # one 1536x2048 matrix fills a wave of 128x192 tiles; three fill 3 waves of them, or 4.4 of 128x128 pairs
+    a, b = torch.zeros(3, 1536, 2048, dtype=torch.float16), torch.zeros(3, 2048, 2048, dtype=torch.float16)
+    gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.empty(1, 1536, 2048, dtype=torch.float16))
+    gemm_kernels.get_gemm_kernel(a, b, torch.empty(3, 1536, 2048, dtype=torch.float16))
+    assert built[2] == gemm_kernels._WIDE_PAIRED and built[3] == gemm_kernels._PAIRED_128
 
 
 def test_hopper_decode_space_offers_split_k():

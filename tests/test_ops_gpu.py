@@ -256,10 +256,11 @@ def test_fast_path_misaligned_pointer_error(op_calls):
         tile_ops.gemm(buf[1:].view(64, 64), b)  # the planned signature, misaligned
 
 
-@pytest.mark.parametrize("M,N,K", [(1024, 1024, 256), (16, 4096, 1024), (96, 80, 64)])
+@pytest.mark.parametrize("M,N,K", [(1024, 1024, 256), (16, 4096, 1024), (96, 80, 64), (777, 3001, 1234)])
 def test_fast_path_on_fresh_buffers(op_calls, M, N, K):
     """Each call on new pointers (outputs kept alive): the plan's TMA descriptors are encoded per pointer, and
-    more pointers than its descriptor cache holds still launch right."""
+    more pointers than its descriptor cache holds still launch right; 777x3001x1234 pads A and B into the
+    plan's scratch buffers first."""
     tile_ops.gemm(rnd(M, K), rnd(K, N))
     calls = [(rnd(M, K), rnd(K, N)) for _ in range(6)]
     outs = [tile_ops.gemm(a, b) for a, b in calls]

@@ -55,9 +55,11 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
             return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
-                if cfg.block_N == 128 and _half_wave(M, N, K, batch):
+                if cfg.block_N == 128 and _half_wave(M, N, batch):
                     return _HALF_WAVE
-                return _PAIRED_128 if cfg.block_N == 128 and _paired_waves(M, N, K, batch) else cfg
+                if cfg.block_N >= 128 and _waves(M, N, 192, batch) <= 0.8 * _waves(M, N, cfg.block_N, batch):
+                    return _WIDE_PAIRED if -(-M // 128) % 2 == 0 else _WIDE
+                return _PAIRED_128 if cfg.block_N == 128 and _paired_waves(M, N, batch) else cfg
         return _HOPPER_TILES[-1]
     if M <= 64:
         return GemmConfig(64, 128, 64, 4, 128, 0)
@@ -72,10 +74,10 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
 _HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
 
 
-def _half_wave(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> bool:
-    """One wave of 64x128 tiles in pairs, loaded by TMA (16-byte rows whichever operand is transposed)."""
+def _half_wave(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
+    """One wave of 64x128 tiles in pairs (TMA loads them: build_gemm pads rows that are not 16-byte)."""
     tiles = batch * -(-M // 64) * -(-N // 128)
-    return tiles <= sms and -(-M // 64) % 2 == 0 and M % 8 == N % 8 == K % 8 == 0
+    return tiles <= sms and -(-M // 64) % 2 == 0
 
 
 # 128x128 tiles over more than one wave (2048^3: 256): pairs of M tiles multicast their B tile, six stages,
@@ -84,10 +86,24 @@ def _half_wave(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> bool:
 _PAIRED_128 = GemmConfig(128, 128, 64, 6, 128, 0, epilogue="shared", cluster=2)
 
 
-def _paired_waves(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> bool:
-    """More 128x128 tiles than SMs, in pairs of M tiles loaded by TMA (16-byte rows)."""
+def _paired_waves(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
+    """More 128x128 tiles than SMs, in pairs of M tiles."""
     m_tiles = -(-M // 128)
-    return batch * m_tiles * -(-N // 128) > sms and m_tiles % 2 == 0 and M % 8 == N % 8 == K % 8 == 0
+    return batch * m_tiles * -(-N // 128) > sms and m_tiles % 2 == 0
+
+
+# 128x192 tiles (two consumer warpgroups, TMA store) where they fill their last wave and 128x128 or 128x256
+# tiles leave much of theirs idle: 1536x2048x2048 is 132 of them (one wave) against 192 of 128x128 (two
+# waves, the second 45 % full): 0.86 -> 1.03x cuBLAS; pairs of M tiles (B multicast) are as fast or up to
+# 22 % faster (2000x3000x1000), paired beside cuBLAS (NOTES v12)
+_WIDE = GemmConfig(128, 192, 64, 4, 256, 8, epilogue="shared")
+_WIDE_PAIRED = GemmConfig(128, 192, 64, 4, 256, 0, epilogue="shared", cluster=2)
+
+
+def _waves(M: int, N: int, block_N: int, batch: int = 1, sms: int = 132) -> float:
+    """The time of 128 x block_N tiles, one per SM, in 128x128 tile-times: whole waves (a partly idle last
+    one takes as long as a full one) times the tile's width."""
+    return -(-batch * -(-M // 128) * -(-N // block_N) // sms) * block_N / 128
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
@@ -149,6 +165,8 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
+        if _pow2(N) >= 256:  # ... and of 128x192 tiles (one wave where 128x128 would fill two, NOTES v12)
+            space.append(_WIDE_PAIRED)
     return space
 
 
@@ -181,13 +199,14 @@ def split_k_tiles(K: int, cfg: GemmConfig) -> int:
 
 @tile_ops.jit(out_idx=[-1])
 def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
-         dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig()):
+         dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), a_cols=None, b_cols=None):
     """C = A @ B (+ Bias).  With ``cfg.split_k > 1`` the split-K partial kernel instead: grid z is
     (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n = ``split_k_tiles``; the last splits
-    may get fewer, or none: zeros) into W[s] in fp32, without the bias; ``gemm_splitk_reduce`` adds up."""
+    may get fewer, or none: zeros) into W[s] in fp32, without the bias; ``gemm_splitk_reduce`` adds up.
+    ``a_cols``/``b_cols``: A's/B's stored row length when padded past the logical one (``PaddedGemm``)."""
     bM, bN, bK, splits = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split_k
-    A_shape = (batch_a, K, M) if trans_A else (batch_a, M, K)
-    B_shape = (batch_b, N, K) if trans_B else (batch_b, K, N)
+    A_shape = (batch_a, K, a_cols or M) if trans_A else (batch_a, M, a_cols or K)
+    B_shape = (batch_b, N, b_cols or K) if trans_B else (batch_b, K, b_cols or N)
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
@@ -307,6 +326,21 @@ def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16"
     return splitk_reduce
 
 
+@tile_ops.jit(out_idx=[-1])
+def pad_rows(batch, rows, cols, padded, dtype="float16", block_R=16, block_C=256, threads=256):
+    """Y[b, r, :cols] = X[b, r]; Y[b, r, cols:padded] = 0: a matrix re-laid with rows of ``padded``
+    elements (a 16-byte multiple), so that TMA can load it (``PaddedGemm``)."""
+
+    @T.prim_func
+    def pad(X: T.Tensor((batch, rows, cols), dtype), Y: T.Tensor((batch, rows, padded), dtype)):
+        with T.Kernel(T.ceildiv(padded, block_C), T.ceildiv(rows, block_R), batch, threads=threads) as (bx, by, bz):
+            tile = T.alloc_fragment((block_R, block_C), dtype)
+            T.copy(X[bz, by * block_R, bx * block_C], tile)  # zeros past the row
+            T.copy(tile, Y[bz, by * block_R, bx * block_C])
+
+    return pad
+
+
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -330,12 +364,28 @@ def _prepare(a, b):
     return a, b, ta, ba, tb, bb
 
 
-class SplitKGemm:
-    """A split-K gemm: the partial kernel (``gemm`` with ``cfg.split_k > 1``), the reduction kernel and the
-    fp32 workspace between them, launched like one gemm kernel: ``launch_ptrs([A, B, Bias, C], device)``.
+class _ComposedGemm:
+    """Several kernels launched like one gemm kernel: ``launch_ptrs([A, B, Bias, C], device)``; the
+    main one's meta, source, cubin, sass() ... stand for the whole (what the tuner and tests report).
+    Workspaces are caching-allocator ``torch.empty`` per launch on the current stream, which every
+    kernel runs on (so freeing them right after is stream-ordered)."""
 
-    The workspace W (split_k, batch, M, N) is a caching-allocator ``torch.empty`` per launch on the
-    current stream, which both kernels run on (so freeing it right after is stream-ordered)."""
+    main_attr = ""
+
+    def __getattr__(self, name):
+        if name == self.main_attr:
+            raise AttributeError(name)
+        return getattr(getattr(self, self.main_attr), name)
+
+    def launcher(self, device):
+        return lambda ptrs: self.launch_ptrs(ptrs, device)
+
+
+class SplitKGemm(_ComposedGemm):
+    """A split-K gemm: the partial kernel (``gemm`` with ``cfg.split_k > 1``), the reduction kernel and the
+    fp32 workspace W (split_k, batch, M, N) between them."""
+
+    main_attr = "partial"
 
     def __init__(self, partial, reduce):
         self.partial, self.reduce = partial, reduce
@@ -344,14 +394,6 @@ class SplitKGemm:
 
     def __repr__(self) -> str:
         return f"<tile_ops SplitKGemm {self.partial!r} + {self.reduce!r}>"
-
-    def __getattr__(self, name):  # source, cubin, sass(), instruction_mix(), tir: the partial kernel's
-        if name in ("partial", "reduce"):
-            raise AttributeError(name)
-        return getattr(self.partial, name)
-
-    def launcher(self, device):
-        return lambda ptrs: self.launch_ptrs(ptrs, device)
 
     def plan(self, device, buffers, scratch):
         """Both kernels as a plan program (``Kernel.plan``), the workspace as scratch buffer ``scratch``."""
@@ -367,24 +409,71 @@ class SplitKGemm:
         self.reduce.launch_ptrs([w.data_ptr(), bias_ptr, c_ptr], device)
 
 
+class PaddedGemm(_ComposedGemm):
+    """A gemm whose A or B rows are not 16-byte multiples, which TMA cannot load: ``pad_rows`` first copies
+    each such operand into a workspace of padded rows, and the gemm (``a_cols``/``b_cols``) reads those.
+    A's padding along K multiplies B's zero rows; B's along N makes output columns past N, never stored.
+    ``pads``: {operand index (0: A, 1: B): (pad kernel, workspace shape)}."""
+
+    main_attr = "main"
+
+    def __init__(self, pads, main):
+        self.pads, self.main = pads, main
+        self.meta = main.meta
+
+    def __repr__(self) -> str:
+        return f"<tile_ops PaddedGemm {[k for k, _ in self.pads.values()]!r} + {self.main!r}>"
+
+    def plan(self, device, buffers, scratch):
+        """The pads and the gemm as one plan program, each padded operand a scratch buffer from ``scratch``
+        on; where the gemm's launch runs host code (stream-K), the whole launch is the program."""
+        padded, spaces, steps = list(buffers), [], []
+        for i, (pad, shape) in self.pads.items():
+            spaces.append((shape, getattr(torch, pad.meta.params[0][2])))
+            steps += pad.plan(device, [buffers[i], scratch + len(spaces) - 1])[1]
+            padded[i] = scratch + len(spaces) - 1
+        main = self.main.plan(device, padded, scratch + len(spaces))
+        if callable(main):
+            return lambda a, b, out, c: self.launch_ptrs([(a, b, c, out)[i] for i in buffers], device)
+        return spaces + main[0], steps + main[1]
+
+    def launch_ptrs(self, ptrs, device):
+        ptrs, workspaces = list(ptrs), []
+        for i, (pad, shape) in self.pads.items():
+            workspaces.append(torch.empty(shape, dtype=getattr(torch, pad.meta.params[0][2]), device=device))
+            pad.launch_ptrs([ptrs[i], workspaces[-1].data_ptr()], device)
+            ptrs[i] = workspaces[-1].data_ptr()
+        self.main.launch_ptrs(ptrs, device)
+
+
 def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
-               dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None):
-    """The launchable gemm for ``cfg``: the ``gemm`` kernel itself, or a :class:`SplitKGemm` when
-    ``cfg.split_k > 1``.  Either takes ``launch_ptrs([A, B, Bias, C], device)``."""
-    main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg, target=target)
-    if cfg.split_k == 1:
+               dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None, pad=True):
+    """The launchable gemm for ``cfg``: the ``gemm`` kernel itself, a :class:`SplitKGemm` when
+    ``cfg.split_k > 1``, inside a :class:`PaddedGemm` when TMA (sm_90a) cannot load A's or B's rows as
+    they are (``pad=False``: the gemm's synchronous-copy path reads them).  Each takes
+    ``launch_ptrs([A, B, Bias, C], device)``."""
+    stored = [(batch_a, *((K, M) if trans_A else (M, K))), (batch_b, *((N, K) if trans_B else (K, N)))]
+    esize = _ESIZE[dtype]
+    padded = {i: -(-cols * esize // 16) * 16 // esize for i, (_, _, cols) in enumerate(stored)
+              if pad and cols * esize % 16 and (target or default_arch()) == "sm_90a"}
+    main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg,
+                a_cols=padded.get(0), b_cols=padded.get(1), target=target)
+    if cfg.split_k > 1:
+        reduce = gemm_splitk_reduce(M, N, batch, cfg.split_k, has_bias, dtype, out_dtype, *reduce_tile(M, N),
+                                    target=target)
+        main = SplitKGemm(main, reduce)
+    if not padded:
         return main
-    reduce = gemm_splitk_reduce(M, N, batch, cfg.split_k, has_bias, dtype, out_dtype, *reduce_tile(M, N),
-                                target=target)
-    return SplitKGemm(main, reduce)
+    pads = {i: (pad_rows(*stored[i], cols, dtype, target=target), (*stored[i][:2], cols)) for i, cols in padded.items()}
+    return PaddedGemm(pads, main)
 
 
 def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     """(kernel, a, b): the kernel for these operands and the operand views it reads.
 
     A split-K config (``split_k > 1``) chosen by ``config_for`` (tuned or heuristic, both per (M, N, K))
-    is divided by the batch count: a batch already multiplies the CTAs; the short-grid pairing is re-derived
-    with the batch.  An explicit ``cfg`` is used as is."""
+    is divided by the batch count: a batch already multiplies the CTAs; the defaults fitted to the waves of
+    one matrix (short-grid pairs, 128x192 tiles) are re-derived with the batch.  An explicit ``cfg`` is used as is."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
@@ -392,7 +481,7 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
         cfg = config_for("gemm", M, N, K, _DT[a.dtype], a.device)
         if cfg.split_k > 1 and Bt > 1:
             cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
-        if cfg == _HALF_WAVE and Bt > 1:  # a short grid per matrix may be a full one over the batch
+        if cfg in (_HALF_WAVE, _WIDE, _WIDE_PAIRED) and Bt > 1:  # fitted to one matrix's waves, not the batch's
             cfg = default_config(M, N, K, batch=Bt)
     kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg)
     return kernel, a, b

@@ -1,0 +1,115 @@
+"""Operands whose rows are not 16-byte multiples, on the CPU: on sm_90a build_gemm pads exactly those
+(A's or B's stored rows, transposed or not) so that TMA loads them; ``pad_rows`` copies and zero-fills
+(run on the CPU emulator); the PaddedGemm launch and plan plumbing (fake kernels).  GPU numerics:
+tests/test_gemm_configs_gpu.py (ragged shapes, every config) and tests/test_ops_gpu.py (the fast path)."""
+
+import numpy as np
+import pytest
+import torch
+
+from tile_ops.compiler.lower import lower
+from tile_ops.kernels import gemm as gemm_kernels
+from tile_ops.kernels.gemm import GemmConfig, PaddedGemm, SplitKGemm, build_gemm, default_config, pad_rows
+from tir_emulator import Emulator
+
+CFG = GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("shape, trans_A, trans_B, pads", [
+    ((777, 3001, 1234), False, False, {0: (1, 777, 1240), 1: (1, 1234, 3008)}),  # A along K, B along N
+    ((777, 3001, 1234), True, True, {0: (1, 1234, 784), 1: (1, 3001, 1240)}),  # A^T along M, B^T along K
+    ((1024, 3001, 1024), False, False, {1: (1, 1024, 3008)}),
+    ((1024, 3001, 1024), False, True, {}),  # B^T's rows are K = 1024 long: aligned
+    ((3000, 1000, 1500), False, False, {0: (1, 3000, 1504)})])
+def test_sm90a_pads_exactly_the_operands_tma_cannot_load(shape, trans_A, trans_B, pads):
+    k = build_gemm(*shape, 1, 1, 1, trans_A, trans_B, True, "float16", "float16", CFG, target="sm_90a")
+    if not pads:
+        assert not isinstance(k, PaddedGemm)
+        return
+    assert isinstance(k, PaddedGemm) and {i: s for i, (_, s) in k.pads.items()} == pads
+    for i, (pad, stored) in k.pads.items():
+        assert pad.meta.params[1] == ("Y", stored, "float16")  # the workspace the gemm reads
+        assert k.main.meta.params[i][1] == stored
+    # every load is a TMA load now (a synchronous-copy fallback would read global memory with ld.global)
+    assert "cp.async.bulk.tensor" in k.source and "wgmma.mma_async" in k.source
+    assert k.meta is k.main.meta and k.cubin == k.main.cubin
+    assert k.main.meta.params[3] == ("C", (1, *shape[:2]), "float16")  # the output is not padded
+
+
+def test_padding_only_where_it_enables_tma():
+    shape = (777, 3001, 1234)
+    unpadded = build_gemm(*shape, cfg=CFG, target="sm_90a", pad=False)
+    assert not isinstance(unpadded, PaddedGemm) and "cp.async.bulk.tensor" not in unpadded.source
+    assert not isinstance(build_gemm(*shape, cfg=CFG, target="sm_90"), PaddedGemm)  # cp.async path: no TMA
+    # a decode split-K gemm with a ragged K pads A inside (the split pair reads the workspace)
+    k = build_gemm(16, 4096, 4095, cfg=default_config(16, 4096, 4095, "sm_90a"), target="sm_90a")
+    assert isinstance(k, PaddedGemm) and isinstance(k.main, SplitKGemm) and list(k.pads) == [0]
+
+
+@pytest.mark.parametrize("rows, cols, padded", [(37, 129, 136), (5, 3001, 3008), (16, 7, 8)])
+def test_pad_rows_copies_rows_and_zero_fills_the_rest(rows, cols, padded):
+    x = np.random.default_rng(0).uniform(-4, 4, (2, rows, cols)).astype(np.float16)
+    y = np.full((2, rows, padded), np.nan, np.float16)
+    lk = lower(pad_rows.fn(2, rows, cols, padded), "sm_80")
+    Emulator(lk.func, {"X": x, "Y": y}).run(lk.grid)
+    np.testing.assert_array_equal(y[..., :cols], x)
+    assert not y[..., cols:].any()  # zeros, not NaN: they multiply the other operand's zero rows
+
+
+class FakeKernel:
+    def __init__(self, params, log, name):
+        self.meta = type("Meta", (), {"params": params})()
+        self.log, self.name = log, name
+
+    def launch_ptrs(self, ptrs, device):
+        self.log.append((self.name, list(ptrs)))
+
+    def plan(self, device, buffers, scratch=None):
+        return [], [(self.name, list(buffers))]
+
+
+def _padded(log):
+    pad_a = FakeKernel([("X", (1, 16, 7), "float16"), ("Y", (1, 16, 8), "float16")], log, "pad A")
+    pad_b = FakeKernel([("X", (1, 7, 9), "bfloat16"), ("Y", (1, 7, 16), "bfloat16")], log, "pad B")
+    main = FakeKernel([], log, "gemm")
+    return PaddedGemm({0: (pad_a, (1, 16, 8)), 1: (pad_b, (1, 7, 16))}, main)
+
+
+def test_padded_gemm_launches_pads_then_the_gemm_on_the_workspaces(monkeypatch):
+    log, allocs = [], []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        allocs.append((tuple(t.shape), t.dtype, t.data_ptr()))
+        return t
+
+    monkeypatch.setattr(gemm_kernels.torch, "empty", empty)
+    gemm_kernels.gemm_launcher(_padded(log), torch.device("cpu"))(0x100, 0x200, 0x300, 0x400)
+    (sa, da, wa), (sb, db, wb) = allocs
+    assert (sa, da, sb, db) == ((1, 16, 8), torch.float16, (1, 7, 16), torch.bfloat16)
+    assert log == [("pad A", [0x100, wa]), ("pad B", [0x200, wb]), ("gemm", [wa, wb, 0x400, 0x300])]
+
+
+def test_padded_gemm_plan_puts_the_workspaces_in_scratch_buffers():
+    k = _padded([])
+    A, B, C, OUT, SCRATCH = range(5)
+    spaces, steps = k.plan(None, [A, B, C, OUT], SCRATCH)
+    assert spaces == [((1, 16, 8), torch.float16), ((1, 7, 16), torch.bfloat16)]
+    assert steps == [("pad A", [A, SCRATCH]), ("pad B", [B, SCRATCH + 1]), ("gemm", [SCRATCH, SCRATCH + 1, C, OUT])]
+
+
+def test_padded_gemm_plan_is_its_launch_where_the_gemm_runs_host_code():
+    log = []
+    k = _padded(log)
+    k.main.plan = lambda device, buffers, scratch: (lambda a, b, out, c: None)  # stream-K: a launcher
+    launch = k.plan(torch.device("cpu"), [0, 1, 2, 3], 4)
+    assert callable(launch)
+    launch(0x100, 0x200, 0x300, 0x400)  # plan buffers a, b, out, c
+    assert [n for n, _ in log] == ["pad A", "pad B", "gemm"] and log[0][1][0] == 0x100 and log[1][1][0] == 0x200
+    assert log[2][1][2:] == [0x400, 0x300]  # bias slot <- c, output <- out
