@@ -7,7 +7,8 @@ ragged shapes of each kernel, on both code paths (issue 4 item 6).
 
 Kernels: ``gemm`` (the library factory, tile_ops.kernels.gemm, with its default config for the shape and
 path; the ragged shapes also take the bias), ``gemm_softmax`` (tile_ops.kernels.gemm_softmax, default
-config) and ``matmul20`` (the README's 20-line matmul, tests/programs.py, default tiles).  Paths: ``sm_90a``
+config), ``matmul20`` (the README's 20-line matmul, tests/programs.py, default tiles) and ``pad_rows``
+(the copy build_gemm puts before a gemm whose rows TMA cannot load).  Paths: ``sm_90a``
 (TMA + wgmma, warp-specialized, when the copies are TMA-eligible) and ``sm_90`` (cp.async + mma.sync) on
 the same GPU.  Shapes: a small one, a ragged one whose rows are not 16-byte aligned (so sm_90a falls back
 to non-TMA copies) and a ragged one whose rows are 16-byte aligned but whose M/N/K are not tile multiples
@@ -59,14 +60,17 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-KERNELS = ("gemm", "gemm_softmax", "matmul20")
+KERNELS = ("gemm", "gemm_softmax", "matmul20", "pad_rows")
 PATHS = ("sm_90a", "sm_90")
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 DEFAULT_TOOLS = ("memcheck", "racecheck", "synccheck")
-# (label, (M, N, K)): small, ragged with unaligned rows (no TMA), ragged with 16-byte aligned rows (TMA)
+# (label, (M, N, K)): small, ragged with unaligned rows (no TMA: the gemm kernel itself, which build_gemm
+# would pad for TMA on sm_90a), ragged with 16-byte aligned rows (TMA); pad_rows: (rows, cols, padded)
 SHAPES = {
+    "pad_rows": [("small", (16, 120, 128)), ("ragged", (1234, 3001, 3008))],
     "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72)),
-             ("short-grid", (768, 1024, 136))],  # sm_90a: pairs of 64-row tiles in clusters (B multicast)
+             ("short-grid", (768, 1024, 136)),  # sm_90a: pairs of 64-row tiles in clusters (B multicast)
+             ("wide", (1500, 1704, 72))],  # sm_90a: one wave of 128x192 tiles in pairs, ragged
     "matmul20": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
     "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
                      # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles
@@ -96,6 +100,10 @@ def build(kernel, arch, shape, label):
         from tile_ops.kernels.gemm_softmax import default_config, gemm_softmax
 
         return gemm_softmax(M, N, K, SCALE, "float16", "float16", default_config(M, N, K, arch), target=arch)
+    if kernel == "pad_rows":
+        from tile_ops.kernels.gemm import pad_rows
+
+        return pad_rows(1, M, N, K, "float16", target=arch)
     if kernel == "matmul20":
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from programs import matmul
@@ -129,6 +137,11 @@ def reference(kernel, tensors, label):
     """(output position, float64 reference) for the tensors of ``make_tensors``."""
     import torch
 
+    if kernel == "pad_rows":  # the rows, then zeros
+        x, y = tensors
+        ref = torch.zeros(y.shape, dtype=torch.float64)
+        ref[..., :x.shape[-1]] = x.double()
+        return 1, ref
     if kernel == "gemm":
         a, b, bias, _ = (t.double() for t in tensors)
         ref = a[0] @ b[0] + (bias if label != "small" else 0)
