@@ -23,7 +23,7 @@ from tile_ops.jit import default_arch  # noqa: E402
 from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa: E402
 
 SHAPES = {  # ../shared/ANCHORS.md, then ragged shapes beside 1000^3 (issue 4: >= 0.90x cuBLAS): mid grids
-    # that fill 1.4-2.4 waves of 128x128 tiles, and one whose rows are not 16-byte aligned (no TMA)
+    # that fill 1.4-2.4 waves of 128x128 tiles, and one whose rows are not 16-byte aligned (padded for TMA)
     "float16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (8192, 1024, 8192),
                 (4096, 14336, 4096), (1000, 1000, 1000), (1500, 2000, 2000), (3000, 1000, 1500),
                 (777, 3001, 1234), (16, 8192, 8192)],
@@ -122,7 +122,8 @@ def other_shapes(spec):
 
 
 def kernels_for(M, N, K, dtype, configs, arch):
-    """{config: kernel}; build_gemm: a split-K config is two kernels (partials, reduction) launched as one.
+    """{config: kernel}; build_gemm: a split-K config is two kernels (partials, reduction) launched as one, and
+    operands whose rows TMA cannot load are padded by pad_rows kernels launched with it.
     A config the shape does not allow (a cluster not dividing the M tiles) is said and left out."""
     out = {}
     for cfg in configs:

@@ -70,7 +70,8 @@ SHAPES = {
     "pad_rows": [("small", (16, 120, 128)), ("ragged", (1234, 3001, 3008))],
     "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72)),
              ("short-grid", (768, 1024, 136)),  # sm_90a: pairs of 64-row tiles in clusters (B multicast)
-             ("wide", (1500, 1704, 72))],  # sm_90a: one wave of 128x192 tiles in pairs, ragged
+             ("wide", (1500, 1704, 72)),  # sm_90a: one wave of 128x192 tiles in pairs, ragged
+             ("padded", (127, 255, 129))],  # sm_90a: the gemm build_gemm runs after pad_rows (rows of 136, 256)
     "matmul20": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
     "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
                      # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles
@@ -92,10 +93,11 @@ def build(kernel, arch, shape, label):
     """The tile_ops.Kernel for one (kernel, path, shape): compiled, or loaded from the cache."""
     M, N, K = shape
     if kernel == "gemm":
-        from tile_ops.kernels.gemm import default_config, gemm
+        from tile_ops.kernels.gemm import default_config, gemm, padded_cols
 
+        cols = padded_cols(M, N, K, target=arch) if label == "padded" else {}
         return gemm(M, N, K, 1, 1, 1, False, False, label != "small", "float16", "float16",
-                    default_config(M, N, K, arch), target=arch)
+                    default_config(M, N, K, arch), **cols, target=arch)
     if kernel == "gemm_softmax":
         from tile_ops.kernels.gemm_softmax import default_config, gemm_softmax
 
@@ -142,9 +144,10 @@ def reference(kernel, tensors, label):
         ref = torch.zeros(y.shape, dtype=torch.float64)
         ref[..., :x.shape[-1]] = x.double()
         return 1, ref
-    if kernel == "gemm":
+    if kernel == "gemm":  # padded rows hold random values: only the logical M x K and K x N take part
+        M, N, K = dict(SHAPES["gemm"])[label]
         a, b, bias, _ = (t.double() for t in tensors)
-        ref = a[0] @ b[0] + (bias if label != "small" else 0)
+        ref = a[0, :, :K] @ b[0, :, :N] + (bias if label != "small" else 0)
         return 3, ref[None]
     a, b, _ = (t.double() for t in tensors)
     ref = a @ b

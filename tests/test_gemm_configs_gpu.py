@@ -90,6 +90,13 @@ def test_wide_default_where_it_fills_the_wave(shape, cfg, variant):
     check(cfg, shape, variant, "sm_90a")
 
 
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("shape", [(127, 255, 129), (300, 1001, 777)], ids=lambda s: "x".join(map(str, s)))
+def test_padded_operand_broadcast_over_the_batch(shape):
+    """A batched A times one B (batch stride 0): each operand padded into a workspace of its own batch."""
+    check(default_config(*shape, "sm_90a"), shape, "batched fp32 out", "sm_90a", batch_b=1)
+
+
 @pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("target", ["sm_90a", "sm_90"] if HOPPER else [None])
 def test_default_configs_and_shared_epilogue_everywhere(shape, target):
@@ -98,13 +105,15 @@ def test_default_configs_and_shared_epilogue_everywhere(shape, target):
     check(GemmConfig(128, 128, 32, 3, 128, 8, epilogue="shared"), shape, "transposed+bias bf16", target)
 
 
-def check(cfg, shape, variant, target, pad=True):
+def check(cfg, shape, variant, target, pad=True, batch_b=None):
+    """``batch_b=1``: B broadcast over the batch (one stored matrix, one padded workspace)."""
     M, N, K = shape
     batch, ta, tb, has_bias, dtype, out_dtype = VARIANTS[variant]
-    kernel = build_gemm(M, N, K, batch, batch, batch, ta, tb, has_bias, _dt(dtype), _dt(out_dtype), cfg,
+    batch_b = batch_b or batch
+    kernel = build_gemm(M, N, K, batch, batch, batch_b, ta, tb, has_bias, _dt(dtype), _dt(out_dtype), cfg,
                         target=target, pad=pad)
     a = torch.randn(batch, *((K, M) if ta else (M, K)), device="cuda").to(dtype)
-    b = torch.randn(batch, *((N, K) if tb else (K, N)), device="cuda").to(dtype)
+    b = torch.randn(batch_b, *((N, K) if tb else (K, N)), device="cuda").to(dtype)
     bias = (torch.randn(N, device="cuda") * K ** 0.5).to(dtype)  # as large as a @ b: a missing bias fails
     out = torch.full((batch, M, N), float("nan"), dtype=out_dtype, device="cuda")
     kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), bias.data_ptr(), out.data_ptr()], a.device)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
 from tile_ops.kernels import gemm as gemm_kernels
 from tile_ops.kernels.gemm import GemmConfig, PaddedGemm, SplitKGemm, build_gemm, default_config, pad_rows
@@ -35,8 +36,8 @@ def test_sm90a_pads_exactly_the_operands_tma_cannot_load(shape, trans_A, trans_B
     for i, (pad, stored) in k.pads.items():
         assert pad.meta.params[1] == ("Y", stored, "float16")  # the workspace the gemm reads
         assert k.main.meta.params[i][1] == stored
-    # every load is a TMA load now (a synchronous-copy fallback would read global memory with ld.global)
-    assert "cp.async.bulk.tensor" in k.source and "wgmma.mma_async" in k.source
+    # both operands are TMA-loaded now (a synchronous-copy fallback would have no tensor map for them)
+    assert {"A", "B"} <= {m["tensor"] for m in k.main.meta.tensormaps.values()} and "wgmma.mma_async" in k.source
     assert k.meta is k.main.meta and k.cubin == k.main.cubin
     assert k.main.meta.params[3] == ("C", (1, *shape[:2]), "float16")  # the output is not padded
 
@@ -51,6 +52,12 @@ def test_padding_only_where_it_enables_tma():
     assert isinstance(k, PaddedGemm) and isinstance(k.main, SplitKGemm) and list(k.pads) == [0]
 
 
+def test_pad_rows_grid_takes_a_million_rows():
+    """Rows go on grid x (up to 2^31 - 1 blocks), not y (65535 blocks: ~1M rows of 16)."""
+    grid = compile_program(pad_rows.fn(1, 1_100_000, 1001, 1008), "sm_90a").grid
+    assert grid == (68750, 4, 1)
+
+
 @pytest.mark.parametrize("rows, cols, padded", [(37, 129, 136), (5, 3001, 3008), (16, 7, 8)])
 def test_pad_rows_copies_rows_and_zero_fills_the_rest(rows, cols, padded):
     x = np.random.default_rng(0).uniform(-4, 4, (2, rows, cols)).astype(np.float16)
@@ -63,7 +70,7 @@ def test_pad_rows_copies_rows_and_zero_fills_the_rest(rows, cols, padded):
 
 class FakeKernel:
     def __init__(self, params, log, name):
-        self.meta = type("Meta", (), {"params": params})()
+        self.meta = type("Meta", (), {"params": params, "needs_workspace": False})()
         self.log, self.name = log, name
 
     def launch_ptrs(self, ptrs, device):
@@ -107,7 +114,7 @@ def test_padded_gemm_plan_puts_the_workspaces_in_scratch_buffers():
 def test_padded_gemm_plan_is_its_launch_where_the_gemm_runs_host_code():
     log = []
     k = _padded(log)
-    k.main.plan = lambda device, buffers, scratch: (lambda a, b, out, c: None)  # stream-K: a launcher
+    k.main.meta.needs_workspace = True  # stream-K: its plan is its launcher, which runs host code
     launch = k.plan(torch.device("cpu"), [0, 1, 2, 3], 4)
     assert callable(launch)
     launch(0x100, 0x200, 0x300, 0x400)  # plan buffers a, b, out, c

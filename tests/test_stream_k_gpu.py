@@ -26,7 +26,7 @@ CONFIGS = [  # 1000^3: 64 tiles in halves; decode 16x4096x4096: 32 tiles in quar
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_stream_k_configs(cfg, shape, variant):
     """The configs over every shape and variant of test_gemm_configs_gpu.py (batched, transposed, bias, fp32
-    output, unaligned rows that fall back to synchronous copies, where stream_k does nothing)."""
+    output, unaligned rows padded for TMA)."""
     if -(-shape[0] // cfg.block_M) % cfg.cluster:
         pytest.skip(f"cluster={cfg.cluster} does not divide the M tiles of this shape")
     check(cfg, shape, variant, "sm_90a")

@@ -64,20 +64,21 @@ class Job:
         return s + (f" scale={self.scale:g}" if self.op == "gemm_softmax" else "")
 
     def factory_args(self):
-        """(jit function, positional args): the same specialization the torch op path builds."""
+        """(jit function, positional args, keyword args) of the main kernel the torch op path builds."""
         M, N, K = self.shape
         from .autotune import config_for  # the config the op would launch with here (tuned, else default)
 
         if self.op == "gemm":
-            from .kernels.gemm import gemm
+            from .kernels.gemm import gemm, padded_cols
 
             cfg = config_for("gemm", M, N, K, self.dtype, arch=self.arch)
-            return gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, cfg)
+            return (gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, cfg),
+                    padded_cols(M, N, K, dtype=self.dtype, target=self.arch))
         if self.op == "gemm_softmax":
             from .kernels.gemm_softmax import gemm_softmax
 
             return gemm_softmax, (M, N, K, float(self.scale), self.dtype, self.dtype,
-                                  config_for("gemm_softmax", M, N, K, self.dtype, arch=self.arch))
+                                  config_for("gemm_softmax", M, N, K, self.dtype, arch=self.arch)), {}
         raise ValueError(f"unknown op {self.op!r}")
 
 
@@ -98,13 +99,15 @@ def build(job: Job) -> Built:
 
     out = Built(job)
     try:
-        fn, args = job.factory_args()
-        out.key = fn.key(args, {}, job.arch)
+        fn, args, kwargs = job.factory_args()
+        out.key = fn.key(args, kwargs, job.arch)
         out.cached = DiskCache().path(out.key).is_dir()
         t0 = time.perf_counter()
-        if job.op == "gemm" and args[-1].split_k > 1:  # split-K: the reduction kernel too, launched as one
+        if job.op == "gemm":  # and what is launched with it: operand pads, a split-K reduction
             from .kernels.gemm import build_gemm as fn
-        out.kernel = fn(*args, target=job.arch)
+
+            kwargs = {}
+        out.kernel = fn(*args, **kwargs, target=job.arch)
         out.seconds = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported in the table
         msg = str(e).strip()

@@ -48,8 +48,8 @@ _HOPPER_TILES = [GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
 
 
 def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int = 1) -> GemmConfig:
-    """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode
-    (``batch`` multiplies the tiles only where a short grid is decided: the half-wave pairs)."""
+    """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode;
+    ``batch`` multiplies the tiles where waves are counted (short-grid pairs, 128x192 tiles, 128x128 pairs)."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound; 512-byte B rows per CTA, K split until B streams from ~every SM
             return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
@@ -333,10 +333,11 @@ def pad_rows(batch, rows, cols, padded, dtype="float16", block_R=16, block_C=256
 
     @T.prim_func
     def pad(X: T.Tensor((batch, rows, cols), dtype), Y: T.Tensor((batch, rows, padded), dtype)):
-        with T.Kernel(T.ceildiv(padded, block_C), T.ceildiv(rows, block_R), batch, threads=threads) as (bx, by, bz):
+        # rows on grid x, which takes 2^31 - 1 blocks (y: 65535, i.e. ~1M rows)
+        with T.Kernel(T.ceildiv(rows, block_R), T.ceildiv(padded, block_C), batch, threads=threads) as (bx, by, bz):
             tile = T.alloc_fragment((block_R, block_C), dtype)
-            T.copy(X[bz, by * block_R, bx * block_C], tile)  # zeros past the row
-            T.copy(tile, Y[bz, by * block_R, bx * block_C])
+            T.copy(X[bz, bx * block_R, by * block_C], tile)  # zeros past the row
+            T.copy(tile, Y[bz, bx * block_R, by * block_C])
 
     return pad
 
@@ -412,7 +413,8 @@ class SplitKGemm(_ComposedGemm):
 class PaddedGemm(_ComposedGemm):
     """A gemm whose A or B rows are not 16-byte multiples, which TMA cannot load: ``pad_rows`` first copies
     each such operand into a workspace of padded rows, and the gemm (``a_cols``/``b_cols``) reads those.
-    A's padding along K multiplies B's zero rows; B's along N makes output columns past N, never stored.
+    Padding along K (A's rows, or B^T's) meets the other operand's zeros past K (TMA fills them, or its own
+    zero padding); padding along M (A^T's) or N (B's) makes output rows or columns that are never stored.
     ``pads``: {operand index (0: A, 1: B): (pad kernel, workspace shape)}."""
 
     main_attr = "main"
@@ -427,15 +429,15 @@ class PaddedGemm(_ComposedGemm):
     def plan(self, device, buffers, scratch):
         """The pads and the gemm as one plan program, each padded operand a scratch buffer from ``scratch``
         on; where the gemm's launch runs host code (stream-K), the whole launch is the program."""
+        if self.main.meta.needs_workspace:
+            return lambda a, b, out, c: self.launch_ptrs([(a, b, c, out)[i] for i in buffers], device)
         padded, spaces, steps = list(buffers), [], []
         for i, (pad, shape) in self.pads.items():
             spaces.append((shape, getattr(torch, pad.meta.params[0][2])))
             steps += pad.plan(device, [buffers[i], scratch + len(spaces) - 1])[1]
             padded[i] = scratch + len(spaces) - 1
-        main = self.main.plan(device, padded, scratch + len(spaces))
-        if callable(main):
-            return lambda a, b, out, c: self.launch_ptrs([(a, b, c, out)[i] for i in buffers], device)
-        return spaces + main[0], steps + main[1]
+        scratch_main, steps_main = self.main.plan(device, padded, scratch + len(spaces))
+        return spaces + scratch_main, steps + steps_main
 
     def launch_ptrs(self, ptrs, device):
         ptrs, workspaces = list(ptrs), []
@@ -446,25 +448,40 @@ class PaddedGemm(_ComposedGemm):
         self.main.launch_ptrs(ptrs, device)
 
 
+def _stored(M, N, K, batch_a, batch_b, trans_A, trans_B) -> list:
+    """The stored (batch, rows, cols) of A and B."""
+    return [(batch_a, *((K, M) if trans_A else (M, K))), (batch_b, *((N, K) if trans_B else (K, N)))]
+
+
+def padded_cols(M, N, K, batch_a=1, batch_b=1, trans_A=False, trans_B=False, dtype="float16", target=None) -> dict:
+    """``gemm``'s ``a_cols``/``b_cols`` as ``build_gemm`` gives them: for each operand whose stored rows TMA
+    cannot load (sm_90a; not 16-byte multiples), the 16-byte multiple it is padded to.  {} when none."""
+    if (target or default_arch()) != "sm_90a":
+        return {}
+    esize = _ESIZE[dtype]
+    return {name: -(-cols * esize // 16) * 16 // esize
+            for name, (_, _, cols) in zip(("a_cols", "b_cols"), _stored(M, N, K, batch_a, batch_b, trans_A, trans_B))
+            if cols * esize % 16}
+
+
 def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
                dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None, pad=True):
     """The launchable gemm for ``cfg``: the ``gemm`` kernel itself, a :class:`SplitKGemm` when
     ``cfg.split_k > 1``, inside a :class:`PaddedGemm` when TMA (sm_90a) cannot load A's or B's rows as
     they are (``pad=False``: the gemm's synchronous-copy path reads them).  Each takes
     ``launch_ptrs([A, B, Bias, C], device)``."""
-    stored = [(batch_a, *((K, M) if trans_A else (M, K))), (batch_b, *((N, K) if trans_B else (K, N)))]
-    esize = _ESIZE[dtype]
-    padded = {i: -(-cols * esize // 16) * 16 // esize for i, (_, _, cols) in enumerate(stored)
-              if pad and cols * esize % 16 and (target or default_arch()) == "sm_90a"}
-    main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg,
-                a_cols=padded.get(0), b_cols=padded.get(1), target=target)
+    cols = padded_cols(M, N, K, batch_a, batch_b, trans_A, trans_B, dtype, target) if pad else {}
+    main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg, **cols,
+                target=target)
     if cfg.split_k > 1:
         reduce = gemm_splitk_reduce(M, N, batch, cfg.split_k, has_bias, dtype, out_dtype, *reduce_tile(M, N),
                                     target=target)
         main = SplitKGemm(main, reduce)
-    if not padded:
+    if not cols:
         return main
-    pads = {i: (pad_rows(*stored[i], cols, dtype, target=target), (*stored[i][:2], cols)) for i, cols in padded.items()}
+    stored = _stored(M, N, K, batch_a, batch_b, trans_A, trans_B)
+    pads = {i: (pad_rows(*stored[i], n, dtype, target=target), (*stored[i][:2], n))
+            for i, name in enumerate(("a_cols", "b_cols")) if (n := cols.get(name))}
     return PaddedGemm(pads, main)
 
 
@@ -501,7 +518,8 @@ def gemm_launcher(kernel, device):
 
 def gemm_plan(kernel, device, a, b, out, bias=None, scratch=None):
     """``gemm_launcher``'s launch as a plan program (``Kernel.plan``) over plan buffer indices a, b, out and
-    bias (None: no bias); a split-K gemm's workspace is buffer ``scratch``."""
+    bias (None: no bias); workspaces (a split-K gemm's partials, a PaddedGemm's padded operands) are the
+    buffers from ``scratch`` on."""
     return kernel.plan(device, _gemm_params(a, b, out, bias), scratch)
 
 

@@ -8,7 +8,9 @@ Implementations:
 
 * CUDA: validates, allocates the output and launches ``tile_ops.kernels.gemm``
   (fp16/bf16 inputs, fp32 accumulation, bias added in the epilogue; with a
-  split-K config, two kernels: fp32 partials, then their sum + bias).  Operands
+  split-K config, two kernels: fp32 partials, then their sum + bias; on sm_90a
+  an operand whose rows are not 16-byte multiples is first copied into padded
+  rows that TMA can load).  Operands
   whose last two dims are row-major or a plain transpose (``x.t()``,
   ``x.transpose(-1, -2)``, ``x.mT``) go to the kernel as they are, through its
   transpose flags; any other strided view (e.g. ``x[:, ::2]``) is copied with
