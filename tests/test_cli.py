@@ -4,6 +4,7 @@ Every command runs in a subprocess (``python -m tile_ops``) with TILE_OPS_CACHE_
 CUDA_VISIBLE_DEVICES="" so the no-GPU path is taken even on a GPU machine.  Needs nvcc (CPU only).
 """
 
+import json
 import os
 import re
 import shutil
@@ -63,6 +64,18 @@ def test_precompile_fills_cache_then_hits_it(tmp_path):
 
     assert "removed 1 entry" in run_cli(cache, "cache", "clear")
     assert entries(cache) == 0
+
+
+def test_precompile_builds_what_the_op_launches_for_unaligned_rows(tmp_path):
+    """sm_90a, rows of 1001 halves (K) and 999 (N): the gemm over padded rows (the key reported is its own)
+    and the two pad_rows kernels go into the cache, as the op path builds them."""
+    cache = tmp_path / "cache"
+    out = run_cli(cache, "precompile", "--arch", "sm_90a", "--gemm", "256x999x1001", "--dtype", "float16")
+    assert "1 built, 0 already cached, 0 failed" in out, out
+    key = re.search(r"\b([0-9a-f]{32})\b", out).group(1)
+    params = json.loads((cache / key[:2] / key / "meta.json").read_text())["meta"]["params"]
+    assert [p[:2] for p in params[:2]] == [["A", [1, 256, 1008]], ["B", [1, 1001, 1000]]], params
+    assert entries(cache) == 3  # the gemm and a pad_rows kernel per operand
 
 
 def test_demo_quick_without_gpu(tmp_path):
