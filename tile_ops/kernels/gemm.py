@@ -94,8 +94,8 @@ def _paired_waves(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
 
 # 128x192 tiles (two consumer warpgroups, TMA store) where they fill their last wave and 128x128 or 128x256
 # tiles leave much of theirs idle: 1536x2048x2048 is 132 of them (one wave) against 192 of 128x128 (two
-# waves, the second 45 % full): 0.86 -> 1.03x cuBLAS; pairs of M tiles (B multicast) are as fast or up to
-# 22 % faster (2000x3000x1000), paired beside cuBLAS (NOTES v12)
+# waves, the second 45 % full): 0.86 -> 1.03x cuBLAS; pairs of M tiles (B multicast) are within 2 % or up to
+# 28 % faster (2000x3000x1000), paired beside cuBLAS (NOTES v12)
 _WIDE = GemmConfig(128, 192, 64, 4, 256, 8, epilogue="shared")
 _WIDE_PAIRED = GemmConfig(128, 192, 64, 4, 256, 0, epilogue="shared", cluster=2)
 
@@ -415,7 +415,7 @@ class PaddedGemm(_ComposedGemm):
     each such operand into a workspace of padded rows, and the gemm (``a_cols``/``b_cols``) reads those.
     Padding along K (A's rows, or B^T's) meets the other operand's zeros past K (TMA fills them, or its own
     zero padding); padding along M (A^T's) or N (B's) makes output rows or columns that are never stored.
-    ``pads``: {operand index (0: A, 1: B): (pad kernel, workspace shape)}."""
+    ``pads``: {operand index (0: A, 1: B): its pad kernel, whose output Y is the workspace}."""
 
     main_attr = "main"
 
@@ -424,7 +424,7 @@ class PaddedGemm(_ComposedGemm):
         self.meta = main.meta
 
     def __repr__(self) -> str:
-        return f"<tile_ops PaddedGemm {[k for k, _ in self.pads.values()]!r} + {self.main!r}>"
+        return f"<tile_ops PaddedGemm {list(self.pads.values())!r} + {self.main!r}>"
 
     def plan(self, device, buffers, scratch):
         """The pads and the gemm as one plan program, each padded operand a scratch buffer from ``scratch``
@@ -432,8 +432,8 @@ class PaddedGemm(_ComposedGemm):
         if self.main.meta.needs_workspace:
             return lambda a, b, out, c: self.launch_ptrs([(a, b, c, out)[i] for i in buffers], device)
         padded, spaces, steps = list(buffers), [], []
-        for i, (pad, shape) in self.pads.items():
-            spaces.append((shape, getattr(torch, pad.meta.params[0][2])))
+        for i, pad in self.pads.items():
+            spaces.append(_workspace(pad))
             steps += pad.plan(device, [buffers[i], scratch + len(spaces) - 1])[1]
             padded[i] = scratch + len(spaces) - 1
         scratch_main, steps_main = self.main.plan(device, padded, scratch + len(spaces))
@@ -441,11 +441,18 @@ class PaddedGemm(_ComposedGemm):
 
     def launch_ptrs(self, ptrs, device):
         ptrs, workspaces = list(ptrs), []
-        for i, (pad, shape) in self.pads.items():
-            workspaces.append(torch.empty(shape, dtype=getattr(torch, pad.meta.params[0][2]), device=device))
+        for i, pad in self.pads.items():
+            shape, dtype = _workspace(pad)
+            workspaces.append(torch.empty(shape, dtype=dtype, device=device))
             pad.launch_ptrs([ptrs[i], workspaces[-1].data_ptr()], device)
             ptrs[i] = workspaces[-1].data_ptr()
         self.main.launch_ptrs(ptrs, device)
+
+
+def _workspace(pad) -> tuple:
+    """(shape, torch dtype) of a pad kernel's output: the padded operand."""
+    _, shape, dtype = pad.meta.params[-1]
+    return tuple(shape), getattr(torch, dtype)
 
 
 def _stored(M, N, K, batch_a, batch_b, trans_A, trans_B) -> list:
@@ -480,7 +487,7 @@ def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=Fa
     if not cols:
         return main
     stored = _stored(M, N, K, batch_a, batch_b, trans_A, trans_B)
-    pads = {i: (pad_rows(*stored[i], n, dtype, target=target), (*stored[i][:2], n))
+    pads = {i: pad_rows(*stored[i], n, dtype, target=target)
             for i, name in enumerate(("a_cols", "b_cols")) if (n := cols.get(name))}
     return PaddedGemm(pads, main)
 
