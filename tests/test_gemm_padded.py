@@ -11,6 +11,7 @@ from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
 from tile_ops.kernels import gemm as gemm_kernels
 from tile_ops.kernels.gemm import GemmConfig, PaddedGemm, SplitKGemm, build_gemm, default_config, pad_rows
+from fake_kernels import FakeKernel, record_allocations
 from tir_emulator import Emulator
 
 CFG = GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared")
@@ -32,10 +33,10 @@ def test_sm90a_pads_exactly_the_operands_tma_cannot_load(shape, trans_A, trans_B
     if not pads:
         assert not isinstance(k, PaddedGemm)
         return
-    assert isinstance(k, PaddedGemm) and {i: s for i, (_, s) in k.pads.items()} == pads
-    for i, (pad, stored) in k.pads.items():
-        assert pad.meta.params[1] == ("Y", stored, "float16")  # the workspace the gemm reads
-        assert k.main.meta.params[i][1] == stored
+    assert isinstance(k, PaddedGemm) and {i: pad.meta.params[1][1] for i, pad in k.pads.items()} == pads
+    for i, pad in k.pads.items():
+        assert pad.meta.params[1] == ("Y", pads[i], "float16")  # the workspace the gemm reads
+        assert k.main.meta.params[i][1] == pads[i]
     # both operands are TMA-loaded now (a synchronous-copy fallback would have no tensor map for them)
     assert {"A", "B"} <= {m["tensor"] for m in k.main.meta.tensormaps.values()} and "wgmma.mma_async" in k.source
     assert k.meta is k.main.meta and k.cubin == k.main.cubin
@@ -68,39 +69,20 @@ def test_pad_rows_copies_rows_and_zero_fills_the_rest(rows, cols, padded):
     assert not y[..., cols:].any()  # zeros, not NaN: they multiply the other operand's zero rows
 
 
-class FakeKernel:
-    def __init__(self, params, log, name):
-        self.meta = type("Meta", (), {"params": params, "needs_workspace": False})()
-        self.log, self.name = log, name
-
-    def launch_ptrs(self, ptrs, device):
-        self.log.append((self.name, list(ptrs)))
-
-    def plan(self, device, buffers, scratch=None):
-        return [], [(self.name, list(buffers))]
-
-
 def _padded(log):
     pad_a = FakeKernel([("X", (1, 16, 7), "float16"), ("Y", (1, 16, 8), "float16")], log, "pad A")
     pad_b = FakeKernel([("X", (1, 7, 9), "bfloat16"), ("Y", (1, 7, 16), "bfloat16")], log, "pad B")
     main = FakeKernel([], log, "gemm")
-    return PaddedGemm({0: (pad_a, (1, 16, 8)), 1: (pad_b, (1, 7, 16))}, main)
+    return PaddedGemm({0: pad_a, 1: pad_b}, main)
 
 
 def test_padded_gemm_launches_pads_then_the_gemm_on_the_workspaces(monkeypatch):
-    log, allocs = [], []
-    real_empty = torch.empty
-
-    def empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        allocs.append((tuple(t.shape), t.dtype, t.data_ptr()))
-        return t
-
-    monkeypatch.setattr(gemm_kernels.torch, "empty", empty)
-    gemm_kernels.gemm_launcher(_padded(log), torch.device("cpu"))(0x100, 0x200, 0x300, 0x400)
+    log, cpu = [], torch.device("cpu")
+    allocs = record_allocations(monkeypatch, gemm_kernels)
+    gemm_kernels.gemm_launcher(_padded(log), cpu)(0x100, 0x200, 0x300, 0x400)
     (sa, da, wa), (sb, db, wb) = allocs
     assert (sa, da, sb, db) == ((1, 16, 8), torch.float16, (1, 7, 16), torch.bfloat16)
-    assert log == [("pad A", [0x100, wa]), ("pad B", [0x200, wb]), ("gemm", [wa, wb, 0x400, 0x300])]
+    assert log == [("pad A", [0x100, wa], cpu), ("pad B", [0x200, wb], cpu), ("gemm", [wa, wb, 0x400, 0x300], cpu)]
 
 
 def test_padded_gemm_plan_puts_the_workspaces_in_scratch_buffers():
@@ -118,5 +100,5 @@ def test_padded_gemm_plan_is_its_launch_where_the_gemm_runs_host_code():
     launch = k.plan(torch.device("cpu"), [0, 1, 2, 3], 4)
     assert callable(launch)
     launch(0x100, 0x200, 0x300, 0x400)  # plan buffers a, b, out, c
-    assert [n for n, _ in log] == ["pad A", "pad B", "gemm"] and log[0][1][0] == 0x100 and log[1][1][0] == 0x200
+    assert [n for n, _, _ in log] == ["pad A", "pad B", "gemm"] and log[0][1][0] == 0x100 and log[1][1][0] == 0x200
     assert log[2][1][2:] == [0x400, 0x300]  # bias slot <- c, output <- out

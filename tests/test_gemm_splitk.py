@@ -12,6 +12,7 @@ from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
 from tile_ops.kernels import gemm as gemm_kernels
 from tile_ops.kernels.gemm import GemmConfig, SplitKGemm, build_gemm, default_config, gemm, split_k_tiles
+from fake_kernels import FakeKernel, record_allocations
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
 needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
@@ -125,29 +126,13 @@ def test_batched_split_gemm_folds_batch_and_split_into_z():
 # ----------------------------------------------------------------------------- launching both kernels
 
 
-class FakeKernel:
-    def __init__(self, params, log, name):
-        self.meta = type("Meta", (), {"params": params})()
-        self.log, self.name = log, name
-
-    def launch_ptrs(self, ptrs, device):
-        self.log.append((self.name, list(ptrs), device))
-
-
 def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monkeypatch):
-    log, allocs = [], []
+    log = []
     partial = FakeKernel([("A", (1, 16, 64), "float16"), ("B", (1, 64, 32), "float16"), ("Bias", (32,), "float16"),
                           ("W", (3, 1, 16, 32), "float32")], log, "partial")
     reduce = FakeKernel([("W", (3, 1, 16, 32), "float32"), ("Bias", (32,), "float16"),
                          ("C", (1, 16, 32), "float16")], log, "reduce")
-    real_empty = torch.empty
-
-    def empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        allocs.append((tuple(t.shape), t.dtype, t.data_ptr()))
-        return t
-
-    monkeypatch.setattr(gemm_kernels.torch, "empty", empty)
+    allocs = record_allocations(monkeypatch, gemm_kernels)
     k = SplitKGemm(partial, reduce)
     launch = gemm_kernels.gemm_launcher(k, torch.device("cpu"))
     launch(0x100, 0x200, 0x300)  # no bias: its slot gets the output pointer (unread)
