@@ -222,3 +222,20 @@ def test_nested_locks_on_different_keys(dc):
     with dc.lock(KEY), dc.lock("cd" + "1" * 30):
         dc.store(KEY, _entry())
     assert dc.load(KEY) is not None
+
+
+@pytest.mark.parametrize("sub", ["lang", "compiler", "kernels"])
+def test_compiler_fingerprint_covers_the_kernel_library(tmp_path, monkeypatch, sub):
+    """A library factory's cache key has its own source, not its helpers' (e.g. the gemm factory's epilogue
+    choice): editing any file of the language, the compiler or the kernel library must invalidate kernels."""
+    import shutil
+
+    jit = sys.modules["tile_ops.jit"]  # the package (tile_ops.jit the attribute is the decorator)
+    pkg = tmp_path / "tile_ops"
+    for d in ("lang", "compiler", "kernels"):
+        shutil.copytree(os.path.join(jit._PKG, d), pkg / d)
+    monkeypatch.setattr(jit, "_PKG", str(pkg))
+    before = jit.compiler_fingerprint.__wrapped__()
+    helper = next((pkg / sub).glob("*.py"))
+    helper.write_text(helper.read_text() + "\n# edited\n")
+    assert jit.compiler_fingerprint.__wrapped__() != before

@@ -25,11 +25,12 @@ _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @functools.lru_cache(maxsize=None)
 def compiler_fingerprint() -> str:
-    """Hash of the language and compiler sources: a change to either invalidates cached kernels."""
+    """Hash of the language, compiler and kernel-library sources: a change to any invalidates cached kernels
+    (a library factory's key has its own source, not that of the helpers it calls)."""
     from .. import __version__
 
     h = hashlib.sha256(f"{__version__}|tvm={TVM_VERSION}".encode())
-    for sub in ("lang", "compiler"):
+    for sub in ("lang", "compiler", "kernels"):
         root = os.path.join(_PKG, sub)
         for fname in sorted(os.listdir(root)):
             if fname.endswith(".py"):
