@@ -16,7 +16,8 @@ CONFIGS = [
     GemmConfig(128, 256, 64, 4, 256, 8),  # cooperative: two consumer warpgroups
     GemmConfig(128, 128, 64, 3, 128, 8),  # two CTAs per SM
     GemmConfig(128, 64, 64, 4, 128, 8),  # two CTAs per SM
-    GemmConfig(64, 64, 128, 6, 128, 0),  # decode default
+    GemmConfig(64, 64, 128, 6, 128, 0),  # decode defaults: 33-64 rows over 100-132 tiles of 64 columns,
+    GemmConfig(64, 128, 64, 8, 128, 0),  # ... and over 100-132 tiles of 128
     GemmConfig(64, 256, 64, 4, 256, 8, "full_col"),  # two warpgroups split N (wgmma m64n128 each)
     GemmConfig(128, 256, 64, 3, 256, 8, "full_col", epilogue="shared"),
     GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),

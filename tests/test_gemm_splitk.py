@@ -173,11 +173,12 @@ def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
 
 @pytest.mark.parametrize("shape, split", [
     ((4096, 4096, 4096), 1), ((1000, 1000, 1000), 1), ((8192, 1024, 8192), 1), ((128, 8192, 8192), 1),
-    ((16, 8192, 8192), 4), ((1, 4096, 4096), 4), ((16, 128256, 4096), 1), ((64, 14336, 4096), 2),
-    ((16, 8192, 1024), 2), ((1, 64, 8), 1), ((16, 8192, 256), 1)])
+    ((16, 8192, 8192), 4), ((1, 4096, 4096), 4), ((16, 128256, 4096), 1), ((48, 4096, 4096), 4),
+    ((16, 8192, 1024), 2), ((1, 64, 8), 1), ((16, 8192, 256), 1), ((16, 28672, 4096), 1)])
 def test_default_config_splits_only_short_decode_grids(shape, split):
-    """Decode (M <= 64): K split in 2 or 4 while the grid of 64x256 tiles stays within one wave of 132 SMs
-    and every split keeps >= 8 k-steps of 64; everything else is unsplit."""
+    """Decode (M <= 64) without a nearly full wave of unsplit tiles: 64x256 tiles, K split in 2 or 4 while
+    the grid stays within one wave of 132 SMs and every split keeps >= 8 k-steps of 64; everything else is
+    unsplit."""
     M, N, K = shape
     cfg = default_config(M, N, K, "sm_90a")
     assert cfg.split_k == split
@@ -185,6 +186,19 @@ def test_default_config_splits_only_short_decode_grids(shape, split):
         assert (cfg.block_M, cfg.block_N) == (64, 256)
         assert -(-N // 256) * split <= 132 or split == 1
         assert K // 64 >= 8 * split or split == 1
+
+
+@pytest.mark.parametrize("shape, tile", [
+    ((64, 8192, 8192), (64, 64, 128, 6)), ((33, 6400, 4096), (64, 64, 128, 6)),  # 128 and 100 tiles of 64 columns
+    ((32, 8192, 8192), (64, 256, 64, 4)),  # 16-32 rows: wide tiles, K split in 4
+    ((16, 14336, 4096), (64, 128, 64, 8)), ((64, 14336, 4096), (64, 128, 64, 8)),  # 112 tiles of 128 columns
+    ((16, 28672, 4096), (64, 256, 64, 4)), ((16, 33792, 4096), (64, 256, 64, 4))])  # 112 and 132 of 256
+def test_decode_takes_unsplit_tiles_that_make_one_wave(shape, tile):
+    """Decode tiles: 64x64 (M > 32), 64x256 or 64x128, unsplit, where they make 100-132 CTAs: no partials
+    and no second kernel; otherwise 64x256 split along K."""
+    cfg = default_config(*shape, "sm_90a")
+    assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages) == tile
+    assert cfg.split_k == (1 if tile != (64, 256, 64, 4) or -(-shape[1] // 256) >= 100 else 4)
 
 
 @pytest.mark.parametrize("shape, default", [

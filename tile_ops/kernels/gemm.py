@@ -51,8 +51,8 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode;
     ``batch`` multiplies the tiles where waves are counted (short-grid pairs, 128x192 tiles, 128x128 pairs)."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
-        if M <= 64:  # decode: bandwidth-bound; 512-byte B rows per CTA, K split until B streams from ~every SM
-            return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
+        if M <= 64:  # decode: bandwidth-bound
+            return _decode_config(M, N, K)
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
                 if cfg.block_N == 128 and _half_wave(M, N, batch):
@@ -104,6 +104,22 @@ def _waves(M: int, N: int, block_N: int, batch: int = 1, sms: int = 132) -> floa
     """The time of 128 x block_N tiles, one per SM, in 128x128 tile-times: whole waves (a partly idle last
     one takes as long as a full one) times the tile's width."""
     return -(-batch * -(-M // 128) * -(-N // block_N) // sms) * block_N / 128
+
+
+def _decode_config(M: int, N: int, K: int, sms: int = 132) -> GemmConfig:
+    """Decode on sm_90a: unsplit tiles where one of them makes a nearly full wave, else 512-byte B rows per
+    CTA and K split until B streams from ~every SM.  Measured (NOTES v13, paired beside cuBLAS): a split's
+    fp32 partials cost a second kernel and, with 64 rows, 4 x 64 x N x 4 bytes each way (64x8192x8192:
+    64x64x128 unsplit 0.998 against 0.867 split); 16x14336x4096: 64x128 unsplit 0.98 against 0.92 in
+    64x256 pairs; 16x8192x8192: 64 unsplit 64x128 tiles lose 6 % to 64x256 split in 4."""
+    def one_wave(block_N: int) -> bool:
+        return 100 <= -(-N // block_N) <= sms
+
+    if M > 32 and one_wave(64):
+        return GemmConfig(64, 64, 128, 6, 128, 0)
+    if not one_wave(256) and one_wave(128):
+        return GemmConfig(64, 128, 64, 8, 128, 0)
+    return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
