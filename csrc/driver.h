@@ -26,8 +26,17 @@ using CUstream = struct CUstream_st*;
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 constexpr int kStaticSmemLimit = 48 * 1024;
-struct CUlaunchAttribute;  // only passed as a null list here
-struct CUlaunchConfig {    // cuda.h's CUlaunchConfig_st
+constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
+struct CUlaunchAttribute {  // cuda.h's CUlaunchAttribute_st: an id, then a 64-byte value union
+  int id;
+  char pad[8 - sizeof(int)];
+  union {
+    char bytes[64];
+    int programmaticStreamSerializationAllowed;
+  } value;
+};
+static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
+struct CUlaunchConfig {  // cuda.h's CUlaunchConfig_st
   unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
   CUstream hStream;
   CUlaunchAttribute* attrs;
@@ -80,7 +89,9 @@ void require_driver_locked();
 uint64_t function_generation_locked(CUfunction fn);
 
 // cuLaunchKernel in `fn`'s context (the caller's context is left as it was); a CUDA error is a
-// RuntimeError naming `kernel`.
+// RuntimeError naming `kernel`.  A function loaded as `programmatic` (get_function) is launched with
+// programmatic stream serialization (cuLaunchKernelEx, sm_90+): it may start while the stream's previous
+// kernel runs, and waits for that kernel's completion itself (griddepcontrol.wait at its entry).
 void launch_locked(CUfunction fn, const unsigned grid[3], const unsigned block[3], unsigned smem,
                    CUstream stream, void** params, const char* kernel);
 

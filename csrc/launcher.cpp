@@ -8,7 +8,7 @@
 //
 // Python API (see tile_ops/jit/INTERFACES.md):
 //   load_module(cubin: bytes, device: int) -> int
-//   get_function(module: int, name: str, dynamic_smem_bytes: int) -> int
+//   get_function(module: int, name: str, dynamic_smem_bytes: int, programmatic=False) -> int
 //   launch(function, grid, block, smem, stream, args: list[int | bytes], kernel_name)
 //   unload_module(module: int) -> None
 //   max_active_clusters(function: int, cluster: int, block_threads: int, smem: int) -> int  (-1: unknown)
@@ -43,7 +43,7 @@ namespace py = pybind11;
 namespace tile_ops {
 namespace {
 
-constexpr int kApiVersion = 4;  // bump when the Python-visible API changes
+constexpr int kApiVersion = 5;  // bump when the Python-visible API changes
 
 struct Driver {
   CUresult (*cuInit)(unsigned int);
@@ -65,6 +65,8 @@ struct Driver {
                                      const uint32_t*, int, int, int, int);
   // Optional (CUDA 12.0+): only max_active_clusters needs it.
   CUresult (*cuOccupancyMaxActiveClusters)(int*, CUfunction, const CUlaunchConfig*);
+  // Optional (CUDA 12.0+): programmatic launches; without it they are plain ones (equally correct).
+  CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
 };
 
 std::mutex g_mutex;            // guards everything below
@@ -74,7 +76,7 @@ std::string g_load_error;      // full RuntimeError text when !g_ok
 Driver g_drv{};
 std::unordered_map<int, CUcontext> g_primary;   // device -> retained primary context
 struct ModuleInfo { CUcontext ctx; };
-struct FunctionInfo { CUcontext ctx; CUmodule module; uint64_t generation; };
+struct FunctionInfo { CUcontext ctx; CUmodule module; uint64_t generation; bool programmatic; };
 uint64_t g_last_generation = 0;
 std::unordered_map<CUmodule, ModuleInfo> g_modules;
 std::unordered_map<CUfunction, FunctionInfo> g_functions;
@@ -153,6 +155,7 @@ void try_load_driver_locked() {
       reinterpret_cast<decltype(d.cuTensorMapEncodeTiled)>(dlsym(lib, "cuTensorMapEncodeTiled"));
   d.cuOccupancyMaxActiveClusters = reinterpret_cast<decltype(d.cuOccupancyMaxActiveClusters)>(
       dlsym(lib, "cuOccupancyMaxActiveClusters"));
+  d.cuLaunchKernelEx = reinterpret_cast<decltype(d.cuLaunchKernelEx)>(dlsym(lib, "cuLaunchKernelEx"));
   if (missing) {
     g_load_error = prefix + "symbol " + missing_name + " not found (driver too old?)" + suffix;
     return;  // keep the handle open: harmless, and dlclose of libcuda is not worth the risk
@@ -216,7 +219,8 @@ uint64_t load_module(py::bytes cubin, int device) {
   return reinterpret_cast<uint64_t>(module);
 }
 
-uint64_t get_function(uint64_t module_handle, const std::string& name, int dynamic_smem_bytes) {
+uint64_t get_function(uint64_t module_handle, const std::string& name, int dynamic_smem_bytes,
+                      bool programmatic) {
   std::lock_guard<std::mutex> lock(g_mutex);
   require_driver_locked();
   CUmodule module = reinterpret_cast<CUmodule>(module_handle);
@@ -232,7 +236,7 @@ uint64_t get_function(uint64_t module_handle, const std::string& name, int dynam
                                             dynamic_smem_bytes),
                    "cuFuncSetAttribute", name.c_str());
   }
-  g_functions[fn] = FunctionInfo{it->second.ctx, module, ++g_last_generation};
+  g_functions[fn] = FunctionInfo{it->second.ctx, module, ++g_last_generation, programmatic};
   return reinterpret_cast<uint64_t>(fn);
 }
 
@@ -540,13 +544,22 @@ uint64_t function_generation_locked(CUfunction fn) {
 
 void launch_locked(CUfunction fn, const unsigned g[3], const unsigned b[3], unsigned smem, CUstream stream,
                    void** params, const char* kernel) {
-  const CUcontext ctx = g_functions.at(fn).ctx;
+  const FunctionInfo& info = g_functions.at(fn);
   CUcontext cur = nullptr;
   TILE_OPS_CHECK(g_drv.cuCtxGetCurrent(&cur), "cuCtxGetCurrent", kernel);
-  if (cur != ctx) TILE_OPS_CHECK(g_drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", kernel);
-  CUresult rc = g_drv.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream, params, nullptr);
-  if (cur != nullptr && cur != ctx) g_drv.cuCtxSetCurrent(cur);  // leave the caller's context alone
-  if (rc != CUDA_SUCCESS) throw_cuda(rc, "cuLaunchKernel", kernel);
+  if (cur != info.ctx) TILE_OPS_CHECK(g_drv.cuCtxSetCurrent(info.ctx), "cuCtxSetCurrent", kernel);
+  CUresult rc;
+  if (info.programmatic && g_drv.cuLaunchKernelEx != nullptr) {
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    const CUlaunchConfig config{g[0], g[1], g[2], b[0], b[1], b[2], smem, stream, &attr, 1};
+    rc = g_drv.cuLaunchKernelEx(&config, fn, params, nullptr);
+  } else {
+    rc = g_drv.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream, params, nullptr);
+  }
+  if (cur != nullptr && cur != info.ctx) g_drv.cuCtxSetCurrent(cur);  // leave the caller's context alone
+  if (rc != CUDA_SUCCESS) throw_cuda(rc, info.programmatic ? "cuLaunchKernelEx" : "cuLaunchKernel", kernel);
 }
 
 namespace {
@@ -581,8 +594,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load_module", &load_module, py::arg("cubin"), py::arg("device"),
         "Load a cubin into the device's primary context; returns a module handle.");
   m.def("get_function", &get_function, py::arg("module"), py::arg("name"),
-        py::arg("dynamic_smem_bytes") = 0,
-        "Look up a kernel; opts in to >48 KiB dynamic shared memory when asked.");
+        py::arg("dynamic_smem_bytes") = 0, py::arg("programmatic") = false,
+        "Look up a kernel; opts in to >48 KiB dynamic shared memory when asked.  programmatic: launch it\n"
+        "with programmatic stream serialization (sm_90+; the kernel must griddepcontrol.wait first).");
   m.def("launch", &launch, py::arg("function"), py::arg("grid"), py::arg("block"),
         py::arg("smem"), py::arg("stream"), py::arg("args"), py::arg("kernel_name"),
         "Launch a kernel; each arg is an int (a 64-bit value, e.g. a device pointer) or bytes\n"

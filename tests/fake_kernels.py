@@ -10,6 +10,12 @@ class FakeKernel:
     def __init__(self, params, log, name, needs_workspace=False):
         self.meta = type("Meta", (), {"params": params, "needs_workspace": needs_workspace})()
         self.log, self.name = log, name
+        self.programmatic = False
+
+    def dependent(self):
+        """Marks itself as launched programmatically (``Kernel.dependent``)."""
+        self.programmatic = True
+        return self
 
     def launch_ptrs(self, ptrs, device):
         self.log.append((self.name, list(ptrs), device))

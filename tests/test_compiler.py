@@ -288,6 +288,26 @@ def test_hopper_falls_back_where_tma_cannot_go():
 
 @needs_nvcc
 @needs_cuobjdump
+@pytest.mark.parametrize("target", ["sm_90a", "sm_90"])
+def test_sm90a_kernels_wait_for_their_predecessor_and_the_later_steps_launch_programmatically(target):
+    """On sm_90a every kernel starts with griddepcontrol.wait (SASS ACQBULK), then lets its successor launch
+    (PREEXIT); a split-K decode's reduction is launched with programmatic stream serialization, so it starts
+    while the partial kernel runs and waits at its entry.  The sm_90 path has neither."""
+    from tile_ops.kernels.gemm import build_gemm, default_config
+
+    k = build_gemm(16, 8192, 8192, 1, 1, 1, False, False, False, "float16", "float16",
+                   default_config(16, 8192, 8192, "sm_90a"), target=target)
+    hopper = target == "sm_90a"
+    for part in (k.partial, k.reduce):
+        mix = part.instruction_mix()
+        assert part.meta.waits_at_entry == hopper
+        assert (mix.get("ACQBULK", 0) == 1 and mix.get("PREEXIT", 0) == 1) == hopper, mix
+    assert not k.partial._fn().programmatic and k.reduce._fn().programmatic == hopper
+    assert k.reduce.dependent() is k.reduce and k.partial.dependent().programmatic == hopper
+
+
+@needs_nvcc
+@needs_cuobjdump
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (2048, 2048, 2048), (1000, 1000, 1000), (16, 8192, 8192),
                                    (704, 704, 4096), (1536, 2048, 2048), (1152, 2048, 2048)])
 def test_library_gemm_default_configs_on_hopper_have_no_spills(shape):

@@ -85,6 +85,12 @@ def test_padded_gemm_launches_pads_then_the_gemm_on_the_workspaces(monkeypatch):
     assert log == [("pad A", [0x100, wa], cpu), ("pad B", [0x200, wb], cpu), ("gemm", [wa, wb, 0x400, 0x300], cpu)]
 
 
+def test_padded_gemm_launches_every_step_after_the_first_programmatically():
+    """Each later step starts while the one before it runs and waits for it at its entry (Kernel.dependent)."""
+    k = _padded([])
+    assert [k.pads[0].programmatic, k.pads[1].programmatic, k.main.programmatic] == [False, True, True]
+
+
 def test_padded_gemm_plan_puts_the_workspaces_in_scratch_buffers():
     k = _padded([])
     A, B, C, OUT, SCRATCH = range(5)

@@ -142,6 +142,10 @@ def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monke
     cpu = torch.device("cpu")
     assert log == [("partial", [0x100, 0x200, 0x300, w0], cpu), ("reduce", [w0, 0x300, 0x300], cpu),
                    ("partial", [0x100, 0x200, 0x400, w1], cpu), ("reduce", [w1, 0x400, 0x300], cpu)]
+    # the reduction launches while the partials run and waits for them at its entry (Kernel.dependent);
+    # after a PaddedGemm's pads, both do
+    assert (partial.programmatic, reduce.programmatic) == (False, True)
+    assert k.dependent().partial.programmatic
 
 
 def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):

@@ -123,8 +123,8 @@ class _FakeLib:
         self.calls.append(("load_module", device))
         return 1000 + device
 
-    def get_function(self, module, name, smem):
-        self.calls.append(("get_function", module, name, smem))
+    def get_function(self, module, name, smem, programmatic=False):
+        self.calls.append(("get_function", module, name, smem) + (("programmatic",) if programmatic else ()))
         return 2000 + module
 
     def launch(self, fn, grid, block, smem, stream, args, name):
@@ -167,6 +167,8 @@ struct mod { void* ctx; int n; struct fn fns[8]; struct mod* next_free; };
    after an unload hands out the same function addresses, as the real driver may */
 static struct mod* free_mods = 0;
 static __thread void* cur_ctx = 0;
+static int last_programmatic = -1;  /* 1: the last launch came through cuLaunchKernelEx with the attribute */
+int tile_ops_fake_last_programmatic(void) { return last_programmatic; }
 int tile_ops_fake_driver(void) { return 1; }
 CUresult cuInit(unsigned flags) { return 0; }
 CUresult cuDeviceGet(int* d, int ordinal) { if (ordinal < 0 || ordinal > 1) return 101; *d = ordinal; return 0; }
@@ -207,6 +209,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
   if (cur_ctx != k->ctx) return 201;
   if (!gx || !gy || !gz || !bx || !by || !bz || bx * by * bz > 1024 || smem > (unsigned)k->max_smem || extra)
     return 1;
+  last_programmatic = 0;
   uint64_t* out = (uint64_t*)(uintptr_t)*(uint64_t*)params[0];
   if (k->takes_tmap) {
     memcpy(out, params[1], 128); out[16] = (uintptr_t)params[1] % 128; out[17] = *(uint64_t*)params[2];
@@ -217,6 +220,18 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
   for (uint64_t i = 0; i < n; ++i) out[4 + i] = *(uint64_t*)params[2 + i];
   return 0;
 }
+#ifndef FAKE_DRIVER_WITHOUT_TMA
+struct attr { int id; char pad[4]; union { char bytes[64]; int programmatic; } value; };
+struct launch_config { unsigned gx, gy, gz, bx, by, bz, smem; void* stream; struct attr* attrs; unsigned n; };
+/* cuLaunchKernelEx with exactly one attribute, programmatic stream serialization (6) = 1 */
+CUresult cuLaunchKernelEx(const struct launch_config* c, void* f, void** params, void** extra) {
+  if (sizeof(struct attr) != 72 || c->n != 1 || c->attrs[0].id != 6 || c->attrs[0].value.programmatic != 1)
+    return 1;
+  CUresult r = cuLaunchKernel(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->smem, c->stream, params, extra);
+  last_programmatic = 1;
+  return r;
+}
+#endif
 #ifndef FAKE_DRIVER_WITHOUT_TMA
 /* Packs its arguments into the descriptor for the test to read back; dims[0] == 12345 is "invalid". */
 CUresult cuTensorMapEncodeTiled(uint64_t* map, int dtype, unsigned rank, void* address, const uint64_t* dims,
@@ -338,6 +353,15 @@ assert list(out[4:8]) == [5, 6, 7, 8], list(out[4:8])
 vals = list(range(200, 230))
 C.launch(f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, len(vals)] + [as_bytes(v) if v % 3 else v for v in vals], "fill_kernel")
 assert list(out[4:4 + len(vals)]) == vals
+
+# a function loaded as programmatic launches through cuLaunchKernelEx with programmatic stream serialization
+f_prog = C.get_function(m0, "fill_kernel", 100 * 1024, True)
+C.launch(f_prog, (2, 1, 1), (64, 1, 1), 100 * 1024, 5, [addr, 1, 31], "fill_kernel")
+assert drv.tile_ops_fake_last_programmatic() == 1 and list(out[:5]) == [2, 64, 100 * 1024, 5, 31], list(out[:5])
+C.launch(f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, 0], "fill_kernel")
+assert drv.tile_ops_fake_last_programmatic() == 0
+raises(RuntimeError, "in cuLaunchKernelEx for kernel 'fill_kernel'", C.launch, f_prog, (0, 1, 1), (32, 1, 1), 0, 0,
+       [addr, 0], "fill_kernel")
 
 # the exact error format, with the kernel name
 raises(RuntimeError, "tile_ops: CUDA error CUDA_ERROR_INVALID_VALUE (invalid argument) in cuLaunchKernel for kernel 'gemm_kernel'",
@@ -466,6 +490,9 @@ def test_driver_without_tensor_maps_still_launches(lib, tmp_path):
         out = (ctypes.c_uint64 * 8)()
         C.launch(C.get_function(m, "fill_kernel", 0), (1, 1, 1), (1, 1, 1), 0, 0, [ctypes.addressof(out), 1, 42], "k")
         assert out[4] == 42
+        # no cuLaunchKernelEx either (a pre-12.0 driver): a programmatic function gets a plain launch
+        C.launch(C.get_function(m, "fill_kernel", 0, True), (1, 1, 1), (1, 1, 1), 0, 0, [ctypes.addressof(out), 1, 43], "k")
+        assert out[4] == 43 and drv.tile_ops_fake_last_programmatic() == 0
         print("NO-TMA DRIVER OK")
     """)
     assert "NO-TMA DRIVER OK" in _run_with_fake_driver(tmp_path, lib, checks, "-DFAKE_DRIVER_WITHOUT_TMA")

@@ -29,6 +29,7 @@ class CompiledProgram:
     persistent_tiles: int = 0
     workspace_floats: int = 0
     workspace_fixed_floats: int = 0
+    waits_at_entry: bool = False  # griddepcontrol.wait first: it can be launched programmatically
 
 
 def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
@@ -40,4 +41,4 @@ def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
     return CompiledProgram(source, entry, arch, lowered.grid, lowered.block, lowered.smem_bytes,
                            lowered.params, kept, lowered.layouts, lowered.func.script(), lowered.tensormaps,
                            lowered.ctas_per_sm, lowered.cluster, lowered.persistent_tiles,
-                           lowered.workspace_floats, lowered.workspace_fixed_floats)
+                           lowered.workspace_floats, lowered.workspace_fixed_floats, lowered.waits_at_entry)

@@ -51,6 +51,7 @@ class LoweredKernel:
     persistent_tiles: int = 0  # > 0: CTAs loop over at most this many units (tiles) with a stride of gridDim.x
     workspace_floats: int = 0  # > 0 (stream-K): per-CTA fp32 partials of the launcher's workspace (stream_k.py)
     workspace_fixed_floats: int = 0  # > 0 (T.row_softmax_store): the row statistics, after the flags
+    waits_at_entry: bool = False  # griddepcontrol.wait first: it can be launched programmatically
 
 
 class MemoryPlan(NamedTuple):
@@ -125,6 +126,11 @@ class Lowerer:
                     self.block_vars = dict(zip([v for v in k.block_vars], self._rasterize(list(ids))))
                 block = self.threads * self.consumers + (PRODUCER_THREADS if self.ws else 0)
                 self.tid = T.thread_id([block])
+                if self.sm90:  # a programmatic launch (Kernel.dependent) may start while the stream's previous
+                    # kernel runs, so every thread first waits for that kernel's completion (and its memory);
+                    # then the next kernel may launch, to wait likewise (a no-op in a plain launch)
+                    emit_ptx("griddepcontrol.wait")
+                    emit_ptx("griddepcontrol.launch_dependents")
                 # the consumer warpgroup's copy of per-warpgroup buffers (pingpong); the producer's value (2)
                 # points past them: it touches pipeline stages only
                 self.consumer = self.hopper.warpgroup_index(self.tid) if self.consumers > 1 else 0
@@ -145,7 +151,7 @@ class Lowerer:
             self.hopper.ctas_per_sm if self.hopper else 1, self.cluster,
             (self.cluster, 1, 1) if self.hopper and self.hopper.persistent else (*self.cluster_dims, 1),
             self.hopper.work_units() if self.hopper and self.hopper.persistent else 0,
-            sk.floats_per_cta() if sk else 0, fixed,
+            sk.floats_per_cta() if sk else 0, fixed, self.sm90,
         )
 
     def _describe(self, b) -> str:

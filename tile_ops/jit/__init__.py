@@ -138,7 +138,7 @@ def _build(prog, arch, out_idx):
     t2 = time.perf_counter()
     meta = KernelMeta(prog.name, c.entry, arch, c.grid, c.block, c.smem_bytes, c.params, c.kept, out_idx,
                       resources, c.layouts, c.tensormaps, c.ctas_per_sm, c.cluster, c.persistent_tiles,
-                      c.workspace_floats, c.workspace_fixed_floats)
+                      c.workspace_floats, c.workspace_fixed_floats, c.waits_at_entry)
     stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3), "nvcc": nvcc_version()}
     kernel = Kernel(meta, c.source, cubin)
     kernel.tir = c.tir

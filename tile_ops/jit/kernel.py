@@ -35,6 +35,9 @@ class KernelMeta:
     workspace_floats: int = 0
     # T.row_softmax_store (> 0): the row statistics of every tile, after the flags
     workspace_fixed_floats: int = 0
+    # sm_90a: the kernel waits for the stream's previous kernel at its entry (griddepcontrol.wait), then lets
+    # the next one launch: it can be launched programmatically (Kernel.dependent)
+    waits_at_entry: bool = False
 
     @property
     def needs_workspace(self) -> bool:
@@ -167,8 +170,10 @@ def _current_stream_getter():
 class Kernel:
     """``kernel(*inputs)`` allocates the outputs named by ``out_idx``, launches, and returns them."""
 
-    def __init__(self, meta: KernelMeta, source: str, cubin: bytes):
+    def __init__(self, meta: KernelMeta, source: str, cubin: bytes, programmatic: bool = False):
         self.meta, self.source, self.cubin = meta, source, cubin
+        self.programmatic = programmatic  # launched with programmatic stream serialization (``dependent``)
+        self._dependent = None
         self._function = None
         self._bound: dict = {}  # torch.device -> launch(ptrs), see launcher
         self._grids: dict = {}  # device index -> launch grid (grid_on)
@@ -193,8 +198,19 @@ class Kernel:
         if self._function is None:
             from .launcher import CudaFunction
 
-            self._function = CudaFunction(self.cubin, self.meta.entry, self.meta.smem_bytes)
+            self._function = CudaFunction(self.cubin, self.meta.entry, self.meta.smem_bytes, self.programmatic)
         return self._function
+
+    def dependent(self) -> "Kernel":
+        """This kernel as a later step of a composed gemm (split-K's reduction, the gemm after its pads):
+        launched with programmatic stream serialization, so it launches while the step before it runs and
+        waits for it at its entry (its launch latency hidden).  Only there: back-to-back single kernels
+        measured no better or worse that way (NOTES v13).  Itself where the code has no such wait."""
+        if not self.meta.waits_at_entry or self.programmatic:
+            return self
+        if self._dependent is None:
+            self._dependent = Kernel(self.meta, self.source, self.cubin, programmatic=True)
+        return self._dependent
 
     def __call__(self, *inputs):
         import torch

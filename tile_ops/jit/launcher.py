@@ -19,7 +19,7 @@ from .cache import cache_dir
 __all__ = ["get_launcher", "launcher_sources", "CudaFunction"]
 
 # Must match kApiVersion in csrc/launcher.cpp; an extension reporting another version is stale.
-API_VERSION = 4
+API_VERSION = 5
 SOURCES = ("launcher.cpp", "plans.cpp")
 
 _launcher: ModuleType | None = None
@@ -96,15 +96,18 @@ class CudaFunction:
 
     Each kernel argument is an int (a 64-bit value: a device pointer) or ``bytes`` passed by value
     (a TMA descriptor from ``encode_tensor_map``); ``smem_bytes`` is the dynamic shared memory
-    per block (the >48 KiB opt-in is set when the function is loaded).
+    per block (the >48 KiB opt-in is set when the function is loaded).  ``programmatic``: launched with
+    programmatic stream serialization, for a kernel that waits for its predecessor itself
+    (``griddepcontrol.wait``; ``KernelMeta.programmatic``).
     """
 
-    __slots__ = ("cubin", "name", "smem_bytes", "_per_device", "_launch")
+    __slots__ = ("cubin", "name", "smem_bytes", "programmatic", "_per_device", "_launch")
 
-    def __init__(self, cubin: bytes, name: str, smem_bytes: int = 0):
+    def __init__(self, cubin: bytes, name: str, smem_bytes: int = 0, programmatic: bool = False):
         self.cubin = bytes(cubin)
         self.name = name
         self.smem_bytes = int(smem_bytes)
+        self.programmatic = bool(programmatic)
         self._per_device: dict[int, tuple[int, int]] = {}  # device -> (module, function)
         self._launch = None
 
@@ -112,7 +115,7 @@ class CudaFunction:
         lib = get_launcher()
         module = lib.load_module(self.cubin, device)
         try:
-            function = lib.get_function(module, self.name, self.smem_bytes)
+            function = lib.get_function(module, self.name, self.smem_bytes, self.programmatic)
         except BaseException:
             lib.unload_module(module)
             raise

@@ -405,9 +405,13 @@ class SplitKGemm(_ComposedGemm):
     main_attr = "partial"
 
     def __init__(self, partial, reduce):
-        self.partial, self.reduce = partial, reduce
+        self.partial, self.reduce = partial, reduce.dependent()  # launched while the partials are summed up
         self.meta = partial.meta  # the main kernel's (grid, smem, arch, ...): what the tuner reports
         self.workspace_shape = tuple(partial.meta.params[-1][1])
+
+    def dependent(self) -> "SplitKGemm":
+        """Both kernels launched programmatically (``Kernel.dependent``): the gemm after ``PaddedGemm``'s pads."""
+        return SplitKGemm(self.partial.dependent(), self.reduce)
 
     def __repr__(self) -> str:
         return f"<tile_ops SplitKGemm {self.partial!r} + {self.reduce!r}>"
@@ -436,7 +440,11 @@ class PaddedGemm(_ComposedGemm):
     main_attr = "main"
 
     def __init__(self, pads, main):
-        self.pads, self.main = pads, main
+        # every step after the first launched programmatically (Kernel.dependent): it starts while the one
+        # before runs and waits for it at its entry
+        first = next(iter(pads))
+        self.pads = {i: pad if i == first else pad.dependent() for i, pad in pads.items()}
+        self.main = main.dependent()
         self.meta = main.meta
 
     def __repr__(self) -> str:
