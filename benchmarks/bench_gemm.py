@@ -23,10 +23,12 @@ from tile_ops.jit import default_arch  # noqa: E402
 from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa: E402
 
 SHAPES = {  # ../shared/ANCHORS.md, then ragged shapes beside 1000^3 (issue 4: >= 0.90x cuBLAS): mid grids
-    # that fill 1.4-2.4 waves of 128x128 tiles, and one whose rows are not 16-byte aligned (padded for TMA)
+    # that fill 1.4-2.4 waves of 128x128 tiles, and one whose rows are not 16-byte aligned (padded for TMA);
+    # after the anchor's decode shape, two whose default tiles are unsplit (NOTES v13): 64 rows, and 16 rows
+    # of a 14336-wide MLP projection
     "float16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (8192, 1024, 8192),
                 (4096, 14336, 4096), (1000, 1000, 1000), (1500, 2000, 2000), (3000, 1000, 1500),
-                (777, 3001, 1234), (16, 8192, 8192)],
+                (777, 3001, 1234), (16, 8192, 8192), (64, 8192, 8192), (16, 14336, 4096)],
     "bfloat16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)],
 }
 EXTRA_CONFIGS = {
