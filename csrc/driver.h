@@ -8,6 +8,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -30,18 +31,22 @@ constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
 struct CUlaunchAttribute {  // cuda.h's CUlaunchAttribute_st: an id, then a 64-byte value union
   int id;
   char pad[8 - sizeof(int)];
-  union {
+  union alignas(8) {  // cuda.h's union holds pointers
     char bytes[64];
     int programmaticStreamSerializationAllowed;
   } value;
 };
-static_assert(sizeof(CUlaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
+static_assert(sizeof(CUlaunchAttribute) == 72 && offsetof(CUlaunchAttribute, value) == 8,
+              "CUlaunchAttribute as in cuda.h");
 struct CUlaunchConfig {  // cuda.h's CUlaunchConfig_st
   unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
   CUstream hStream;
   CUlaunchAttribute* attrs;
   unsigned numAttrs;
 };
+static_assert(offsetof(CUlaunchConfig, hStream) == 32 && offsetof(CUlaunchConfig, attrs) == 40 &&
+                  offsetof(CUlaunchConfig, numAttrs) == 48 && sizeof(CUlaunchConfig) == 56,
+              "CUlaunchConfig as in cuda.h");
 
 // TMA descriptor.  The driver docs ask for 64-byte alignment; cuda.h 13 declares it alignas(128),
 // so we take the stricter one (it satisfies both).

@@ -236,6 +236,11 @@ uint64_t get_function(uint64_t module_handle, const std::string& name, int dynam
                                             dynamic_smem_bytes),
                    "cuFuncSetAttribute", name.c_str());
   }
+  auto known = g_functions.find(fn);  // the driver hands out one handle per (module, name)
+  if (known != g_functions.end() && known->second.programmatic != programmatic)
+    throw py::value_error("tile_ops: get_function: '" + name + "' of this module is already loaded as " +
+                          (programmatic ? "a plain" : "a programmatic") +
+                          " launch; load the cubin again (load_module) for the other kind");
   g_functions[fn] = FunctionInfo{it->second.ctx, module, ++g_last_generation, programmatic};
   return reinterpret_cast<uint64_t>(fn);
 }
@@ -549,7 +554,8 @@ void launch_locked(CUfunction fn, const unsigned g[3], const unsigned b[3], unsi
   TILE_OPS_CHECK(g_drv.cuCtxGetCurrent(&cur), "cuCtxGetCurrent", kernel);
   if (cur != info.ctx) TILE_OPS_CHECK(g_drv.cuCtxSetCurrent(info.ctx), "cuCtxSetCurrent", kernel);
   CUresult rc;
-  if (info.programmatic && g_drv.cuLaunchKernelEx != nullptr) {
+  const bool ex = info.programmatic && g_drv.cuLaunchKernelEx != nullptr;
+  if (ex) {
     CUlaunchAttribute attr{};
     attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
@@ -559,7 +565,7 @@ void launch_locked(CUfunction fn, const unsigned g[3], const unsigned b[3], unsi
     rc = g_drv.cuLaunchKernel(fn, g[0], g[1], g[2], b[0], b[1], b[2], smem, stream, params, nullptr);
   }
   if (cur != nullptr && cur != info.ctx) g_drv.cuCtxSetCurrent(cur);  // leave the caller's context alone
-  if (rc != CUDA_SUCCESS) throw_cuda(rc, info.programmatic ? "cuLaunchKernelEx" : "cuLaunchKernel", kernel);
+  if (rc != CUDA_SUCCESS) throw_cuda(rc, ex ? "cuLaunchKernelEx" : "cuLaunchKernel", kernel);
 }
 
 namespace {

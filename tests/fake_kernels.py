@@ -1,6 +1,8 @@
 """A fake launchable kernel and a workspace-allocation recorder, for the composed gemms' launch and
 plan plumbing on the CPU (SplitKGemm, PaddedGemm in tile_ops.kernels.gemm)."""
 
+import copy
+
 import torch
 
 
@@ -13,9 +15,12 @@ class FakeKernel:
         self.programmatic = False
 
     def dependent(self):
-        """Marks itself as launched programmatically (``Kernel.dependent``)."""
-        self.programmatic = True
-        return self
+        """A copy launched programmatically (``Kernel.dependent``), logging under the same name."""
+        if self.programmatic:
+            return self
+        twin = copy.copy(self)
+        twin.programmatic = True
+        return twin
 
     def launch_ptrs(self, ptrs, device):
         self.log.append((self.name, list(ptrs), device))

@@ -224,18 +224,24 @@ def test_nested_locks_on_different_keys(dc):
     assert dc.load(KEY) is not None
 
 
-@pytest.mark.parametrize("sub", ["lang", "compiler", "kernels"])
+@pytest.mark.parametrize("sub", ["lang", "compiler", "kernels", "jit/build.py"])
 def test_compiler_fingerprint_covers_the_kernel_library(tmp_path, monkeypatch, sub):
     """A library factory's cache key has its own source, not its helpers' (e.g. the gemm factory's epilogue
-    choice): editing any file of the language, the compiler or the kernel library must invalidate kernels."""
+    choice): editing any file of the language, the compiler, the kernel library or the nvcc build step must
+    invalidate kernels."""
     import shutil
 
     jit = sys.modules["tile_ops.jit"]  # the package (tile_ops.jit the attribute is the decorator)
     pkg = tmp_path / "tile_ops"
-    for d in ("lang", "compiler", "kernels"):
-        shutil.copytree(os.path.join(jit._PKG, d), pkg / d)
+    for d in jit.FINGERPRINTED:
+        src, dst = os.path.join(jit._PKG, d), pkg / d
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.isdir(src):
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy(src, dst)
     monkeypatch.setattr(jit, "_PKG", str(pkg))
     before = jit.compiler_fingerprint.__wrapped__()
-    helper = next((pkg / sub).glob("*.py"))
+    helper = pkg / sub if sub.endswith(".py") else next((pkg / sub).glob("*.py"))
     helper.write_text(helper.read_text() + "\n# edited\n")
     assert jit.compiler_fingerprint.__wrapped__() != before

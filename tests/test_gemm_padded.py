@@ -89,6 +89,9 @@ def test_padded_gemm_launches_every_step_after_the_first_programmatically():
     """Each later step starts while the one before it runs and waits for it at its entry (Kernel.dependent)."""
     k = _padded([])
     assert [k.pads[0].programmatic, k.pads[1].programmatic, k.main.programmatic] == [False, True, True]
+    d = k.dependent()  # every step, the first pad too; the original is unchanged
+    assert [d.pads[0].programmatic, d.pads[1].programmatic, d.main.programmatic] == [True, True, True]
+    assert not k.pads[0].programmatic
 
 
 def test_padded_gemm_plan_puts_the_workspaces_in_scratch_buffers():

@@ -144,8 +144,8 @@ def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monke
                    ("partial", [0x100, 0x200, 0x400, w1], cpu), ("reduce", [w1, 0x400, 0x300], cpu)]
     # the reduction launches while the partials run and waits for them at its entry (Kernel.dependent);
     # after a PaddedGemm's pads, both do
-    assert (partial.programmatic, reduce.programmatic) == (False, True)
-    assert k.dependent().partial.programmatic
+    assert (k.partial.programmatic, k.reduce.programmatic) == (False, True)
+    assert (k.dependent().partial.programmatic, k.dependent().reduce.programmatic) == (True, True)
 
 
 def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
@@ -194,7 +194,7 @@ def test_default_config_splits_only_short_decode_grids(shape, split):
 
 @pytest.mark.parametrize("shape, tile", [
     ((64, 8192, 8192), (64, 64, 128, 6)), ((33, 6400, 4096), (64, 64, 128, 6)),  # 128 and 100 tiles of 64 columns
-    ((32, 8192, 8192), (64, 256, 64, 4)),  # 16-32 rows: wide tiles, K split in 4
+    ((32, 8192, 8192), (64, 256, 64, 4)),  # up to 32 rows: wide tiles, K split in 4
     ((16, 14336, 4096), (64, 128, 64, 8)), ((64, 14336, 4096), (64, 128, 64, 8)),  # 112 tiles of 128 columns
     ((16, 28672, 4096), (64, 256, 64, 4)), ((16, 33792, 4096), (64, 256, 64, 4))])  # 112 and 132 of 256
 def test_decode_takes_unsplit_tiles_that_make_one_wave(shape, tile):
@@ -203,6 +203,29 @@ def test_decode_takes_unsplit_tiles_that_make_one_wave(shape, tile):
     cfg = default_config(*shape, "sm_90a")
     assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages) == tile
     assert cfg.split_k == (1 if tile != (64, 256, 64, 4) or -(-shape[1] // 256) >= 100 else 4)
+
+
+@pytest.mark.parametrize("shape, batch, tile, split", [
+    ((16, 14336, 4096), 2, (64, 256, 64, 4), 1),  # 224 tiles of 64x128 would be 1.7 waves: 112 of 64x256
+    ((64, 8192, 8192), 2, (64, 128, 64, 8), 1),  # 256 of 64x64, 128 of 64x128
+    ((16, 8192, 8192), 2, (64, 128, 64, 8), 1),  # one matrix: 64 of 64x128, split pairs instead
+    ((16, 4096, 4096), 2, (64, 256, 64, 4), 4),  # 32 tiles of 64x256, split in 4
+    ((16, 4096, 4096), 4, (64, 128, 64, 8), 1)])  # 128 of 64x128
+def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
+    """The decode defaults count batch x N tiles against the wave, and the op re-derives them for a batch
+    (config_for fits one matrix)."""
+    cfg = default_config(*shape, "sm_90a", batch=batch)
+    assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages, cfg.split_k) == (*tile, split)
+    seen = []
+    monkeypatch.setattr(gemm_kernels, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
+    monkeypatch.setattr(gemm_kernels, "config_for", lambda *a, **k: default_config(*shape, "sm_90a"))
+    monkeypatch.setattr(gemm_kernels, "default_arch", lambda: "sm_90a")
+    M, N, K = shape
+    a, b = torch.zeros(batch, M, K, dtype=torch.float16), torch.zeros(batch, K, N, dtype=torch.float16)
+    gemm_kernels.get_gemm_kernel(a, b, torch.zeros(batch, M, N, dtype=torch.float16))
+    single = default_config(*shape, "sm_90a")
+    if single.split_k == 1:  # an unsplit decode default is re-derived with the batch
+        assert seen == [cfg]
 
 
 @pytest.mark.parametrize("shape, default", [

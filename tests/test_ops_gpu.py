@@ -282,6 +282,24 @@ def test_fast_path_under_cuda_graph_capture(op_calls):
     assert torch.equal(out, torch.ops.tile_ops.gemm(a, b))
 
 
+@pytest.mark.parametrize("M, K, N", [(16, 8192, 8192), (777, 1234, 3001)], ids=["split-K", "padded"])
+def test_composed_gemms_under_cuda_graph_capture(M, K, N):
+    """Split-K decode (partials, then the reduction) and padded rows (pad_rows, then the gemm) on sm_90a launch
+    their later kernels programmatically (Kernel.dependent): captured into a graph and replayed on new
+    inputs, twice in a row, they give the eager result."""
+    a, b = rnd(M, K), rnd(K, N)
+    tile_ops.gemm(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tile_ops.gemm(a, b)
+    for _ in range(2):
+        a.copy_(rnd(M, K))
+        b.copy_(rnd(K, N))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_gemm(a, b)) < TOL[F16]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fast_path_on_another_device(op_calls):
     a, b = rnd(96, 64).to("cuda:1"), rnd(64, 80).to("cuda:1")

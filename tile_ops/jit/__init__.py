@@ -25,18 +25,22 @@ _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @functools.lru_cache(maxsize=None)
 def compiler_fingerprint() -> str:
-    """Hash of the language, compiler and kernel-library sources: a change to any invalidates cached kernels
-    (a library factory's key has its own source, not that of the helpers it calls)."""
+    """Hash of the language, compiler and kernel-library sources and of the nvcc build step: a change to any
+    invalidates cached kernels (a library factory's key has its own source, not that of the helpers it calls)."""
     from .. import __version__
 
     h = hashlib.sha256(f"{__version__}|tvm={TVM_VERSION}".encode())
-    for sub in ("lang", "compiler", "kernels"):
-        root = os.path.join(_PKG, sub)
-        for fname in sorted(os.listdir(root)):
-            if fname.endswith(".py"):
-                with open(os.path.join(root, fname), "rb") as f:
-                    h.update(fname.encode() + f.read())
+    for sub in FINGERPRINTED:
+        path = os.path.join(_PKG, sub)
+        files = [path] if sub.endswith(".py") else [os.path.join(path, f) for f in sorted(os.listdir(path))
+                                                    if f.endswith(".py")]
+        for fname in files:
+            with open(fname, "rb") as f:
+                h.update(os.path.basename(fname).encode() + f.read())
     return h.hexdigest()[:16]
+
+
+FINGERPRINTED = ("lang", "compiler", "kernels", os.path.join("jit", "build.py"))  # under tile_ops/
 
 
 def default_arch() -> str:

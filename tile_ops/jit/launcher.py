@@ -98,7 +98,8 @@ class CudaFunction:
     (a TMA descriptor from ``encode_tensor_map``); ``smem_bytes`` is the dynamic shared memory
     per block (the >48 KiB opt-in is set when the function is loaded).  ``programmatic``: launched with
     programmatic stream serialization, for a kernel that waits for its predecessor itself
-    (``griddepcontrol.wait``; ``KernelMeta.programmatic``).
+    (``griddepcontrol.wait``: ``KernelMeta.waits_at_entry``; ``Kernel.dependent``).  Each CudaFunction loads
+    its own module, so the same cubin can be loaded both ways.
     """
 
     __slots__ = ("cubin", "name", "smem_bytes", "programmatic", "_per_device", "_launch")

@@ -49,10 +49,11 @@ _HOPPER_TILES = [GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
 
 def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int = 1) -> GemmConfig:
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode;
-    ``batch`` multiplies the tiles where waves are counted (short-grid pairs, 128x192 tiles, 128x128 pairs)."""
+    ``batch`` multiplies the tiles where waves are counted (short-grid pairs, 128x192 tiles, 128x128 pairs,
+    decode tiles)."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound
-            return _decode_config(M, N, K)
+            return _decode_config(M, N, K, batch)
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
                 if cfg.block_N == 128 and _half_wave(M, N, batch):
@@ -106,20 +107,26 @@ def _waves(M: int, N: int, block_N: int, batch: int = 1, sms: int = 132) -> floa
     return -(-batch * -(-M // 128) * -(-N // block_N) // sms) * block_N / 128
 
 
-def _decode_config(M: int, N: int, K: int, sms: int = 132) -> GemmConfig:
-    """Decode on sm_90a: unsplit tiles where one of them makes a nearly full wave, else 512-byte B rows per
-    CTA and K split until B streams from ~every SM.  Measured (NOTES v13, paired beside cuBLAS): a split's
-    fp32 partials cost a second kernel and, with 64 rows, 4 x 64 x N x 4 bytes each way (64x8192x8192:
-    64x64x128 unsplit 0.998 against 0.867 split); 16x14336x4096: 64x128 unsplit 0.98 against 0.92 in
-    64x256 pairs; 16x8192x8192: 64 unsplit 64x128 tiles lose 6 % to 64x256 split in 4."""
+# Decode tiles read without a split where they make a nearly full wave (_decode_config)
+_DECODE_THIN = GemmConfig(64, 64, 128, 6, 128, 0)
+_DECODE_NARROW = GemmConfig(64, 128, 64, 8, 128, 0)
+
+
+def _decode_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> GemmConfig:
+    """Decode on sm_90a: 64x64 tiles for 33-64 rows, or else 64x128 ones, where they make 100-132 CTAs
+    (``batch`` times the N tiles); else 64x256 tiles (512-byte B rows per CTA), K split while the grid
+    stays within a wave (unsplit from 67 of them on).  A split's fp32 partials cost a second kernel and,
+    with 64 rows, 4 x 64 x N x 4 bytes each way.  Measured (NOTES v13, paired beside cuBLAS, new / split):
+    64x8192x8192 1.009 / 0.878; 16x14336x4096 0.976 / 0.918; at 16x8192x8192 (64 tiles of 64x128) the split
+    pair stays: unsplit 64x128 tiles took 49.8 us against its 47.5."""
     def one_wave(block_N: int) -> bool:
-        return 100 <= -(-N // block_N) <= sms
+        return 100 <= batch * -(-N // block_N) <= sms
 
     if M > 32 and one_wave(64):
-        return GemmConfig(64, 64, 128, 6, 128, 0)
-    if not one_wave(256) and one_wave(128):
-        return GemmConfig(64, 128, 64, 8, 128, 0)
-    return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(-(-N // 256), K // 64))
+        return _DECODE_THIN
+    if one_wave(128):  # (then 64x256 tiles are 50-66: split in 2)
+        return _DECODE_NARROW
+    return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(batch * -(-N // 256), K // 64))
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
@@ -447,6 +454,10 @@ class PaddedGemm(_ComposedGemm):
         self.main = main.dependent()
         self.meta = main.meta
 
+    def dependent(self) -> "PaddedGemm":
+        """Every step launched programmatically, the first pad too (``Kernel.dependent``)."""
+        return PaddedGemm({i: pad.dependent() for i, pad in self.pads.items()}, self.main)
+
     def __repr__(self) -> str:
         return f"<tile_ops PaddedGemm {list(self.pads.values())!r} + {self.main!r}>"
 
@@ -529,7 +540,8 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
         cfg = config_for("gemm", M, N, K, _DT[a.dtype], a.device)
         if cfg.split_k > 1 and Bt > 1:
             cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
-        if cfg in (_HALF_WAVE, _WIDE, _WIDE_PAIRED) and Bt > 1:  # fitted to one matrix's waves, not the batch's
+        if cfg in (_HALF_WAVE, _WIDE, _WIDE_PAIRED, _DECODE_THIN, _DECODE_NARROW) and Bt > 1:  # fitted to one
+            # matrix's waves, not the batch's
             cfg = default_config(M, N, K, batch=Bt)
     kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg)
     return kernel, a, b
