@@ -3,6 +3,8 @@
     python benchmarks/bench_gemm.py [--arch sm_90a|sm_90] [--configs] [--shapes MxNxK,...] [--no-triton]
                                     [--tilelang] [--compile-only] [--json out.json] [--png out.png]
 
+Rows marked "B^T" store B transposed (N x K, nn.Linear's weight); cuBLAS gets the same layout.
+
 ``--arch sm_90a`` (the default on Hopper) is the TMA + wgmma warp-specialized path; ``--arch sm_90``
 compiles the same programs through the Ampere-class path (cp.async + mma.sync) for the same GPU.
 """
@@ -31,6 +33,8 @@ SHAPES = {  # ../shared/ANCHORS.md, then ragged shapes beside 1000^3 (issue 4: >
                 (777, 3001, 1234), (16, 8192, 8192), (64, 8192, 8192), (16, 14336, 4096)],
     "bfloat16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)],
 }
+# B stored transposed (N x K: nn.Linear's weight, what a model's decode step multiplies by), fp16
+TRANSPOSED_B = [(16, 8192, 8192)]
 EXTRA_CONFIGS = {
     "sm_90": [GemmConfig(128, 128, 32, 3, 128, 8), GemmConfig(128, 256, 32, 4, 256, 8),
               GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)],
@@ -123,14 +127,14 @@ def other_shapes(spec):
     return [tuple(map(int, s.split("x"))) for s in (spec or "").split(",") if s and s not in table]
 
 
-def kernels_for(M, N, K, dtype, configs, arch):
+def kernels_for(M, N, K, dtype, trans_B, configs, arch):
     """{config: kernel}; build_gemm: a split-K config is two kernels (partials, reduction) launched as one, and
     operands whose rows TMA cannot load are padded by pad_rows kernels launched with it.
     A config the shape does not allow (a cluster not dividing the M tiles) is said and left out."""
     out = {}
     for cfg in configs:
         try:
-            out[cfg] = build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
+            out[cfg] = build_gemm(M, N, K, 1, 1, 1, False, trans_B, False, dtype, dtype, cfg, target=arch)
         except ValueError as e:
             print(f"{M}x{N}x{K} {dtype} {config_name(cfg)}: {e}", file=sys.stderr)
     return out
@@ -166,8 +170,9 @@ def main():
     p.add_argument("--png")
     args = p.parse_args()
     args.png = png_path_or_none(args.png)
-    jobs = [(M, N, K, dt) for dt, shapes in SHAPES.items() for (M, N, K) in pick_shapes(shapes, args.shapes)]
-    jobs += [(*s, "float16") for s in other_shapes(args.shapes)]
+    jobs = [(M, N, K, dt, False) for dt, shapes in SHAPES.items() for (M, N, K) in pick_shapes(shapes, args.shapes)]
+    jobs += [(*s, "float16", False) for s in other_shapes(args.shapes)]
+    jobs += [(*s, "float16", True) for s in pick_shapes(TRANSPOSED_B, args.shapes)]
     extra = [c for c in EXTRA_CONFIGS[args.arch] if (not args.config_filter or any(
         f in config_name(c) for f in args.config_filter.split("|")))
              and not (args.config_exclude and args.config_exclude in config_name(c))] if args.configs else []
@@ -183,43 +188,45 @@ def main():
         print(f"--tilelang: no TileLang column ({tilelang_matmul.available()})", file=sys.stderr)
         args.tilelang = False
     rows = []
-    for (M, N, K, dt) in jobs:
+    for (M, N, K, dt, trans_B) in jobs:
         torch_dt = getattr(torch, dt)
         a = torch.randn(M, K, dtype=torch_dt, device="cuda")
-        b = torch.randn(K, N, dtype=torch_dt, device="cuda")
+        stored_b = torch.randn(*((N, K) if trans_B else (K, N)), dtype=torch_dt, device="cuda")
+        b = stored_b.t() if trans_B else stored_b  # (K, N), strided where B^T is stored
         c = torch.empty(M, N, dtype=torch_dt, device="cuda")
         tflops = lambda ms: 2 * M * N * K / ms / 1e9  # noqa: E731
         ref = (a.double() @ b.double())
-        ptrs = [a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()]  # A, B, (bias), C
+        ptrs = [a.data_ptr(), stored_b.data_ptr(), c.data_ptr(), c.data_ptr()]  # A, B, (bias), C
 
         def check(k):
             c.fill_(float("nan"))
             k.launch_ptrs(ptrs, a.device)
             return ((c.double() - ref).norm() / ref.norm()).item()
 
-        ms, err, best_cfg = fastest_correct(built[(M, N, K, dt)], check, lambda k: k.launch_ptrs(ptrs, a.device),
+        job = (M, N, K, dt, trans_B)
+        ms, err, best_cfg = fastest_correct(built[job], check, lambda k: k.launch_ptrs(ptrs, a.device),
                                             TOLERANCE[dt], lambda cfg: f"{dt} {M}x{N}x{K} {config_name(cfg)}",
                                             lambda ms: f"{tflops(ms):.1f} TFLOP/s")
         best = tflops(ms) if best_cfg is not None else 0.0
         cublas = tflops(bench_ms(lambda: torch.matmul(a, b)))
         if best_cfg is not None:  # the winner and cuBLAS alternately, medians: clock and heat drift hit both alike
-            k = built[(M, N, K, dt)][best_cfg]
+            k = built[job][best_cfg]
             ours_ms, cublas_ms = [], []
             for _ in range(PAIRED_ROUNDS):
                 ours_ms.append(bench_ms(lambda: k.launch_ptrs(ptrs, a.device)))
                 cublas_ms.append(bench_ms(lambda: torch.matmul(a, b)))
             best, cublas = tflops(statistics.median(ours_ms)), tflops(statistics.median(cublas_ms))
-        row = {"dtype": dt, "shape": f"{M}x{N}x{K}", "tile_ops": round(best, 1), "cuBLAS": round(cublas, 1),
-               "vs_cuBLAS": round(best / cublas, 3), "rel_err": "-" if err is None else f"{err:.1e}",
+        row = {"dtype": dt, "shape": f"{M}x{N}x{K}" + (" B^T" if trans_B else ""), "tile_ops": round(best, 1),
+               "cuBLAS": round(cublas, 1), "vs_cuBLAS": round(best / cublas, 3), "rel_err": "-" if err is None else f"{err:.1e}",
                "config": "NONE CORRECT" if best_cfg is None else config_name(best_cfg)}
-        if not args.no_triton:
+        if not args.no_triton:  # the Triton and TileLang anchors take a row-major B only
             from triton_matmul import matmul as triton_matmul
 
-            row["triton"] = round(tflops(bench_ms(lambda: triton_matmul(a, b))), 1)
+            row["triton"] = "-" if trans_B else round(tflops(bench_ms(lambda: triton_matmul(a, b))), 1)
         if args.tilelang:
-            row["tilelang"] = tilelang_best(a, b, ref, dt, tflops)
+            row["tilelang"] = "-" if trans_B else tilelang_best(a, b, ref, dt, tflops)
         rows.append(row)
-        del a, b, c, ref
+        del a, b, stored_b, c, ref
     cols = ["dtype", "shape", "tile_ops", "cuBLAS"] + ([] if args.no_triton else ["triton"]) + (
         ["tilelang"] if args.tilelang else []) + [
         "vs_cuBLAS", "rel_err", "config"]
