@@ -21,6 +21,7 @@ from .kernel import Kernel, KernelMeta
 
 TVM_VERSION = "0.27.0.post1"  # the apache-tvm release the compiler is written against (setup.py pins it)
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINGERPRINTED = ("lang", "compiler", "kernels", os.path.join("jit", "build.py"))  # under tile_ops/
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,9 +39,6 @@ def compiler_fingerprint() -> str:
             with open(fname, "rb") as f:
                 h.update(os.path.basename(fname).encode() + f.read())
     return h.hexdigest()[:16]
-
-
-FINGERPRINTED = ("lang", "compiler", "kernels", os.path.join("jit", "build.py"))  # under tile_ops/
 
 
 def default_arch() -> str:
