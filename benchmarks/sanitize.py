@@ -71,7 +71,8 @@ SHAPES = {
     "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72)),
              ("short-grid", (768, 1024, 136)),  # sm_90a: pairs of 64-row tiles in clusters (B multicast)
              ("wide", (1500, 1704, 72)),  # sm_90a: one wave of 128x192 tiles in pairs, ragged
-             ("padded", (127, 255, 129))],  # sm_90a: the gemm build_gemm runs after pad_rows (rows of 136, 256)
+             ("padded", (127, 255, 129)),  # sm_90a: the gemm build_gemm runs after pad_rows (rows of 136, 256)
+             ("decode", (5, 4104, 200))],  # sm_90a: the swapped kernel (C^T = B^T A^T), 65 ragged column tiles
     "matmul20": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72))],
     "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
                      # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles

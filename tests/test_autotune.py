@@ -65,8 +65,10 @@ def test_config_space_is_declared_by_the_kernel_and_round_trips_json(op, shape):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
 def test_gemm_space_fits_the_problem(arch):
     decode = gemm_kernels.config_space(16, 8192, 8192, arch=arch)
-    if arch == "sm_90a":  # wgmma: 64-row tiles, thin N so B streams from every SM, K split over 1, 2 or 4 CTAs
-        assert {c.block_M for c in decode} == {64} and min(c.block_N for c in decode) == 32
+    if arch == "sm_90a":  # wgmma: 64-row tiles, thin N so B streams from every SM, K split over 1, 2 or 4 CTAs;
+        # or swapped (C^T = B^T A^T): M's 16 rows along wgmma's n
+        assert {c.block_M for c in decode if not c.swap_ab} == {64} and min(c.block_N for c in decode) == 32
+        assert {c.block_M for c in decode if c.swap_ab} == {16}
         assert {c.split_k for c in decode} == {1, 2, 4}
     else:
         assert {c.block_M for c in decode} == {16} and {c.policy for c in decode} == {"full_col"}

@@ -295,8 +295,8 @@ def test_sm90a_kernels_wait_for_their_predecessor_and_the_later_steps_launch_pro
     while the partial kernel runs and waits at its entry.  The sm_90 path has neither."""
     from tile_ops.kernels.gemm import build_gemm, default_config
 
-    k = build_gemm(16, 8192, 8192, 1, 1, 1, False, False, False, "float16", "float16",
-                   default_config(16, 8192, 8192, "sm_90a"), target=target)
+    k = build_gemm(16, 2048, 8192, 1, 1, 1, False, False, False, "float16", "float16",
+                   default_config(16, 2048, 8192, "sm_90a"), target=target)  # 32 tiles of 64 columns: split
     hopper = target == "sm_90a"
     for part in (k.partial, k.reduce):
         mix = part.instruction_mix()

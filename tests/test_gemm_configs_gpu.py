@@ -31,6 +31,8 @@ CONFIGS = [
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
+    GemmConfig(16, 64, 64, 16, 128, 0, swap_ab=True),  # decode: C^T = B^T A^T, wgmma m64n16 along N
+    GemmConfig(32, 128, 64, 8, 256, 0, swap_ab=True),  # ... two consumer warpgroups, m64n32
 ]
 # (M, N, K): more tiles than resident CTAs (persistent), ragged everything, rows not 16-byte aligned
 # (padded for TMA), decode
@@ -88,6 +90,19 @@ def test_wide_default_where_it_fills_the_wave(shape, cfg, variant):
     """128x192 tiles (in pairs where the M tiles pair up) where they fill one wave; 777x3001x1234 also pads
     both operands' rows (and stores rows of 3001 without TMA)."""
     assert default_config(*shape, "sm_90a") == cfg
+    check(cfg, shape, variant, "sm_90a")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", [(16, 8192, 1024), (1, 4096, 4096), (5, 4095, 1000), (20, 8191, 96), (32, 14336, 512)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_swapped_decode_default(shape, variant):
+    """Up to 32 rows over >= 64 tiles of 64 columns default to the swapped kernel: rows and columns that do
+    not fill its tile (stores guarded), B rows of 4095 or 8191 (padded for TMA where B is stored K x N),
+    more tiles than one CTA an SM (8 stages, two an SM)."""
+    cfg = default_config(*shape, "sm_90a", batch=VARIANTS[variant][0])
+    assert cfg.swap_ab
     check(cfg, shape, variant, "sm_90a")
 
 

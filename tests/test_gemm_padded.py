@@ -49,8 +49,12 @@ def test_padding_only_where_it_enables_tma():
     assert not isinstance(unpadded, PaddedGemm) and "cp.async.bulk.tensor" not in unpadded.source
     assert not isinstance(build_gemm(*shape, cfg=CFG, target="sm_90"), PaddedGemm)  # cp.async path: no TMA
     # a decode split-K gemm with a ragged K pads A inside (the split pair reads the workspace)
-    k = build_gemm(16, 4096, 4095, cfg=default_config(16, 4096, 4095, "sm_90a"), target="sm_90a")
+    k = build_gemm(16, 2048, 4095, cfg=default_config(16, 2048, 4095, "sm_90a"), target="sm_90a")
     assert isinstance(k, PaddedGemm) and isinstance(k.main, SplitKGemm) and list(k.pads) == [0]
+    # ... and so does the swapped decode kernel (B^T A^T): its "B" operand is A
+    swapped = default_config(16, 4096, 4095, "sm_90a")
+    k = build_gemm(16, 4096, 4095, cfg=swapped, target="sm_90a")
+    assert swapped.swap_ab and isinstance(k, PaddedGemm) and list(k.pads) == [0]
 
 
 def test_pad_rows_grid_takes_a_million_rows():

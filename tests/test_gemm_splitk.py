@@ -177,15 +177,14 @@ def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
 
 @pytest.mark.parametrize("shape, split", [
     ((4096, 4096, 4096), 1), ((1000, 1000, 1000), 1), ((8192, 1024, 8192), 1), ((128, 8192, 8192), 1),
-    ((16, 8192, 8192), 4), ((1, 4096, 4096), 4), ((16, 128256, 4096), 1), ((48, 4096, 4096), 4),
-    ((16, 8192, 1024), 2), ((1, 64, 8), 1), ((16, 8192, 256), 1), ((16, 28672, 4096), 1)])
+    ((48, 4096, 4096), 4), ((16, 2048, 8192), 4), ((40, 1024, 8192), 4), ((16, 256, 1024), 2), ((1, 64, 8), 1)])
 def test_default_config_splits_only_short_decode_grids(shape, split):
-    """Decode (M <= 64) without a nearly full wave of unsplit tiles: 64x256 tiles, K split in 2 or 4 while
-    the grid stays within one wave of 132 SMs and every split keeps >= 8 k-steps of 64; everything else is
-    unsplit."""
+    """Decode (M <= 64) with neither a swapped grid (<= 32 rows over >= 64 tiles of 64 columns) nor a nearly
+    full wave of unsplit tiles: 64x256 tiles, K split in 2 or 4 while the grid stays within one wave of 132
+    SMs and every split keeps >= 8 k-steps of 64; everything else is unsplit."""
     M, N, K = shape
     cfg = default_config(M, N, K, "sm_90a")
-    assert cfg.split_k == split
+    assert cfg.split_k == split and not cfg.swap_ab
     if M <= 64:
         assert (cfg.block_M, cfg.block_N) == (64, 256)
         assert -(-N // 256) * split <= 132 or split == 1
@@ -194,26 +193,25 @@ def test_default_config_splits_only_short_decode_grids(shape, split):
 
 @pytest.mark.parametrize("shape, tile", [
     ((64, 8192, 8192), (64, 64, 128, 6)), ((33, 6400, 4096), (64, 64, 128, 6)),  # 128 and 100 tiles of 64 columns
-    ((32, 8192, 8192), (64, 256, 64, 4)),  # up to 32 rows: wide tiles, K split in 4
-    ((16, 14336, 4096), (64, 128, 64, 8)), ((64, 14336, 4096), (64, 128, 64, 8)),  # 112 tiles of 128 columns
-    ((16, 28672, 4096), (64, 256, 64, 4)), ((16, 33792, 4096), (64, 256, 64, 4))])  # 112 and 132 of 256
+    ((64, 14336, 4096), (64, 128, 64, 8)), ((48, 12800, 4096), (64, 128, 64, 8))])  # 112 and 100 tiles of 128
 def test_decode_takes_unsplit_tiles_that_make_one_wave(shape, tile):
-    """Decode tiles: 64x64 (M > 32), 64x256 or 64x128, unsplit, where they make 100-132 CTAs: no partials
-    and no second kernel; otherwise 64x256 split along K."""
+    """33-64 rows: 64x64 or 64x128 tiles, unsplit, where they make 100-132 CTAs: no partials and no second
+    kernel."""
     cfg = default_config(*shape, "sm_90a")
-    assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages) == tile
-    assert cfg.split_k == (1 if tile != (64, 256, 64, 4) or -(-shape[1] // 256) >= 100 else 4)
+    assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages, cfg.split_k, cfg.swap_ab) == (*tile, 1, False)
 
 
 @pytest.mark.parametrize("shape, batch, tile, split", [
-    ((16, 14336, 4096), 2, (64, 256, 64, 4), 1),  # 224 tiles of 64x128 would be 1.7 waves: 112 of 64x256
+    ((16, 14336, 4096), 2, (16, 64, 64, 8), 1),  # 448 swapped tiles: two CTAs an SM, 8 stages each
     ((64, 8192, 8192), 2, (64, 128, 64, 8), 1),  # 256 of 64x64, 128 of 64x128
-    ((16, 8192, 8192), 2, (64, 128, 64, 8), 1),  # one matrix: 64 of 64x128, split pairs instead
-    ((16, 4096, 4096), 2, (64, 256, 64, 4), 4),  # 32 tiles of 64x256, split in 4
-    ((16, 4096, 4096), 4, (64, 128, 64, 8), 1)])  # 128 of 64x128
+    ((16, 8192, 8192), 2, (16, 64, 64, 8), 1),  # one matrix: 128 swapped tiles, 16 stages
+    ((16, 2048, 4096), 2, (16, 64, 64, 16), 1),  # one matrix: 32 tiles of 64 columns, the split pair
+    ((48, 4096, 4096), 2, (64, 64, 128, 6), 1),  # one matrix: 64 tiles of 64x64, the split pair; two: 128
+    ((48, 2048, 4096), 2, (64, 256, 64, 4), 4),  # 16 tiles of 64x256, split in 4
+    ((48, 1792, 4096), 8, (64, 128, 64, 8), 1)])  # 224 of 64x64, 112 of 64x128
 def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
-    """The decode defaults count batch x N tiles against the wave, and the op re-derives them for a batch
-    (config_for fits one matrix)."""
+    """The decode defaults count batch x N tiles against the wave, and the op re-derives its heuristic
+    default for a batch (config_for fits one matrix)."""
     cfg = default_config(*shape, "sm_90a", batch=batch)
     assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages, cfg.split_k) == (*tile, split)
     seen = []
@@ -223,9 +221,7 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     M, N, K = shape
     a, b = torch.zeros(batch, M, K, dtype=torch.float16), torch.zeros(batch, K, N, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a, b, torch.zeros(batch, M, N, dtype=torch.float16))
-    single = default_config(*shape, "sm_90a")
-    if single.split_k == 1:  # an unsplit decode default is re-derived with the batch
-        assert seen == [cfg]
+    assert seen == [cfg]
 
 
 @pytest.mark.parametrize("shape, default", [
@@ -266,7 +262,7 @@ def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
 
 
 def test_hopper_decode_space_offers_split_k():
-    decode = gemm_kernels.config_space(16, 8192, 8192, arch="sm_90a")
+    decode = [c for c in gemm_kernels.config_space(16, 8192, 8192, arch="sm_90a") if not c.swap_ab]
     assert {c.split_k for c in decode} == {1, 2, 4}
     assert len({dataclasses.replace(c, split_k=1) for c in decode}) * 3 == len(decode)
     assert {c.split_k for c in gemm_kernels.config_space(4096, 4096, 4096, arch="sm_90a")} == {1}

@@ -27,6 +27,8 @@ class GemmConfig:
     cluster_n: int = 1  # > 1 (sm_90a): ... and of neighbouring N tiles of one M tile, A's tile multicast to them
     pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate tiles
     stream_k: int = 0  # >= 2 (sm_90a): the last wave's tiles split along K into up to this many parts, in-kernel
+    swap_ab: bool = False  # compute C^T = B^T A^T: wgmma's 64-row slices run along N, the few rows of M (decode)
+    # along its n (block_M of 8-256), so no tensor work is spent on rows A does not have
 
     def __post_init__(self):
         if min(self.cluster, self.cluster_n) < 1 or self.cluster * self.cluster_n > T.MAX_CLUSTER:
@@ -39,6 +41,18 @@ class GemmConfig:
                              f"split_k={self.split_k} (two ways of splitting K)")
         if self.epilogue not in ("direct", "shared"):
             raise ValueError(f"GemmConfig.epilogue={self.epilogue!r}: must be 'direct' or 'shared'")
+        if self.swap_ab:
+            self._check_swapped()
+
+    def _check_swapped(self):
+        if self.block_N % 64 or self.block_M % 8 or self.block_M > 256 or self.threads != 2 * self.block_N:
+            raise ValueError(f"GemmConfig(swap_ab=True) with block_M={self.block_M}, block_N={self.block_N}, "
+                             f"threads={self.threads}: block_N must be a multiple of 64 (one consumer warpgroup "
+                             f"per 64 columns, threads = 2 * block_N) and block_M a multiple of 8 up to 256")
+        if (self.split_k, self.stream_k, self.cluster, self.cluster_n, self.pingpong, self.epilogue) != (
+                1, 0, 1, 1, False, "direct"):
+            raise ValueError("GemmConfig(swap_ab=True) takes none of split_k, stream_k, cluster, cluster_n, pingpong "
+                             "or epilogue='shared' (its transposed tile is stored from registers)")
 
 
 # Fastest first (bench_gemm.py --configs on the H200, NOTES.md v3): the TMA-store epilogue wins everywhere
@@ -113,20 +127,24 @@ _DECODE_NARROW = GemmConfig(64, 128, 64, 8, 128, 0)
 
 
 def _decode_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> GemmConfig:
-    """Decode on sm_90a: 64x64 tiles for 33-64 rows, or else 64x128 ones, where they make 100-132 CTAs
-    (``batch`` times the N tiles); else 64x256 tiles (512-byte B rows per CTA), K split while the grid
-    stays within a wave (unsplit from 67 of them on).  A split's fp32 partials cost a second kernel and,
-    with 64 rows, 4 x 64 x N x 4 bytes each way.  Measured (NOTES v13, paired beside cuBLAS, new / split):
-    64x8192x8192 1.009 / 0.878; 16x14336x4096 0.976 / 0.918; at 16x8192x8192 (64 tiles of 64x128) the split
-    pair stays: unsplit 64x128 tiles took 49.8 us against its 47.5."""
-    def one_wave(block_N: int) -> bool:
-        return 100 <= batch * -(-N // block_N) <= sms
+    """Decode on sm_90a.  Up to 32 rows over >= 64 tiles of 64 columns: C^T = B^T A^T in one kernel
+    (``swap_ab``: 64 columns of N per CTA along wgmma's m, M along its n, 16 stages where one CTA an SM
+    holds them all, else 8 for two an SM).  Else 64x64 tiles for 33-64 rows, or 64x128 ones, where they
+    make 100-132 CTAs (``batch`` times the N tiles); else 64x256 tiles (512-byte B rows per CTA), K split
+    while the grid stays within a wave (unsplit from 67 of them on).  A split's fp32 partials cost a
+    second kernel and, with 64 rows, 4 x 64 x N x 4 bytes each way.  Measured (NOTES v13-v14, paired
+    beside cuBLAS): 16x8192x8192 swapped 1.12 / split 1.03 (B^T stored: 1.01 / 0.95); 16x14336x4096
+    1.00 / 0.93; 64x8192x8192 64x64 tiles 1.009 / split 0.878."""
+    def tiles(block_N: int) -> int:
+        return batch * -(-N // block_N)
 
-    if M > 32 and one_wave(64):
+    if M <= 32 and tiles(64) >= 64:
+        return GemmConfig(max(16, _pow2(M)), 64, 64, 16 if tiles(64) <= sms else 8, 128, 0, swap_ab=True)
+    if M > 32 and 100 <= tiles(64) <= sms:
         return _DECODE_THIN
-    if one_wave(128):  # (then 64x256 tiles are 50-66: split in 2)
+    if 100 <= tiles(128) <= sms:  # (then 64x256 tiles are 50-66: split in 2)
         return _DECODE_NARROW
-    return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(batch * -(-N // 256), K // 64))
+    return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(tiles(256), K // 64))
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
@@ -181,6 +199,9 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk, epilogue=ep) for bK, stages in depths
                   for sw in swizzles for sk in splits for ep in epilogues
                   if sk == 1 or -(-K // bK) >= 2 * sk]  # >= 2 k-tiles a split
+    if decode and M <= 32:  # C^T = B^T A^T: 64 or 128 columns of N along wgmma's m, M along its n (NOTES v14)
+        space += [GemmConfig(max(16, _pow2(M)), bN, bK, stages, 2 * bN, 0, swap_ab=True) for bN in (64, 128)
+                  for bK, stages in ((64, 8), (64, 16), (128, 6)) if bN * bK * stages <= 64 * 64 * 16]
     if not decode and min(M, N) >= 128:  # two consumer warpgroups on alternate 128x128 tiles (NOTES v6)
         swizzles = (0, 8) if -(-N // 128) > 8 and -(-M // 128) > 1 else (0,)
         space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
@@ -280,6 +301,42 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.copy(C_s, C[bz, by * bM, bx * bN])
             else:
                 T.copy(C_f, C[bz, by * bM, bx * bN])
+
+    def swapped_body(A, B, Bias, C):  # the C^T tile (bN x bM) = B^T tile @ A^T tile
+        with T.Kernel(grid[0], grid[1], batch, threads=cfg.threads) as (bx, by, bz):
+            if cfg.swizzle:
+                T.use_swizzle(cfg.swizzle)
+            B_s = T.alloc_shared(B_tile, dtype)
+            A_s = T.alloc_shared(A_tile, dtype)
+            Ct_f = T.alloc_fragment((bN, bM), "float32")
+            za = bz if batch_a > 1 else 0
+            zb = bz if batch_b > 1 else 0
+            T.clear(Ct_f)
+            for k in T.Pipelined(k_tiles, num_stages=cfg.num_stages):
+                if trans_B:
+                    T.copy(B[zb, bx * bN, k * bK], B_s)
+                else:
+                    T.copy(B[zb, k * bK, bx * bN], B_s)
+                if trans_A:
+                    T.copy(A[za, k * bK, by * bM], A_s)
+                else:
+                    T.copy(A[za, by * bM, k * bK], A_s)
+                T.gemm(B_s, A_s, Ct_f, transpose_A=not trans_B, transpose_B=not trans_A)
+            if has_bias:
+                bias_s = T.alloc_shared((bN,), dtype)
+                T.copy(Bias[bx * bN], bias_s)
+                for i, j in T.Parallel(bN, bM):
+                    Ct_f[i, j] = Ct_f[i, j] + bias_s[i]
+            for i, j in T.Parallel(bN, bM):
+                C[bz, by * bM + j, bx * bN + i] = Ct_f[i, j]
+
+    if cfg.swap_ab:
+        @T.prim_func
+        def gemm_swapped_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype),
+                                Bias: T.Tensor((N,), dtype), C: T.Tensor((batch, M, N), out_dtype)):
+            swapped_body(A, B, Bias, C)
+
+        return gemm_swapped_kernel
 
     if splits == 1:
         @T.prim_func
@@ -530,19 +587,18 @@ def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=Fa
 def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     """(kernel, a, b): the kernel for these operands and the operand views it reads.
 
-    A split-K config (``split_k > 1``) chosen by ``config_for`` (tuned or heuristic, both per (M, N, K))
-    is divided by the batch count: a batch already multiplies the CTAs; the defaults fitted to the waves of
-    one matrix (short-grid pairs, 128x192 tiles) are re-derived with the batch.  An explicit ``cfg`` is used as is."""
+    ``config_for`` chooses per (M, N, K): its heuristic default, fitted to the waves of one matrix, is
+    re-derived with the batch; a tuned split-K config (``split_k > 1``) is divided by the batch count (a
+    batch already multiplies the CTAs).  An explicit ``cfg`` is used as is."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
     if cfg is None:
         cfg = config_for("gemm", M, N, K, _DT[a.dtype], a.device)
-        if cfg.split_k > 1 and Bt > 1:
-            cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
-        if cfg in (_HALF_WAVE, _WIDE, _WIDE_PAIRED, _DECODE_THIN, _DECODE_NARROW) and Bt > 1:  # fitted to one
-            # matrix's waves, not the batch's
+        if Bt > 1 and cfg == default_config(M, N, K):  # the heuristic fits one matrix's waves: refit the batch's
             cfg = default_config(M, N, K, batch=Bt)
+        elif Bt > 1 and cfg.split_k > 1:  # a tuned split: the batch already multiplies the CTAs
+            cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
     kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg)
     return kernel, a, b
 

@@ -1,0 +1,98 @@
+"""The swapped decode gemm (``GemmConfig(swap_ab=True)``: C^T = B^T A^T) on the CPU: what the config accepts,
+which shapes default to it, and what its sm_90a kernel is made of (wgmma m64 along N with M along its n,
+TMA loads of both operands, no spills).  GPU numerics: tests/test_gemm_configs_gpu.py."""
+
+import re
+
+import pytest
+
+from tile_ops.jit.build import _find_tool
+from tile_ops.kernels import gemm as gemm_kernels
+from tile_ops.kernels.gemm import GemmConfig, build_gemm, config_space, default_config, shared_memory_bytes
+
+needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
+needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def swapped(block_M=16, block_N=64, block_K=64, stages=16, **kw):
+    return GemmConfig(block_M, block_N, block_K, stages, 2 * block_N, 0, swap_ab=True, **kw)
+
+
+@pytest.mark.parametrize("kw, what", [
+    (dict(block_N=96), "block_N must be a multiple of 64"), (dict(block_M=12), "block_M a multiple of 8"),
+    (dict(block_M=512), "up to 256"), (dict(split_k=2), "split_k"), (dict(epilogue="shared"), "epilogue"),
+    (dict(cluster=2), "cluster"), (dict(stream_k=2), "stream_k")])
+def test_swapped_config_refuses_what_its_kernel_cannot_do(kw, what):
+    base = dict(block_M=16, block_N=64, block_K=64, num_stages=8, threads=128, swizzle=0, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab=True") as e:
+        GemmConfig(**{**base, **kw, "threads": 2 * kw.get("block_N", 64)})
+    assert what in str(e.value)
+    with pytest.raises(ValueError, match="threads = 2 \\* block_N"):
+        GemmConfig(**{**base, "threads": 256})
+
+
+@pytest.mark.parametrize("shape, block_M, stages", [
+    ((16, 8192, 8192), 16, 16), ((1, 4096, 4096), 16, 16), ((5, 4095, 4096), 16, 16), ((20, 8192, 8192), 32, 16),
+    ((32, 8192, 28672), 32, 16), ((16, 14336, 4096), 16, 8), ((16, 128256, 4096), 16, 8)])
+def test_up_to_32_rows_over_64_tiles_of_64_columns_default_to_the_swapped_kernel(shape, block_M, stages):
+    """M rounds up to wgmma's n (16 or 32: a 16-column A^T tile is still a 32-byte swizzled panel); 16 stages where one CTA an SM holds them (<= 132 tiles),
+    8 where two CTAs an SM share it."""
+    cfg = default_config(*shape, "sm_90a")
+    assert cfg == swapped(block_M, 64, 64, stages)
+    assert shared_memory_bytes(cfg, *shape) <= (227 if stages == 16 else 113) * 1024
+    assert cfg in config_space(*shape, arch="sm_90a")  # the tuner measures it too
+
+
+@pytest.mark.parametrize("shape", [(16, 4032, 4096), (33, 8192, 8192), (64, 8192, 8192), (16, 8192, 8192, "sm_90")])
+def test_the_swapped_kernel_is_not_the_default_elsewhere(shape):
+    """Fewer than 64 tiles of 64 columns (the split pair fills the SMs better), more than 32 rows, or the
+    Ampere-class path."""
+    *mnk, arch = shape if len(shape) == 4 else (*shape, "sm_90a")
+    assert not default_config(*mnk, arch).swap_ab
+
+
+def test_tuner_space_offers_swapped_tiles_that_fit_shared_memory():
+    space = [c for c in config_space(16, 8192, 8192, arch="sm_90a") if c.swap_ab]
+    assert {(c.block_M, c.block_N) for c in space} == {(16, 64), (16, 128)}
+    assert all(shared_memory_bytes(c, 16, 8192, 8192) <= 227 * 1024 for c in space)
+    assert not any(c.swap_ab for c in config_space(64, 8192, 8192, arch="sm_90a"))
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("shape, trans_A, trans_B, cfg, n", [
+    ((16, 8192, 8192), False, True, swapped(), 16),  # nn.Linear's weight: B stored N x K, K-major for wgmma's A
+    ((16, 8192, 8192), False, False, swapped(), 16),  # B stored K x N: wgmma's A read MN-major
+    ((1, 1000, 200), True, False, swapped(16, 64, 64, 8), 16),  # ragged, A^T stored (its 1-wide rows padded)
+    ((8, 1000, 200), False, True, swapped(8, 64, 64, 8), 8),
+    ((32, 14336, 4096), False, True, swapped(32, 128, 64, 8), 32)])  # two consumer warpgroups along N
+def test_swapped_kernel_is_wgmma_along_n_with_tma_loads(shape, trans_A, trans_B, cfg, n):
+    M, N, K = shape
+    k = build_gemm(M, N, K, 1, 1, 1, trans_A, trans_B, True, "float16", "float16", cfg, target="sm_90a")
+    main = getattr(k, "main", k)  # a PaddedGemm pads A's rows first
+    assert set(re.findall(r"HGMMA\.\w+", main.sass())) == {f"HGMMA.64x{n}x16"}
+    mix = main.instruction_mix()
+    assert mix.get("UTMALDG", 0) > 0 and mix.get("SYNCS", 0) > 0 and main.meta.resources["spill_stores"] == 0
+    assert main.meta.grid == (-(-N // cfg.block_N), -(-M // cfg.block_M), 1)
+    assert main.meta.block == (cfg.threads + 128, 1, 1)  # the consumers + the TMA producer warpgroup
+    # the transposed tile is stored from registers, each element guarded (M and N need not fill it)
+    assert mix.get("UTMASTG", 0) == 0 and mix.get("STG", 0) > 0
+
+
+def test_op_refits_a_swapped_default_to_the_batch(monkeypatch):
+    """Two 16x8192 matrices make 256 swapped tiles: 8 stages for two CTAs an SM, not one matrix's 16
+    (the op's config_for fits one matrix)."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(gemm_kernels, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
+    monkeypatch.setattr(gemm_kernels, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
+    a, b = torch.zeros(2, 16, 8192, dtype=torch.float16), torch.zeros(2, 8192, 8192, dtype=torch.float16)
+    gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.zeros(1, 16, 8192, dtype=torch.float16))
+    gemm_kernels.get_gemm_kernel(a, b, torch.zeros(2, 16, 8192, dtype=torch.float16))
+    assert seen == [swapped(16, 64, 64, 16), swapped(16, 64, 64, 8)]
