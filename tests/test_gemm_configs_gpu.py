@@ -21,6 +21,7 @@ CONFIGS = [
     GemmConfig(64, 256, 64, 4, 256, 8, "full_col"),  # two warpgroups split N (wgmma m64n128 each)
     GemmConfig(128, 256, 64, 3, 256, 8, "full_col", epilogue="shared"),
     GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
+    GemmConfig(128, 256, 64, 3, 256, 4, epilogue="shared"),  # rasterized in panels of 4 column tiles
     GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared"),  # TMA store, two CTAs per SM
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared"),
     GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared", cluster=2),  # B multicast to pairs of M tiles
