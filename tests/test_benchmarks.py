@@ -2,6 +2,7 @@
 host-overhead profile (benchmarks/host_overhead_cpu.py) end to end, and the sanitizer runner
 (benchmarks/sanitize.py): its --dry-run and how it reads compute-sanitizer's summaries."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -160,3 +161,23 @@ def test_tilelang_anchor_reports_why_it_is_missing():
 
     reason = tilelang_matmul.available()
     assert reason is None or "tilelang" in reason
+
+
+def test_bench_sustained_refuses_unknown_variants_and_a_missing_gpu():
+    script = str(BENCHMARKS / "bench_sustained.py")
+    bad = subprocess.run([sys.executable, script, "--variants", "default,bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--variants bogus: not one of default, raster8" in bad.stderr
+    if not __import__("torch").cuda.is_available():
+        none = subprocess.run([sys.executable, script, "--shapes", "4096x4096x4096"], capture_output=True, text=True)
+        assert none.returncode == 2 and "needs a CUDA GPU" in none.stderr
+
+
+def test_bench_sustained_variants_are_the_default_with_one_change():
+    import bench_sustained
+
+    from tile_ops.kernels.gemm import default_config
+
+    base = default_config(4096, 4096, 4096, "sm_90a")
+    assert bench_sustained.VARIANTS["default"](base) == base and base.swizzle == 4
+    assert bench_sustained.VARIANTS["raster8"](base) == dataclasses.replace(base, swizzle=8)
+    assert bench_sustained.VARIANTS["cluster2"](base).cluster == 2

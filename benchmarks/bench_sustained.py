@@ -1,0 +1,117 @@
+"""Sustained GEMM throughput beside cuBLAS, with the SM clock and board power it ran at.
+
+On the H200 a large fp16 GEMM holds the board at its power cap (~600-700 W) and the SM clock well under its
+1980 MHz maximum, so throughput is energy per FLOP times the cap: what decides a 1 % race is the work each
+FLOP costs (L2 and shared-memory traffic), measured here by running each kernel back to back for
+``--seconds`` while ``nvidia-smi`` samples clock and power, alternating ours and cuBLAS ``--rounds`` times.
+
+    python benchmarks/bench_sustained.py [--shapes 4096x4096x4096,...] [--variants default,raster8]
+        [--seconds 1.5] [--rounds 2] [--json out.json]
+"""
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import pick_shapes, print_table, save  # noqa: E402
+
+from tile_ops.kernels.gemm import build_gemm, default_config  # noqa: E402
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (8192, 1024, 8192)]
+# name: the default config of a shape -> the variant timed beside it
+VARIANTS = {
+    "default": lambda cfg: cfg,
+    "raster8": lambda cfg: dataclasses.replace(cfg, swizzle=8),  # panels of 8 column tiles (the v13 default)
+    "raster2": lambda cfg: dataclasses.replace(cfg, swizzle=2),
+    "cluster2": lambda cfg: dataclasses.replace(cfg, cluster=2),  # B multicast to pairs of M tiles
+}
+TOLERANCE = 5e-3  # relative Frobenius error of fp16 against float64
+
+
+def sustain(fn, seconds):
+    """(ms per call, median SM MHz, median W) over ``seconds`` of back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    smi = shutil.which("nvidia-smi")
+    sampler = smi and subprocess.Popen([smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                        "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0, calls = time.time(), 0
+    while time.time() - t0 < seconds:
+        for _ in range(20):
+            fn()
+        calls += 20
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    samples = []
+    if sampler:
+        sampler.terminate()
+        lines = sampler.communicate()[0].strip().splitlines()[3:]  # the first samples predate the load
+        samples = [tuple(map(float, ln.split(","))) for ln in lines if ln.count(",") == 1]
+    med = (lambda i: statistics.median(s[i] for s in samples)) if samples else (lambda i: float("nan"))
+    return start.elapsed_time(end) / calls, med(0), med(1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", help="comma-separated MxNxK of the four large shapes (default: all)")
+    p.add_argument("--variants", default="default", help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json")
+    args = p.parse_args()
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        p.error(f"--variants {','.join(sorted(unknown))}: not one of {', '.join(VARIANTS)}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (the kernels build without one: python -m tile_ops precompile)")
+    rows = []
+    for M, N, K in pick_shapes(SHAPES, args.shapes):
+        a = torch.randn(M, K, dtype=torch.float16, device="cuda")
+        b = torch.randn(K, N, dtype=torch.float16, device="cuda")
+        c = torch.empty(M, N, dtype=torch.float16, device="cuda")
+        ref = a.double() @ b.double()
+        ptrs = [a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()]
+        runs = {"cuBLAS": lambda: torch.matmul(a, b)}
+        for name in variants:
+            cfg = VARIANTS[name](default_config(M, N, K))
+            try:
+                kernel = build_gemm(M, N, K, cfg=cfg)
+            except ValueError as e:  # e.g. a cluster that does not divide the M tiles
+                print(f"{M}x{N}x{K} {name}: {e}", file=sys.stderr)
+                continue
+            c.fill_(float("nan"))
+            kernel.launch_ptrs(ptrs, a.device)
+            err = ((c.double() - ref).norm() / ref.norm()).item()
+            if not err < TOLERANCE:
+                print(f"WRONG {M}x{N}x{K} {name}: relative error {err:.1e}", file=sys.stderr)
+                continue
+            runs[name] = (lambda k: lambda: k.launch_ptrs(ptrs, a.device))(kernel)
+        seen = {name: [] for name in runs}
+        for _ in range(args.rounds):  # alternate: the board's temperature drifts for all alike
+            for name, fn in runs.items():
+                seen[name].append(sustain(fn, args.seconds))
+        tflops = {name: 2 * M * N * K / statistics.median(s[0] for s in v) / 1e9 for name, v in seen.items()}
+        for name, v in seen.items():
+            mhz, watts = statistics.median(s[1] for s in v), statistics.median(s[2] for s in v)
+            rows.append({"shape": f"{M}x{N}x{K}", "kernel": name, "TFLOP/s": round(tflops[name], 1),
+                         "vs_cuBLAS": round(tflops[name] / tflops["cuBLAS"], 3), "SM MHz": round(mhz),
+                         "W": round(watts), "TFLOP/kJ": round(1000 * tflops[name] / watts)})
+        del a, b, c, ref
+    print_table(rows, ["shape", "kernel", "TFLOP/s", "vs_cuBLAS", "SM MHz", "W", "TFLOP/kJ"],
+                f"Sustained fp16 GEMM ({args.rounds} x {args.seconds} s each) on {torch.cuda.get_device_name()}")
+    save(rows, args.json, None, x=("shape", "kernel"), ys=("TFLOP/s",), ylabel="TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
