@@ -2,7 +2,7 @@
 # One device call: install (TVM from the carried kit), GPU tests, then the benchmarks; logs under $OUT.
 #   TESTS="tests/test_kernels_gpu.py"  narrows the tests (TESTS=none: none, e.g. without TVM);
 #   BENCHES="softmax overhead"  picks benchmarks: gemm gemm80 softmax overhead compile (the default list),
-#     also sanitize and profile;  BENCH_ARGS  goes to bench_gemm.py (default --configs), SOFTMAX_ARGS to
+#     also sanitize, profile and sustained (seconds-long runs with clock and power; SUSTAINED_ARGS);  BENCH_ARGS  goes to bench_gemm.py (default --configs), SOFTMAX_ARGS to
 #     bench_gemm_softmax.py (e.g. --configs).
 #   gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path (sm_90) on the same GPU.
 #   profile: ncu counters of the default kernel vs cuBLAS at PROFILE_SHAPES (default 4096x4096x4096).
@@ -29,6 +29,7 @@ for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
     gemm) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py ${BENCH_ARGS:---configs} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" | tail -14 ;;
     gemm80) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py --arch sm_90 --no-triton ${BENCH_ARGS:---configs} --json "$OUT/gemm80.json" 2>&1 | tee "$OUT/bench_gemm80.log" | tail -14 ;;
     softmax) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm_softmax.py ${SOFTMAX_ARGS:-} --json "$OUT/gemm_softmax.json" 2>&1 | tee "$OUT/bench_softmax.log" | tail -8 ;;
+    sustained) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_sustained.py ${SUSTAINED_ARGS:---variants default,raster8} --json "$OUT/sustained.json" 2>&1 | tee "$OUT/bench_sustained.log" | tail -14 ;;
     overhead) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/bench_overhead.log" | tail -24 ;;
     sanitize) timeout ${BENCH_TIMEOUT:-400} python benchmarks/sanitize.py --out "$OUT" --budget $(( ${BENCH_TIMEOUT:-400} - 20 )) ${SANITIZE_ARGS:-} 2>&1 | tee "$OUT/sanitize.log" | tail -24 ;;
     profile) for s in ${PROFILE_SHAPES:-4096x4096x4096}; do timeout 120 python benchmarks/profile_gemm.py --shape $s 2>&1 | tee -a "$OUT/profile.log" | tail -4; done ;;
