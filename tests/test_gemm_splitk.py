@@ -11,7 +11,7 @@ import torch
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
 from tile_ops.kernels import gemm as gemm_kernels
-from tile_ops.kernels.gemm import GemmConfig, SplitKGemm, build_gemm, default_config, gemm, split_k_tiles
+from tile_ops.kernels.gemm import GemmConfig, PaddedGemm, SplitKGemm, build_gemm, default_config, gemm, split_k_tiles
 from fake_kernels import FakeKernel, record_allocations
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
@@ -117,8 +117,13 @@ def test_split_gemm_builds_and_its_sass_has_the_intended_instructions(arch, spli
 def test_batched_split_gemm_folds_batch_and_split_into_z():
     cfg = GemmConfig(64, 64, 64, 4, 128, 0, split_k=2)
     k = build_gemm(20, 192, 300, 3, 3, 1, True, False, False, "float16", "float16", cfg, target="sm_90a")
-    assert k.meta.grid == (3, 1, 6) and k.workspace_shape == (2, 3, 20, 192)
-    assert k.reduce.meta.grid == (3, 1, 3)
+    assert isinstance(k, PaddedGemm) and isinstance(k.main, SplitKGemm)  # A^T's rows of 20 halves: padded
+    assert k.meta.grid == (3, 1, 6) and k.main.workspace_shape == (2, 3, 20, 192)
+    assert k.main.reduce.meta.grid == (3, 1, 3)
+    with pytest.raises(AttributeError, match="PaddedGemm has no 'reduce'"):  # only descriptions are forwarded
+        k.reduce
+    with pytest.raises(AttributeError, match="SplitKGemm has no 'launch'"):  # never a partial launch
+        k.main.launch
     assert build_gemm(20, 192, 300, 3, 3, 1, True, False, False, "float16", "float16",
                       dataclasses.replace(cfg, split_k=1), target="sm_90a").meta.grid == (3, 1, 3)
 

@@ -447,17 +447,22 @@ def _prepare(a, b):
 
 
 class _ComposedGemm:
-    """Several kernels launched like one gemm kernel: ``launch_ptrs([A, B, Bias, C], device)``; the
-    main one's meta, source, cubin, sass() ... stand for the whole (what the tuner and tests report).
-    Workspaces are caching-allocator ``torch.empty`` per launch on the current stream, which every
-    kernel runs on (so freeing them right after is stream-ordered)."""
+    """Several kernels launched like one gemm kernel: ``launch_ptrs([A, B, Bias, C], device)``, ``launcher``
+    or ``plan``.  The main one's meta and its ``DESCRIBED_BY_MAIN`` attributes stand for the whole (what the
+    tuner and tests report); nothing else is forwarded, so a launch method of the main kernel alone
+    (``launch``, ``grid_on``, ...) is an AttributeError, not a partial launch.  Workspaces are
+    caching-allocator ``torch.empty`` per launch on the current stream, which every kernel runs on (so
+    freeing them right after is stream-ordered)."""
 
     main_attr = ""
+    DESCRIBED_BY_MAIN = ("source", "cubin", "tir", "sass", "instruction_mix")
 
     def __getattr__(self, name):
-        if name == self.main_attr:
-            raise AttributeError(name)
-        return getattr(getattr(self, self.main_attr), name)
+        if name in self.DESCRIBED_BY_MAIN:
+            return getattr(getattr(self, self.main_attr), name)
+        raise AttributeError(f"{type(self).__name__} has no {name!r}: it launches several kernels as one "
+                             f"(launch_ptrs, launcher, plan); its main kernel describes it only through "
+                             f"meta, {', '.join(self.DESCRIBED_BY_MAIN)}")
 
     def launcher(self, device):
         return lambda ptrs: self.launch_ptrs(ptrs, device)
