@@ -45,6 +45,14 @@ VARIANTS = {  # name: (batch, trans_A, trans_B, bias, dtype, out_dtype)
 }
 
 
+# operand layouts the three VARIANTS leave out, for the swapped kernel (whose two wgmma operands then are both
+# MN-major, or A's tile is a broadcast over the batch)
+MORE_VARIANTS = {
+    "A^T only": (1, True, False, False, torch.float16, torch.float16),
+    "batched B^T + bias": (2, False, True, True, torch.float16, torch.float16),
+}
+
+
 def _dt(t):
     return str(t)[6:]
 
@@ -108,6 +116,21 @@ def test_swapped_decode_default(shape, variant):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("broadcast", [None, "a", "b"])
+@pytest.mark.parametrize("variant", list(MORE_VARIANTS))
+@pytest.mark.parametrize("shape", [(16, 4096, 512), (24, 4104, 200)], ids=lambda s: "x".join(map(str, s)))
+def test_swapped_decode_layouts_and_broadcast_operands(shape, variant, broadcast):
+    """The swapped kernel with A stored transposed (both wgmma operands MN-major), and batched with one
+    operand shared by the whole batch (its batch stride 0)."""
+    if broadcast and MORE_VARIANTS[variant][0] == 1:
+        pytest.skip("broadcast needs a batch")
+    cfg = default_config(*shape, "sm_90a", batch=MORE_VARIANTS[variant][0])
+    assert cfg.swap_ab
+    check(cfg, shape, variant, "sm_90a", batch_a=1 if broadcast == "a" else None,
+          batch_b=1 if broadcast == "b" else None)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("shape", [(127, 255, 129), (300, 1001, 777)], ids=lambda s: "x".join(map(str, s)))
 def test_padded_operand_broadcast_over_the_batch(shape):
     """A batched A times one B (batch stride 0): each operand padded into a workspace of its own batch."""
@@ -122,14 +145,14 @@ def test_default_configs_and_shared_epilogue_everywhere(shape, target):
     check(GemmConfig(128, 128, 32, 3, 128, 8, epilogue="shared"), shape, "transposed+bias bf16", target)
 
 
-def check(cfg, shape, variant, target, pad=True, batch_b=None):
-    """``batch_b=1``: B broadcast over the batch (one stored matrix, one padded workspace)."""
+def check(cfg, shape, variant, target, pad=True, batch_b=None, batch_a=None):
+    """``batch_b=1`` (``batch_a=1``): B (A) broadcast over the batch (one stored matrix, one padded workspace)."""
     M, N, K = shape
-    batch, ta, tb, has_bias, dtype, out_dtype = VARIANTS[variant]
-    batch_b = batch_b or batch
-    kernel = build_gemm(M, N, K, batch, batch, batch_b, ta, tb, has_bias, _dt(dtype), _dt(out_dtype), cfg,
+    batch, ta, tb, has_bias, dtype, out_dtype = {**VARIANTS, **MORE_VARIANTS}[variant]
+    batch_a, batch_b = batch_a or batch, batch_b or batch
+    kernel = build_gemm(M, N, K, batch, batch_a, batch_b, ta, tb, has_bias, _dt(dtype), _dt(out_dtype), cfg,
                         target=target, pad=pad)
-    a = torch.randn(batch, *((K, M) if ta else (M, K)), device="cuda").to(dtype)
+    a = torch.randn(batch_a, *((K, M) if ta else (M, K)), device="cuda").to(dtype)
     b = torch.randn(batch_b, *((N, K) if tb else (K, N)), device="cuda").to(dtype)
     bias = (torch.randn(N, device="cuda") * K ** 0.5).to(dtype)  # as large as a @ b: a missing bias fails
     out = torch.full((batch, M, N), float("nan"), dtype=out_dtype, device="cuda")

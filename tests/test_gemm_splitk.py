@@ -254,6 +254,7 @@ def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
     built = []
     monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None, **_: built.append(args[-1]) or FakeKernel([], [], "p"))
     monkeypatch.setattr(gemm_kernels, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
+    monkeypatch.setattr(gemm_kernels, "default_arch", lambda: "sm_90a")  # whatever GPU this host has
     a, b = torch.zeros(1, 1000, 1000, dtype=torch.float16), torch.zeros(1, 1000, 1000, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a, b, a)
     gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())

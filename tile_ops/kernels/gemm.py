@@ -28,7 +28,7 @@ class GemmConfig:
     pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate tiles
     stream_k: int = 0  # >= 2 (sm_90a): the last wave's tiles split along K into up to this many parts, in-kernel
     swap_ab: bool = False  # compute C^T = B^T A^T: wgmma's 64-row slices run along N, the few rows of M (decode)
-    # along its n (block_M of 8-256), so no tensor work is spent on rows A does not have
+    # along its n (block_M of 16-256), so no tensor work is spent on rows A does not have
 
     def __post_init__(self):
         if min(self.cluster, self.cluster_n) < 1 or self.cluster * self.cluster_n > T.MAX_CLUSTER:
@@ -45,14 +45,21 @@ class GemmConfig:
             self._check_swapped()
 
     def _check_swapped(self):
-        if self.block_N % 64 or self.block_M % 8 or self.block_M > 256 or self.threads != 2 * self.block_N:
-            raise ValueError(f"GemmConfig(swap_ab=True) with block_M={self.block_M}, block_N={self.block_N}, "
-                             f"threads={self.threads}: block_N must be a multiple of 64 (one consumer warpgroup "
-                             f"per 64 columns, threads = 2 * block_N) and block_M a multiple of 8 up to 256")
-        if (self.split_k, self.stream_k, self.cluster, self.cluster_n, self.pingpong, self.epilogue) != (
-                1, 0, 1, 1, False, "direct"):
-            raise ValueError("GemmConfig(swap_ab=True) takes none of split_k, stream_k, cluster, cluster_n, pingpong "
-                             "or epilogue='shared' (its transposed tile is stored from registers)")
+        wrong = [f"{what} ({why})" for what, bad, why in (
+            (f"block_N={self.block_N}", self.block_N % 64 or self.block_N > 256,
+             "a multiple of 64 up to 256: one consumer warpgroup per 64 columns, a TMA box of B's rows"),
+            (f"block_M={self.block_M}", self.block_M % 16 or self.block_M > 256,
+             "a multiple of 16 up to 256: wgmma's n, A's tile a swizzled panel either way round"),
+            (f"threads={self.threads}", self.threads != 2 * self.block_N, "2 * block_N"))
+            if bad]
+        wrong += [f"{name}={value!r} (the swapped kernel takes only {default!r})"
+                  for name, value, default in (("split_k", self.split_k, 1), ("stream_k", self.stream_k, 0),
+                                               ("cluster", self.cluster, 1), ("cluster_n", self.cluster_n, 1),
+                                               ("pingpong", self.pingpong, False), ("epilogue", self.epilogue, "direct"),
+                                               ("policy", self.policy, "square"))
+                  if value != default]
+        if wrong:
+            raise ValueError(f"GemmConfig(swap_ab=True): {'; '.join(wrong)}")
 
 
 # Fastest first (bench_gemm.py --configs on the H200, NOTES.md v3): the TMA-store epilogue wins everywhere;
@@ -202,7 +209,8 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
                   if sk == 1 or -(-K // bK) >= 2 * sk]  # >= 2 k-tiles a split
     if decode and M <= 32:  # C^T = B^T A^T: 64 or 128 columns of N along wgmma's m, M along its n (NOTES v14)
         space += [GemmConfig(max(16, _pow2(M)), bN, bK, stages, 2 * bN, 0, swap_ab=True) for bN in (64, 128)
-                  for bK, stages in ((64, 8), (64, 16), (128, 6)) if bN * bK * stages <= 64 * 64 * 16]
+                  for bK, stages in ((64, 8), (64, 16), (128, 6))
+                  if bN <= max(64, _pow2(N)) and bN * bK * stages <= 64 * 64 * 16]
     if not decode and min(M, N) >= 128:  # two consumer warpgroups on alternate 128x128 tiles (NOTES v6)
         swizzles = (0, 8) if -(-N // 128) > 8 and -(-M // 128) > 1 else (0,)
         space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
