@@ -118,7 +118,8 @@ def config_name(cfg):
             + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + (f"/sk{cfg.stream_k}" if cfg.stream_k else "") + ("/tma-store" if cfg.epilogue == "shared" else "")
             + (f"/cluster{cfg.cluster}" if cfg.cluster * cfg.cluster_n > 1 else "")
             + (f"x{cfg.cluster_n}" if cfg.cluster_n > 1 else "") + ("/pingpong" if cfg.pingpong else "")
-            + ("" if cfg.swizzle else "/no-raster"))
+            + ("/swap" if cfg.swap_ab else "")
+            + ("/no-raster" if not cfg.swizzle else "" if cfg.swizzle == 8 else f"/raster{cfg.swizzle}"))
 
 
 def other_shapes(spec):

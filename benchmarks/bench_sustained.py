@@ -11,7 +11,9 @@ FLOP costs (L2 and shared-memory traffic), measured here by running each kernel 
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -26,13 +28,24 @@ from common import pick_shapes, print_table, save  # noqa: E402
 from tile_ops.kernels.gemm import build_gemm, default_config  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (8192, 1024, 8192)]
-# name: the default config of a shape -> the variant timed beside it
-VARIANTS = {
-    "default": lambda cfg: cfg,
-    "raster8": lambda cfg: dataclasses.replace(cfg, swizzle=8),  # panels of 8 column tiles (the v13 default)
-    "raster2": lambda cfg: dataclasses.replace(cfg, swizzle=2),
-    "cluster2": lambda cfg: dataclasses.replace(cfg, cluster=2),  # B multicast to pairs of M tiles
-}
+# a variant: "default", or "+"-joined changes to a shape's default config: rasterN (panels of N column tiles,
+# 0: grid order), clusterN (B multicast to N M tiles), cluster_nN (A multicast to N N tiles); e.g. raster8
+# (the v13 default), cluster2+raster0
+CHANGES = {"raster": "swizzle", "cluster": "cluster", "cluster_n": "cluster_n"}
+_TERM = re.compile(r"(raster|cluster_n|cluster)(\d+)")
+
+
+def variant_config(name: str, default):
+    """The config a variant name stands for, from the shape's ``default``; ValueError for a malformed name."""
+    if name == "default":
+        return default
+    terms = [_TERM.fullmatch(t) for t in name.split("+")]
+    if not all(terms):
+        raise ValueError(f"variant {name!r}: 'default' or '+'-joined rasterN, clusterN, cluster_nN (e.g. raster8, "
+                         f"cluster2+raster0)")
+    return dataclasses.replace(default, **{CHANGES[t[1]]: int(t[2]) for t in terms})
+
+
 TOLERANCE = 5e-3  # relative Frobenius error of fp16 against float64
 
 
@@ -47,9 +60,9 @@ def sustain(fn, seconds):
     start.record()
     t0, calls = time.time(), 0
     while time.time() - t0 < seconds:
-        for _ in range(20):
+        for _ in range(50):
             fn()
-        calls += 20
+        calls += 50
         torch.cuda.synchronize()
     end.record()
     torch.cuda.synchronize()
@@ -62,17 +75,26 @@ def sustain(fn, seconds):
     return start.elapsed_time(end) / calls, med(0), med(1)
 
 
+def _rounded(x):
+    """An integer, or "-" where nvidia-smi gave no samples (missing, or a run too short for them)."""
+    return "-" if math.isnan(x) else round(x)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", help="comma-separated MxNxK of the four large shapes (default: all)")
-    p.add_argument("--variants", default="default", help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="default", help="comma-separated: default, or changes to it joined by "
+                   "'+': rasterN, clusterN, cluster_nN (e.g. default,raster8,cluster2+raster0)")
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json")
     args = p.parse_args()
     variants = args.variants.split(",")
-    if unknown := set(variants) - set(VARIANTS):
-        p.error(f"--variants {','.join(sorted(unknown))}: not one of {', '.join(VARIANTS)}")
+    for name in variants:
+        try:
+            variant_config(name, default_config(4096, 4096, 4096, "sm_90a"))
+        except ValueError as e:
+            p.error(f"--variants: {e}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the kernels build without one: python -m tile_ops precompile)")
     rows = []
@@ -84,9 +106,8 @@ def main():
         ptrs = [a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()]
         runs = {"cuBLAS": lambda: torch.matmul(a, b)}
         for name in variants:
-            cfg = VARIANTS[name](default_config(M, N, K))
             try:
-                kernel = build_gemm(M, N, K, cfg=cfg)
+                kernel = build_gemm(M, N, K, cfg=variant_config(name, default_config(M, N, K)))
             except ValueError as e:  # e.g. a cluster that does not divide the M tiles
                 print(f"{M}x{N}x{K} {name}: {e}", file=sys.stderr)
                 continue
@@ -105,8 +126,8 @@ def main():
         for name, v in seen.items():
             mhz, watts = statistics.median(s[1] for s in v), statistics.median(s[2] for s in v)
             rows.append({"shape": f"{M}x{N}x{K}", "kernel": name, "TFLOP/s": round(tflops[name], 1),
-                         "vs_cuBLAS": round(tflops[name] / tflops["cuBLAS"], 3), "SM MHz": round(mhz),
-                         "W": round(watts), "TFLOP/kJ": round(1000 * tflops[name] / watts)})
+                         "vs_cuBLAS": round(tflops[name] / tflops["cuBLAS"], 3), "SM MHz": _rounded(mhz),
+                         "W": _rounded(watts), "TFLOP/kJ": _rounded(1000 * tflops[name] / watts)})
         del a, b, c, ref
     print_table(rows, ["shape", "kernel", "TFLOP/s", "vs_cuBLAS", "SM MHz", "W", "TFLOP/kJ"],
                 f"Sustained fp16 GEMM ({args.rounds} x {args.seconds} s each) on {torch.cuda.get_device_name()}")
