@@ -272,6 +272,20 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         raise ValueError(f"gemm: cluster_n={cfg.cluster_n} must divide the {grid[0]} column tiles of N={N} "
                          f"(block_N={bN})")
 
+    def load_A(A, A_s, bz, by, k):  # A's k-th tile of block rows by, stored either way round
+        za = bz if batch_a > 1 else 0
+        if trans_A:
+            T.copy(A[za, k * bK, by * bM], A_s)
+        else:
+            T.copy(A[za, by * bM, k * bK], A_s)
+
+    def load_B(B, B_s, bz, bx, k):  # B's k-th tile of block columns bx
+        zb = bz if batch_b > 1 else 0
+        if trans_B:
+            T.copy(B[zb, bx * bN, k * bK], B_s)
+        else:
+            T.copy(B[zb, k * bK, bx * bN], B_s)
+
     def body(A, B, Bias, C):
         with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
                       cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k) as ids:
@@ -286,18 +300,10 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 split, bz = bz // batch, bz % batch
                 k0 = split * split_tiles
                 steps = T.max(T.min(k_tiles - k0, split_tiles), 0)
-            za = bz if batch_a > 1 else 0
-            zb = bz if batch_b > 1 else 0
             T.clear(C_f)
             for k in T.Pipelined(steps, num_stages=cfg.num_stages):
-                if trans_A:
-                    T.copy(A[za, (k0 + k) * bK, by * bM], A_s)
-                else:
-                    T.copy(A[za, by * bM, (k0 + k) * bK], A_s)
-                if trans_B:
-                    T.copy(B[zb, bx * bN, (k0 + k) * bK], B_s)
-                else:
-                    T.copy(B[zb, (k0 + k) * bK, bx * bN], B_s)
+                load_A(A, A_s, bz, by, k0 + k)
+                load_B(B, B_s, bz, bx, k0 + k)
                 T.gemm(A_s, B_s, C_f, transpose_A=trans_A, transpose_B=trans_B, policy=cfg.policy)
             if splits > 1:
                 T.copy(C_f, C[split, bz, by * bM, bx * bN])
@@ -318,24 +324,13 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
             B_s = T.alloc_shared(B_tile, dtype)
             A_s = T.alloc_shared(A_tile, dtype)
             Ct_f = T.alloc_fragment((bN, bM), "float32")
-            za = bz if batch_a > 1 else 0
-            zb = bz if batch_b > 1 else 0
             T.clear(Ct_f)
             for k in T.Pipelined(k_tiles, num_stages=cfg.num_stages):
-                if trans_B:
-                    T.copy(B[zb, bx * bN, k * bK], B_s)
-                else:
-                    T.copy(B[zb, k * bK, bx * bN], B_s)
-                if trans_A:
-                    T.copy(A[za, k * bK, by * bM], A_s)
-                else:
-                    T.copy(A[za, by * bM, k * bK], A_s)
+                load_B(B, B_s, bz, bx, k)
+                load_A(A, A_s, bz, by, k)
                 T.gemm(B_s, A_s, Ct_f, transpose_A=not trans_B, transpose_B=not trans_A)
             if has_bias:
-                bias_s = T.alloc_shared((bN,), dtype)
-                T.copy(Bias[bx * bN], bias_s)
-                for i, j in T.Parallel(bN, bM):
-                    Ct_f[i, j] = Ct_f[i, j] + bias_s[i]
+                _add_bias(Ct_f, Bias, bx * bN, bN, bM, dtype, along_rows=True)
             for i, j in T.Parallel(bN, bM):
                 C[bz, by * bM + j, bx * bN + i] = Ct_f[i, j]
 
@@ -377,12 +372,13 @@ def _output_tile_fits(smem_bytes: int, cfg, dtype: str, out_dtype: str) -> bool:
     return smem_bytes + max(0, wider) <= 227 * 1024
 
 
-def _add_bias(acc, Bias, col0, bM: int, bN: int, dtype: str):
-    """acc[i, j] += Bias[col0 + j], inside a kernel being traced (the epilogue of both gemm kernels)."""
-    bias_s = T.alloc_shared((bN,), dtype)
-    T.copy(Bias[col0], bias_s)
-    for i, j in T.Parallel(bM, bN):
-        acc[i, j] = acc[i, j] + bias_s[j]
+def _add_bias(acc, Bias, n0, rows: int, cols: int, dtype: str, along_rows: bool = False):
+    """acc[i, j] += Bias[n0 + j] (``along_rows``: Bias[n0 + i], the swapped gemm's C^T tile), inside a
+    kernel being traced (the epilogue of the gemm kernels)."""
+    bias_s = T.alloc_shared((rows if along_rows else cols,), dtype)
+    T.copy(Bias[n0], bias_s)
+    for i, j in T.Parallel(rows, cols):
+        acc[i, j] = acc[i, j] + (bias_s[i] if along_rows else bias_s[j])
 
 
 def reduce_tile(M: int, N: int) -> tuple:
