@@ -63,22 +63,25 @@ class Job:
         s = f"{self.op} {M}x{N}x{K} {self.dtype}"
         return s + (f" scale={self.scale:g}" if self.op == "gemm_softmax" else "")
 
-    def factory_args(self):
-        """(jit function, positional args, keyword args) of the main kernel the torch op path builds."""
+    def key_and_builder(self):
+        """(cache key of the main kernel the torch op path builds, a callable that builds what it launches:
+        for a gemm, with its operand pads and split-K reduction)."""
         M, N, K = self.shape
         from .autotune import config_for  # the config the op would launch with here (tuned, else default)
 
         if self.op == "gemm":
-            from .kernels.gemm import gemm, padded_cols
+            from .kernels.gemm import build_gemm, gemm, padded_cols
 
-            cfg = config_for("gemm", M, N, K, self.dtype, arch=self.arch)
-            return (gemm, (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype, cfg),
-                    padded_cols(M, N, K, dtype=self.dtype, target=self.arch))
+            args = (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype,
+                    config_for("gemm", M, N, K, self.dtype, arch=self.arch))
+            return (gemm.key(args, padded_cols(M, N, K, dtype=self.dtype, target=self.arch), self.arch),
+                    lambda: build_gemm(*args, target=self.arch))
         if self.op == "gemm_softmax":
             from .kernels.gemm_softmax import gemm_softmax
 
-            return gemm_softmax, (M, N, K, float(self.scale), self.dtype, self.dtype,
-                                  config_for("gemm_softmax", M, N, K, self.dtype, arch=self.arch)), {}
+            args = (M, N, K, float(self.scale), self.dtype, self.dtype,
+                    config_for("gemm_softmax", M, N, K, self.dtype, arch=self.arch))
+            return gemm_softmax.key(args, {}, self.arch), lambda: gemm_softmax(*args, target=self.arch)
         raise ValueError(f"unknown op {self.op!r}")
 
 
@@ -99,15 +102,10 @@ def build(job: Job) -> Built:
 
     out = Built(job)
     try:
-        fn, args, kwargs = job.factory_args()
-        out.key = fn.key(args, kwargs, job.arch)
+        out.key, make = job.key_and_builder()
         out.cached = DiskCache().path(out.key).is_dir()
         t0 = time.perf_counter()
-        if job.op == "gemm":  # and what is launched with it: operand pads, a split-K reduction
-            from .kernels.gemm import build_gemm as fn
-
-            kwargs = {}
-        out.kernel = fn(*args, **kwargs, target=job.arch)
+        out.kernel = make()
         out.seconds = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - reported in the table
         msg = str(e).strip()
