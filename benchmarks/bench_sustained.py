@@ -35,15 +35,15 @@ CHANGES = {"raster": "swizzle", "cluster": "cluster", "cluster_n": "cluster_n"}
 _TERM = re.compile(r"(raster|cluster_n|cluster)(\d+)")
 
 
-def variant_config(name: str, default):
-    """The config a variant name stands for, from the shape's ``default``; ValueError for a malformed name."""
+def variant_changes(name: str) -> dict:
+    """The GemmConfig fields a variant name changes ({} for "default"); ValueError for a malformed name."""
     if name == "default":
-        return default
+        return {}
     terms = [_TERM.fullmatch(t) for t in name.split("+")]
     if not all(terms):
         raise ValueError(f"variant {name!r}: 'default' or '+'-joined rasterN, clusterN, cluster_nN (e.g. raster8, "
                          f"cluster2+raster0)")
-    return dataclasses.replace(default, **{CHANGES[t[1]]: int(t[2]) for t in terms})
+    return {CHANGES[t[1]]: int(t[2]) for t in terms}
 
 
 TOLERANCE = 5e-3  # relative Frobenius error of fp16 against float64
@@ -89,12 +89,10 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json")
     args = p.parse_args()
-    variants = args.variants.split(",")
-    for name in variants:
-        try:
-            variant_config(name, default_config(4096, 4096, 4096, "sm_90a"))
-        except ValueError as e:
-            p.error(f"--variants: {e}")
+    try:
+        variants = {name: variant_changes(name) for name in args.variants.split(",")}
+    except ValueError as e:
+        p.error(f"--variants: {e}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the kernels build without one: python -m tile_ops precompile)")
     rows = []
@@ -105,9 +103,9 @@ def main():
         ref = a.double() @ b.double()
         ptrs = [a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()]
         runs = {"cuBLAS": lambda: torch.matmul(a, b)}
-        for name in variants:
+        for name, changes in variants.items():
             try:
-                kernel = build_gemm(M, N, K, cfg=variant_config(name, default_config(M, N, K)))
+                kernel = build_gemm(M, N, K, cfg=dataclasses.replace(default_config(M, N, K), **changes))
             except ValueError as e:  # e.g. a cluster that does not divide the M tiles
                 print(f"{M}x{N}x{K} {name}: {e}", file=sys.stderr)
                 continue

@@ -2,8 +2,8 @@
 # One device call: install (TVM from the carried kit), GPU tests, then the benchmarks; logs under $OUT.
 #   TESTS="tests/test_kernels_gpu.py"  narrows the tests (TESTS=none: none, e.g. without TVM);
 #   BENCHES="softmax overhead"  picks benchmarks: gemm gemm80 softmax overhead compile (the default list),
-#     also sanitize, profile and sustained (seconds-long runs with clock and power; SUSTAINED_ARGS);  BENCH_ARGS  goes to bench_gemm.py (default --configs), SOFTMAX_ARGS to
-#     bench_gemm_softmax.py (e.g. --configs).
+#     also sanitize, profile and sustained (seconds-long runs with clock and power; SUSTAINED_ARGS);
+#     BENCH_ARGS  goes to bench_gemm.py (default --configs), SOFTMAX_ARGS to bench_gemm_softmax.py (e.g. --configs).
 #   gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path (sm_90) on the same GPU.
 #   profile: ncu counters of the default kernel vs cuBLAS at PROFILE_SHAPES (default 4096x4096x4096).
 #   sanitize: compute-sanitizer memcheck/racecheck/synccheck over every kernel, both paths, small and

@@ -185,13 +185,14 @@ def test_bench_sustained_variants_change_the_named_fields_and_build(tmp_path, mo
 
     monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
     base = default_config(4096, 4096, 4096, "sm_90a")
-    cfg = bench_sustained.variant_config("cluster2+cluster_n2+raster0", base)
+    cfg = dataclasses.replace(base, **bench_sustained.variant_changes("cluster2+cluster_n2+raster0"))
     assert (cfg.cluster, cfg.cluster_n, cfg.swizzle) == (2, 2, 0)
     assert dataclasses.replace(cfg, cluster=1, cluster_n=1, swizzle=base.swizzle) == base
-    assert bench_sustained.variant_config("default", base) is base
+    assert bench_sustained.variant_changes("default") == {}
     for bad in ("raster", "cluster2+", "swizzle4", "raster4 "):
         with pytest.raises(ValueError, match="rasterN, clusterN, cluster_nN"):
-            bench_sustained.variant_config(bad, base)
+            bench_sustained.variant_changes(bad)
     for name in ("raster8", "cluster2+raster4"):
-        k = build_gemm(4096, 4096, 4096, cfg=bench_sustained.variant_config(name, base), target="sm_90a")
+        k = build_gemm(4096, 4096, 4096, cfg=dataclasses.replace(base, **bench_sustained.variant_changes(name)),
+                       target="sm_90a")
         assert k.meta.cluster == (2 if "cluster2" in name else 1) and k.instruction_mix().get("HGMMA", 0) > 0
