@@ -5,8 +5,8 @@
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling the second
 launch of each kernel, and prints per kernel: time, SM clock, tensor-pipe (wgmma) utilization, SM and
-memory throughput, L2 and DRAM bytes.  A clock below the other kernel's means power throttling; more
-L2 bytes for the same FLOPs means less operand reuse.  ``--config`` takes bench_gemm.py's config names
+memory throughput, L2 and DRAM bytes, warp instructions.  A clock below the other kernel's means power
+throttling; more L2 bytes for the same FLOPs means less operand reuse; more instructions, spinning.  ``--config`` takes bench_gemm.py's config names
 (``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
 instructions with the most warp-stall samples (ncu's source view), and where the warps' time goes.
 """
@@ -25,20 +25,24 @@ METRICS = {
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_%",
     "lts__t_bytes.sum": "l2_MB",
     "dram__bytes.sum": "dram_MB",
+    "smsp__inst_executed.sum": "inst_M",  # warp instructions: spin loops show here (energy at the power cap)
     "launch__registers_per_thread": "regs",
     "launch__occupancy_limit_shared_mem": "ctas_by_smem",
 }
-SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6}  # ns, Hz, bytes
+SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, "inst_M": 1e-6}  # ns, Hz, bytes
 
 
 def parse_config(name, GemmConfig):
-    """A GemmConfig from bench_gemm.py's ``config_name``: BMxBNxBK/sS/tT[/kK][/skP][/tma-store][/clusterC]
-    [/pingpong][/no-raster]."""
+    """A GemmConfig from bench_gemm.py's ``config_name``: BMxBNxBK/sS/tT[/kK][/skP][/tma-store][/clusterC[xN]]
+    [/pingpong][/swap][/no-raster|/rasterR]."""
     tile, stages, threads, *flags = name.split("/")
     bm, bn, bk = map(int, tile.split("x"))
     kw = dict(swizzle=0 if "no-raster" in flags else 8, epilogue="shared" if "tma-store" in flags else "direct",
-              pingpong="pingpong" in flags)
+              pingpong="pingpong" in flags, swap_ab="swap" in flags)
     for f in flags:
+        if f.startswith("raster") and f[len("raster"):].isdigit():
+            kw["swizzle"] = int(f[len("raster"):])
+            continue
         if f.startswith("cluster") and "x" in f:  # clusterCxN
             kw["cluster"], kw["cluster_n"] = map(int, f[len("cluster"):].split("x"))
             continue

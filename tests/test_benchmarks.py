@@ -196,3 +196,19 @@ def test_bench_sustained_variants_change_the_named_fields_and_build(tmp_path, mo
         k = build_gemm(4096, 4096, 4096, cfg=dataclasses.replace(base, **bench_sustained.variant_changes(name)),
                        target="sm_90a")
         assert k.meta.cluster == (2 if "cluster2" in name else 1) and k.instruction_mix().get("HGMMA", 0) > 0
+
+
+def test_profile_gemm_reads_back_every_config_name_bench_gemm_prints():
+    """profile_gemm.py --config takes bench_gemm.py's names: each default and extra config (warp policies
+    aside, which the names do not carry) reads back as itself, rasterization and swapping included."""
+    import bench_gemm
+    import profile_gemm
+
+    from tile_ops.kernels.gemm import GemmConfig, default_config
+
+    shapes = [(4096, 4096, 4096), (1000, 1000, 1000), (16, 8192, 8192), (2048, 2048, 2048), (1500, 2000, 2000)]
+    configs = [default_config(*s, "sm_90a") for s in shapes] + [
+        c for c in bench_gemm.EXTRA_CONFIGS["sm_90a"] if c.policy == "square"]
+    assert {c.swizzle for c in configs} >= {0, 4, 8} and any(c.swap_ab for c in configs)
+    for cfg in configs:
+        assert profile_gemm.parse_config(bench_gemm.config_name(cfg), GemmConfig) == cfg
