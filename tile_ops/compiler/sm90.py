@@ -508,8 +508,9 @@ class Hopper:
     def _wait_free_stage(self, cnt):
         """Wait until the stage of step cnt[0] is released (a fresh barrier passes parity 1); the stage
         (an expression of cnt[0]: count the step only after its last use)."""
-        s, phase = _stage_phase(cnt[0], self.ws.stages)
-        T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - phase))
+        S = self.ws.stages
+        s = tirx.floormod(cnt[0], S)
+        T.evaluate(TS.cuda.mbarrier_wait(self.empty(s), 1 - tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
         return s
 
     def tma_load(self, c: Copy, vm, stage):
@@ -603,8 +604,8 @@ class Hopper:
             self.fence_operands(compute, accumulators=False)
         with T.serial(0, n) as k:
             IRBuilder.name(node.var.name, k)
-            s, phase = _stage_phase(cnt[0], S)
-            T.evaluate(TS.cuda.mbarrier_wait(self.full(s), phase))
+            s = tirx.floormod(cnt[0], S)
+            T.evaluate(TS.cuda.mbarrier_wait(self.full(s), tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
             lw.stage_of_iter = s
             if ws.deferred_wait:
                 emit_ptx("wgmma.fence.sync.aligned")
@@ -614,7 +615,7 @@ class Hopper:
                 emit_ptx("wgmma.wait_group.sync.aligned", 1)
                 with T.If(k > 0):  # step k - 1's group retired: its stage can be refilled
                     with T.Then():
-                        self.release(_stage_phase(cnt[0] + (S - 1), S)[0])
+                        self.release(tirx.floormod(cnt[0] + (S - 1), S))
             else:
                 lw.body(compute, {**vm, node.var: k0 + k})
                 T.evaluate(TS.cuda.warp_sync())  # every lane of the warp is done reading the stage
@@ -626,7 +627,7 @@ class Hopper:
             self.fence_operands(compute)
             with T.If(n > 0):  # release the last step's stage (an enclosing loop refills it)
                 with T.Then():
-                    self.release(_stage_phase(cnt[0] + (S - 1), S)[0])
+                    self.release(tirx.floormod(cnt[0] + (S - 1), S))
 
     def release(self, s):
         """One arrive on empty[s] per consumer warp, from lane 0 once the warp is done with stage s
@@ -876,29 +877,14 @@ class Hopper:
         lay: SharedLayout = t.layout
         eb = dtype_bits(buf.dtype) // 8
         row_bytes = lay.panel * eb
-        # the unswizzled origin (an element offset in the stage): M/N's part may depend on the warpgroup,
-        # K's is a constant, added to the descriptor of the rest (shared addresses are < 2^18: the 14-bit
-        # address field never carries), so each wgmma costs one immediate add on a per-stage value
-        if mn_major:
-            mn_elem, k_elem = mn0 // lay.panel * lay.panel_elems + mn0 % lay.panel, k0 * lay.panel
-        else:
-            mn_elem, k_elem = mn0 * lay.panel, k0 // lay.panel * lay.panel_elems + k0 % lay.panel
-        origin = self.lw.stage_base(t, self.lw.stage(buf)) + mn_elem
-        addr = tirx.Cast("uint64", TS.cuda.cvta_generic_to_shared(t.view.ptr_to([origin])))
+        i, j = (k0, mn0) if mn_major else (mn0, k0)
+        elem = j // lay.panel * lay.panel_elems + i * lay.panel + j % lay.panel  # unswizzled: the panel origin
+        elem = self.lw.stage_base(t, self.lw.stage(buf)) + elem
+        addr = tirx.Cast("uint64", TS.cuda.cvta_generic_to_shared(t.view.ptr_to([elem])))
         lbo = lay.panel_elems * eb if mn_major else 16
         const = ((lbo >> 4) << 16) | (((8 * row_bytes) >> 4) << 32) | (_DESC_MODE[lay.swizzle_bytes] << 62)
-        assert k_elem * eb % 16 == 0, "wgmma operand origins are 16-byte aligned"
         return tirx.bitwise_or(tirx.shift_right(tirx.bitwise_and(addr, tirx.const(0x3FFFF, "uint64")),
-                                                tirx.const(4, "uint64")), tirx.const(const, "uint64")) + \
-            tirx.const(k_elem * eb >> 4, "uint64")
-
-
-def _stage_phase(count, stages: int):
-    """(stage, barrier phase) of pipeline step ``count`` (never negative): count % S and count / S % 2 in
-    unsigned arithmetic, a multiply-high by a constant where signed floor division needs sign fix-ups."""
-    u, S = tirx.Cast("uint32", count), tirx.const(stages, "uint32")
-    return (tirx.Cast("int32", tirx.truncmod(u, S)),
-            tirx.Cast("int32", tirx.bitwise_and(tirx.truncdiv(u, S), tirx.const(1, "uint32"))))
+                                                tirx.const(4, "uint64")), tirx.const(const, "uint64"))
 
 
 _FENCE_REGISTER = """
