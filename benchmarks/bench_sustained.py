@@ -129,7 +129,18 @@ def main():
         del a, b, c, ref
     print_table(rows, ["shape", "kernel", "TFLOP/s", "vs_cuBLAS", "SM MHz", "W", "TFLOP/kJ"],
                 f"Sustained fp16 GEMM ({args.rounds} x {args.seconds} s each) on {torch.cuda.get_device_name()}")
+    print("\n".join(geomean_lines(rows)))
     save(rows, args.json, None, x=("shape", "kernel"), ys=("TFLOP/s",), ylabel="TFLOP/s")
+
+
+def geomean_lines(rows) -> list:
+    """Each variant's geometric mean ratio to cuBLAS over the shapes it ran (issue 4's large-shape bar)."""
+    ratios = {}
+    for r in rows:
+        if r["kernel"] != "cuBLAS":
+            ratios.setdefault(r["kernel"], []).append(r["vs_cuBLAS"])
+    return [f"{name}: geomean {math.prod(v) ** (1 / len(v)):.3f} of cuBLAS over {len(v)} shape(s)"
+            for name, v in ratios.items()]
 
 
 if __name__ == "__main__":

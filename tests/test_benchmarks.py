@@ -212,3 +212,31 @@ def test_profile_gemm_reads_back_every_config_name_bench_gemm_prints():
     assert {c.swizzle for c in configs} >= {0, 4, 8} and any(c.swap_ab for c in configs)
     for cfg in configs:
         assert profile_gemm.parse_config(bench_gemm.config_name(cfg), GemmConfig) == cfg
+
+
+def test_bench_gemm_says_where_issue_4s_targets_stand():
+    """bench_gemm.py ends with issue 4's bars: a geomean and minimums over the fp16 rows it ran, met or not,
+    and says when only some of a target's shapes ran; bf16 and B^T rows do not count."""
+    import bench_gemm
+
+    row = lambda shape, r, dt="float16": {"dtype": dt, "shape": shape, "vs_cuBLAS": r}  # noqa: E731
+    rows = [row("4096x4096x4096", 0.979), row("8192x8192x8192", 1.026), row("8192x1024x8192", 0.986),
+            row("4096x14336x4096", 0.984), row("1000x1000x1000", 0.904), row("777x3001x1234", 1.926),
+            row("16x8192x8192 B^T", 0.5), row("2048x2048x2048", 0.5, "bfloat16")]
+    lines = bench_gemm.target_lines(rows)
+    assert lines[0].startswith("geomean of 4096^3") and "0.994, target >= 1.00: NOT met" in lines[0]
+    assert "lowest of those four: 0.979, target >= 0.95: met" == lines[1]
+    assert lines[2] == ("lowest of 1000^3 and the ragged shapes: 0.904, target >= 0.90: met "
+                        "(only 2 of its 4 shapes ran)")
+    assert len(lines) == 3  # no fp16 2048^3 and no decode row with B stored K x N
+    assert bench_gemm.target_lines([row("16x8192x8192", 1.1)]) == ["decode 16x8192x8192: 1.100, target >= 1.00: met"]
+
+
+def test_bench_sustained_prints_each_variants_geomean():
+    import bench_sustained
+
+    rows = [{"kernel": "cuBLAS", "vs_cuBLAS": 1.0}, {"kernel": "default", "vs_cuBLAS": 0.995},
+            {"kernel": "raster8", "vs_cuBLAS": 0.999}, {"kernel": "cuBLAS", "vs_cuBLAS": 1.0},
+            {"kernel": "default", "vs_cuBLAS": 1.018}, {"kernel": "raster8", "vs_cuBLAS": 1.012}]
+    assert bench_sustained.geomean_lines(rows) == ["default: geomean 1.006 of cuBLAS over 2 shape(s)",
+                                                   "raster8: geomean 1.005 of cuBLAS over 2 shape(s)"]
