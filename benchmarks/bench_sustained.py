@@ -23,11 +23,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import pick_shapes, print_table, save  # noqa: E402
+from common import LARGE_SHAPES, pick_shapes, print_table, save  # noqa: E402
 
 from tile_ops.kernels.gemm import build_gemm, default_config  # noqa: E402
 
-SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (8192, 1024, 8192)]
 # a variant: "default", or "+"-joined changes to a shape's default config: rasterN (panels of N column tiles,
 # 0: grid order), clusterN (B multicast to N M tiles), cluster_nN (A multicast to N N tiles); e.g. raster8
 # (the v13 default), cluster2+raster0
@@ -96,7 +95,7 @@ def main():
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the kernels build without one: python -m tile_ops precompile)")
     rows = []
-    for M, N, K in pick_shapes(SHAPES, args.shapes):
+    for M, N, K in pick_shapes(LARGE_SHAPES, args.shapes):
         a = torch.randn(M, K, dtype=torch.float16, device="cuda")
         b = torch.randn(K, N, dtype=torch.float16, device="cuda")
         c = torch.empty(M, N, dtype=torch.float16, device="cuda")
@@ -139,7 +138,7 @@ def geomean_lines(rows) -> list:
     for r in rows:
         if r["kernel"] != "cuBLAS":
             ratios.setdefault(r["kernel"], []).append(r["vs_cuBLAS"])
-    return [f"{name}: geomean {math.prod(v) ** (1 / len(v)):.3f} of cuBLAS over {len(v)} shape(s)"
+    return [f"{name}: geomean {statistics.geometric_mean(v):.3f} of cuBLAS over {len(v)} shape(s)"
             for name, v in ratios.items()]
 
 

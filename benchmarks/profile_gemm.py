@@ -6,7 +6,8 @@
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling the second
 launch of each kernel, and prints per kernel: time, SM clock, tensor-pipe (wgmma) utilization, SM and
 memory throughput, L2 and DRAM bytes, warp instructions.  A clock below the other kernel's means power
-throttling; more L2 bytes for the same FLOPs means less operand reuse; more instructions, spinning.  ``--config`` takes bench_gemm.py's config names
+throttling; more L2 bytes for the same FLOPs means less operand reuse; more instructions, spinning or
+index arithmetic.  ``--config`` takes bench_gemm.py's config names
 (``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
 instructions with the most warp-stall samples (ncu's source view), and where the warps' time goes.
 """
@@ -29,7 +30,7 @@ METRICS = {
     "launch__registers_per_thread": "regs",
     "launch__occupancy_limit_shared_mem": "ctas_by_smem",
 }
-SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, "inst_M": 1e-6}  # ns, Hz, bytes
+SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, "inst_M": 1e-6}  # from ns, Hz, bytes, instructions
 
 
 def parse_config(name, GemmConfig):
