@@ -34,6 +34,11 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
     GemmConfig(16, 64, 64, 16, 128, 0, swap_ab=True),  # decode: C^T = B^T A^T, wgmma m64n16 along N
     GemmConfig(32, 128, 64, 8, 256, 0, swap_ab=True),  # ... two consumer warpgroups, m64n32
+    GemmConfig(32, 128, 64, 8, 256, 0, swap_ab=True, epilogue="shared"),  # C^T staged as C, TMA-stored
+    # swapped 72-row tiles in clusters: B multicast along M, A along N in slices of 36 or 18 rows, which are
+    # not whole 8-row swizzle atoms (A stored transposed takes multiples of 16: refused, skipped)
+    GemmConfig(72, 128, 64, 8, 256, 0, swap_ab=True, cluster=2, cluster_n=2, epilogue="shared"),
+    GemmConfig(72, 128, 64, 6, 256, 0, swap_ab=True, cluster=2, cluster_n=4),
 ]
 # (M, N, K): more tiles than resident CTAs (persistent), ragged everything, rows not 16-byte aligned
 # (padded for TMA), decode
@@ -64,6 +69,10 @@ def _dt(t):
 def test_gemm_config_on_hopper(cfg, shape, variant):
     if -(-shape[0] // cfg.block_M) % cfg.cluster or -(-shape[1] // cfg.block_N) % cfg.cluster_n:
         pytest.skip(f"cluster={cfg.cluster}x{cfg.cluster_n} does not divide the M x N tiles of this shape")
+    if cfg.swap_ab and cfg.block_M % 16 and VARIANTS[variant][1]:
+        with pytest.raises(ValueError, match="block_M a multiple of 16"):
+            check(cfg, shape, variant, "sm_90a")
+        return
     check(cfg, shape, variant, "sm_90a")
 
 

@@ -26,9 +26,9 @@ def swapped(block_M=16, block_N=64, block_K=64, stages=16, **kw):
 @pytest.mark.parametrize("kw, what", [
     (dict(block_N=96, threads=192), "block_N=96 (a multiple of 64 up to 256"),
     (dict(block_N=512, threads=1024), "block_N=512 (a multiple of 64 up to 256"),
-    (dict(block_M=8), "block_M=8 (a multiple of 16 up to 256"), (dict(block_M=512), "block_M=512"),
-    (dict(threads=256), "threads=256 (2 * block_N)"), (dict(split_k=2), "split_k=2 (the swapped kernel takes only 1)"),
-    (dict(epilogue="shared"), "epilogue='shared'"), (dict(cluster=2), "cluster=2"), (dict(stream_k=2), "stream_k=2"),
+    (dict(block_M=8), "block_M=8 (a multiple of 8 from 16 to 256"), (dict(block_M=20), "block_M=20"),
+    (dict(block_M=512), "block_M=512"), (dict(threads=256), "threads=256 (2 * block_N)"),
+    (dict(split_k=2), "split_k=2 (the swapped kernel takes only 1)"), (dict(stream_k=2), "stream_k=2"),
     (dict(policy="full_col"), "policy='full_col'"), (dict(pingpong=True), "pingpong=True")])
 def test_swapped_config_refuses_what_its_kernel_cannot_do(kw, what):
     """Each refusal names the offending field and value, and only those."""
@@ -85,6 +85,31 @@ def test_swapped_kernel_is_wgmma_along_n_with_tma_loads(shape, trans_A, trans_B,
     assert main.meta.block == (cfg.threads + 128, 1, 1)  # the consumers + the TMA producer warpgroup
     # the transposed tile is stored from registers, each element guarded (M and N need not fill it)
     assert mix.get("UTMASTG", 0) == 0 and mix.get("STG", 0) > 0
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("cluster, cluster_n, a_rows, b_rows", [(2, 1, 72, 32), (2, 2, 36, 32), (2, 4, 18, 32),
+                                                               (1, 4, 18, 64)])
+def test_swapped_kernel_in_clusters_multicasts_row_slices(cluster, cluster_n, a_rows, b_rows):
+    """72x128 swapped tiles (cuBLAS's 1000^3 tile): grid x runs over the M tiles in clusters; B's tile is
+    multicast along M and A's along N, each block loading 1/n of its rows. 72 rows split into 36 or 18:
+    slices need not be whole 8-row swizzle atoms, only 128-byte aligned (TMA swizzles by address)."""
+    cfg = swapped(72, 128, 64, 6, cluster=cluster, cluster_n=cluster_n, epilogue="shared")
+    k = build_gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16", cfg, target="sm_90a")
+    boxes = {t["tensor"]: t["box"][1] for t in k.meta.tensormaps.values() if t["tensor"] in "AB"}
+    assert boxes == {"A": a_rows, "B": b_rows}
+    assert k.meta.grid == (14, 8, 1) and f"__cluster_dims__({cluster}, {cluster_n}, 1)" in k.source
+    mix = k.instruction_mix()
+    assert set(re.findall(r"HGMMA\.\w+", k.sass())) == {"HGMMA.64x72x16"} and k.meta.resources["spill_stores"] == 0
+    assert mix.get("UTMASTG", 0) > 0 and mix.get("STG", 0) == 0  # the staged epilogue: C^T written as C, TMA-stored
+
+
+def test_swapped_72_row_tiles_refuse_a_stored_transposed():
+    """A^T's tile is read in 16-column panels: 72 rows do not make whole panels; the error says so."""
+    with pytest.raises(ValueError, match="block_M a multiple of 16"):
+        build_gemm(1000, 1000, 1000, 1, 1, 1, True, False, False, "float16", "float16", swapped(72, 128, 64, 6),
+                   target="sm_90a")
 
 
 def test_op_refits_a_swapped_default_to_the_batch(monkeypatch):

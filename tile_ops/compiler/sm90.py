@@ -116,12 +116,18 @@ class Hopper:
     def _multicast_axes(self, c: Copy, loops: list) -> tuple:
         """The cluster axes (0: grid x, 1: grid y) along which a load's global window does not change, nor
         the pipeline's trip counts (``loops``: the blocks step their stages in lockstep): its n blocks along
-        them read the same tile, so it is split into n row slices of whole 8-row swizzle atoms and each
-        block loads one slice into all n blocks (TMA multicast).  () when none."""
+        them read the same tile, so it is split into n row slices and each block loads one slice into all
+        n blocks (TMA multicast).  () when none, or when the rows do not split into n slices that start
+        128-byte aligned (TMA's rule for a shared destination).  A slice need not be whole 8-row swizzle
+        atoms (72 rows in 4): TMA swizzles by the shared address, and every panel starts 1024-byte aligned."""
         dims, block_vars = self.lw.cluster_dims, self.lw.kernel.block_vars
         axes = tuple(a for a, n in enumerate(dims) if n > 1 and not any(
             uses(x, block_vars[a]) for x in [*c.src.starts, *(o.extent for o in loops)]))
-        return axes if axes and c.dst.buffer.shape[0] % (8 * math.prod(dims[a] for a in axes)) == 0 else ()
+        n = math.prod(dims[a] for a in axes)
+        t = c.dst.buffer
+        lay = SharedLayout(t.shape[0], t.shape[1], dtype_bits(t.dtype))
+        slice_bytes = lay.rows // n * lay.panel * lay.dtype_bits // 8
+        return axes if axes and lay.rows % n == 0 and slice_bytes % 128 == 0 else ()
 
     def _tma_ok(self, c: Copy) -> bool:
         """A tile copy between global and shared memory TMA can do: same dtype, a swizzled 2-D tile

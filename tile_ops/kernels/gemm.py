@@ -48,14 +48,13 @@ class GemmConfig:
         wrong = [f"{what} ({why})" for what, bad, why in (
             (f"block_N={self.block_N}", self.block_N % 64 or self.block_N > 256,
              "a multiple of 64 up to 256: one consumer warpgroup per 64 columns, a TMA box of B's rows"),
-            (f"block_M={self.block_M}", self.block_M % 16 or self.block_M > 256,
-             "a multiple of 16 up to 256: wgmma's n, A's tile a swizzled panel either way round"),
+            (f"block_M={self.block_M}", self.block_M % 8 or not 16 <= self.block_M <= 256,
+             "a multiple of 8 from 16 to 256: wgmma's n, and of 16 where A is stored transposed"),
             (f"threads={self.threads}", self.threads != 2 * self.block_N, "2 * block_N"))
             if bad]
         wrong += [f"{name}={value!r} (the swapped kernel takes only {default!r})"
                   for name, value, default in (("split_k", self.split_k, 1), ("stream_k", self.stream_k, 0),
-                                               ("cluster", self.cluster, 1), ("cluster_n", self.cluster_n, 1),
-                                               ("pingpong", self.pingpong, False), ("epilogue", self.epilogue, "direct"),
+                                               ("pingpong", self.pingpong, False),
                                                ("policy", self.policy, "square"))
                   if value != default]
         if wrong:
@@ -263,6 +262,9 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
+    if cfg.swap_ab and trans_A and bM % 16:
+        raise ValueError(f"gemm: swap_ab with A stored transposed needs block_M a multiple of 16 (A's M-contiguous "
+                         f"tile is read in 16-column swizzle panels): got {bM}")
 
     clustered = cfg.cluster * cfg.cluster_n > 1  # grid x: M tiles, grid y: N tiles, a cfg.cluster x cluster_n rectangle
     grid = [T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits]
@@ -286,10 +288,16 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         else:
             T.copy(B[zb, k * bK, bx * bN], B_s)
 
+    def tiles():  # the launch: in clusters, grid x runs over M tiles (a cluster row shares B's tile)
+        return T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
+                        cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k)
+
+    def block_ids(ids):  # (by, bx, bz): M tile, N tile, batch (and split)
+        return ids if clustered else (ids[1], ids[0], ids[2])
+
     def body(A, B, Bias, C):
-        with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
-                      cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k) as ids:
-            by, bx, bz = ids if clustered else (ids[1], ids[0], ids[2])
+        with tiles() as ids:
+            by, bx, bz = block_ids(ids)
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
             A_s = T.alloc_shared(A_tile, dtype)
@@ -318,7 +326,8 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.copy(C_f, C[bz, by * bM, bx * bN])
 
     def swapped_body(A, B, Bias, C):  # the C^T tile (bN x bM) = B^T tile @ A^T tile
-        with T.Kernel(grid[0], grid[1], batch, threads=cfg.threads) as (bx, by, bz):
+        with tiles() as ids:
+            by, bx, bz = block_ids(ids)
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
             B_s = T.alloc_shared(B_tile, dtype)
@@ -331,8 +340,14 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.gemm(B_s, A_s, Ct_f, transpose_A=not trans_B, transpose_B=not trans_A)
             if has_bias:
                 _add_bias(Ct_f, Bias, bx * bN, bN, bM, dtype, along_rows=True)
-            for i, j in T.Parallel(bN, bM):
-                C[bz, by * bM + j, bx * bN + i] = Ct_f[i, j]
+            if _shared_epilogue_fits(cfg, dtype, out_dtype):  # transposed into a staged C tile, TMA-stored
+                C_s = T.alloc_shared((bM, bN), out_dtype)
+                for i, j in T.Parallel(bN, bM):
+                    C_s[j, i] = Ct_f[i, j]
+                T.copy(C_s, C[bz, by * bM, bx * bN])
+            else:
+                for i, j in T.Parallel(bN, bM):
+                    C[bz, by * bM + j, bx * bN + i] = Ct_f[i, j]
 
     if cfg.swap_ab:
         @T.prim_func
