@@ -260,6 +260,16 @@ def test_hopper_gemm_is_tma_wgmma_warp_specialized(kw):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("M, N, K, promotion", [(1024, 1024, 1024, {"A": 3, "B": 3}), (1000, 1000, 1000, {"A": 2, "B": 2}),
+                                               (1000, 1024, 1000, {"A": 2, "B": 3}), (1024, 1000, 4096, {"A": 3, "B": 2})])
+def test_tensor_maps_fill_l2_by_128_bytes_where_rows_are_not_128_byte_aligned(M, N, K, promotion):
+    """A box row of a 2000-byte-row tensor straddles two L2 lines: 128-byte L2 fills (2) there, 256-byte
+    (3) where rows are aligned (NOTES v16)."""
+    k = _hopper_gemm(M, N, K, block_M=128, block_N=128, block_K=64, num_stages=4)
+    assert {t["tensor"]: t["l2_promotion"] for t in k.meta.tensormaps.values()} == promotion
+
+
+@needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("stages, per_sm", [(3, 2), (4, 1)])
 def test_hopper_one_warpgroup_pipeline_runs_two_ctas_per_sm_when_shared_memory_fits_twice(stages, per_sm):
