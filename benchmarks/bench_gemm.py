@@ -106,7 +106,9 @@ EXTRA_CONFIGS = {
                # (132); stream-K splits the partial last wave of the paired 128x128 default instead
                GemmConfig(128, 192, 64, 4, 256, 8, epilogue="shared"), GemmConfig(128, 192, 64, 5, 256, 8),
                GemmConfig(128, 192, 64, 4, 256, 0, epilogue="shared", cluster=2),
-               GemmConfig(128, 128, 64, 6, 128, 0, epilogue="shared", cluster=2, stream_k=2)],
+               GemmConfig(128, 128, 64, 6, 128, 0, epilogue="shared", cluster=2, stream_k=2),
+               # cuBLAS's 1000^3 tile in our frame (NOTES v16): swapped 72x128, A and B multicast, C^T staged
+               GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=2, swap_ab=True)],
 }
 # issue 4's bars for the sm_90a path, over the fp16 rows with B stored K x N: (what, shapes, reduction, bar)
 TARGETS = [("geomean of 4096^3, 8192^3, 8192x1024x8192, 4096x14336x4096", LARGE_SHAPES, "geomean", 1.00),
