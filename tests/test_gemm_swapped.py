@@ -105,13 +105,6 @@ def test_swapped_kernel_in_clusters_multicasts_row_slices(cluster, cluster_n, a_
     assert mix.get("UTMASTG", 0) > 0 and mix.get("STG", 0) == 0  # the staged epilogue: C^T written as C, TMA-stored
 
 
-def test_tuner_offers_the_swapped_72_row_tile_on_short_grids_only():
-    """It tied the default at 1000^3 and lost elsewhere: a candidate where 72x128 tiles pair up both ways."""
-    assert gemm_kernels._SWAPPED_72 in config_space(1000, 1000, 1000, arch="sm_90a")
-    assert gemm_kernels._SWAPPED_72 not in config_space(4096, 4096, 4096, arch="sm_90a")
-    assert gemm_kernels._SWAPPED_72 not in config_space(1080, 1000, 1000, arch="sm_90a")  # 15 M tiles
-
-
 def test_swapped_72_row_tiles_refuse_a_stored_transposed():
     """A^T's tile is read in 16-column panels: 72 rows do not make whole panels; the error says so."""
     with pytest.raises(ValueError, match="block_M a multiple of 16"):

@@ -96,12 +96,6 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
 _HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
 
 
-# cuBLAS's 1000^3 tile (nvjet 128x72) in our frame: 72 rows of M along wgmma's n, B multicast along M and A
-# along N in 2x2 clusters, C^T staged and TMA-stored; level with _HALF_WAVE at 1000^3, behind it at other
-# short grids (NOTES v16): a tuner candidate, not a default
-_SWAPPED_72 = GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=2, swap_ab=True)
-
-
 def _half_wave(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
     """One wave of 64x128 tiles in pairs (TMA loads them: build_gemm pads rows that are not 16-byte)."""
     tiles = batch * -(-M // 64) * -(-N // 128)
@@ -221,8 +215,6 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
     if not decode and -(-M // 64) % 2 == 0 and _pow2(N) >= 128:  # pairs of 64-row tiles sharing B: short grids
         space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
-    if not decode and -(-M // 72) % 2 == 0 and -(-N // 128) % 2 == 0 and M * N <= 2048 * 2048:
-        space.append(_SWAPPED_72)  # cuBLAS's 1000^3 tile, swapped, in 2x2 clusters (A stored transposed: refused)
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
         if _pow2(N) >= 256:  # ... and of 128x192 tiles (one wave where 128x128 would fill two, NOTES v12)
