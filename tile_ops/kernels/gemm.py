@@ -1,6 +1,7 @@
 """GEMM: C[b] = op(A[b]) @ op(B[b]) (+ bias), fp16/bf16 in, fp32 accumulate, any output dtype."""
 
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -288,18 +289,18 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         else:
             T.copy(B[zb, k * bK, bx * bN], B_s)
 
-    def tiles():  # the launch: in clusters, grid x runs over M tiles (a cluster row shares B's tile)
-        return T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
-                        cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k)
-
-    def block_ids(ids):  # (by, bx, bz): M tile, N tile, batch (and split)
-        return ids if clustered else (ids[1], ids[0], ids[2])
-
-    def body(A, B, Bias, C):
-        with tiles() as ids:
-            by, bx, bz = block_ids(ids)
+    @contextlib.contextmanager
+    def tiles():
+        """The launch, rasterized: yields (by, bx, bz), this block's M tile, N tile and batch (and split).
+        In clusters grid x runs over M tiles, so that a cluster row shares B's tile."""
+        with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
+                      cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k) as ids:
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
+            yield ids if clustered else (ids[1], ids[0], ids[2])
+
+    def body(A, B, Bias, C):
+        with tiles() as (by, bx, bz):
             A_s = T.alloc_shared(A_tile, dtype)
             B_s = T.alloc_shared(B_tile, dtype)
             C_f = T.alloc_fragment((bM, bN), "float32")
@@ -326,10 +327,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.copy(C_f, C[bz, by * bM, bx * bN])
 
     def swapped_body(A, B, Bias, C):  # the C^T tile (bN x bM) = B^T tile @ A^T tile
-        with tiles() as ids:
-            by, bx, bz = block_ids(ids)
-            if cfg.swizzle:
-                T.use_swizzle(cfg.swizzle)
+        with tiles() as (by, bx, bz):
             B_s = T.alloc_shared(B_tile, dtype)
             A_s = T.alloc_shared(A_tile, dtype)
             Ct_f = T.alloc_fragment((bN, bM), "float32")
