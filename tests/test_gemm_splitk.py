@@ -157,8 +157,8 @@ def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
     built = []
     monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None, **_: built.append(("gemm", args)) or
                         FakeKernel([("W", (args[-1].split_k, args[3], args[0], args[1]), "float32")], [], "p"))
-    monkeypatch.setattr(gemm_kernels, "gemm_splitk_reduce", lambda *args, target=None: built.append(("reduce", args))
-                        or FakeKernel([], [], "r"))
+    monkeypatch.setattr(gemm_kernels, "gemm_splitk_reduce", lambda *args, target=None, bias_dtype=None:
+                        built.append(("reduce", args)) or FakeKernel([], [], "r"))
     a, b, out = torch.zeros(1, 16, 4096, dtype=torch.float16), torch.zeros(1, 4096, 256, dtype=torch.float16), \
         torch.zeros(1, 16, 256, dtype=torch.float16)
     k, _, _ = gemm_kernels.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
@@ -305,3 +305,21 @@ def test_the_tuner_builds_and_times_split_configs_as_one_launchable(tmp_path):
     assert result.best.config == split
     assert autotune.lookup("gemm", shape, "float16", "FAKE GPU") == split
     autotune.reload()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_bias_is_read_in_its_own_dtype(arch, split_k):
+    """A bias in the output dtype (fp32 beside fp16 inputs) is a float parameter of whichever kernel adds it:
+    cast to fp16 first, 1e5 would be inf and 1000.3 would lose its fraction."""
+    cfg = dataclasses.replace(default_config(16, 1024, 4096, arch), split_k=split_k)
+    k = build_gemm(16, 1024, 4096, 1, 1, 1, False, False, True, "float16", "float32", cfg, target=arch,
+                   bias_dtype="float32")
+    adder = k.reduce if split_k > 1 else k
+    assert dict((name, dt) for name, _, dt in adder.meta.params)["Bias"] == "float32"
+    assert "float* __restrict__ Bias_ptr" in adder.source or "float* Bias_ptr" in adder.source
+    same = build_gemm(16, 1024, 4096, 1, 1, 1, False, False, True, "float16", "float32", cfg, target=arch,
+                      bias_dtype="float16")  # the input dtype, said or not: one kernel
+    assert same.cubin == build_gemm(16, 1024, 4096, 1, 1, 1, False, False, True, "float16", "float32", cfg,
+                                    target=arch).cubin

@@ -363,3 +363,14 @@ def test_cuda_glue_misaligned_pointer_error(stand_in_kernels):
         _run_glue(stand_in_kernels, a, b)
     with pytest.raises(ValueError, match=r"b's data pointer .* 16-byte aligned"):
         _run_glue(stand_in_kernels, rnd(4, 8, dtype=F16), buf[1:33].view(8, 4))
+
+
+@pytest.mark.parametrize("bias_dtype, out_dtype", [(torch.float32, torch.float32), (BF16, BF16),
+                                                   (torch.float16, torch.float32)])
+def test_cuda_launch_passes_the_bias_in_its_own_dtype(bias_dtype, out_dtype):
+    """The CUDA path hands the kernel the bias as given (input or output dtype), not rounded to the inputs'."""
+    from tile_ops.ops.gemm import prepare_gemm_launch
+    a, b = torch.randn(8, 16, dtype=torch.float16), torch.randn(16, 24, dtype=torch.float16)
+    bias = torch.full((24,), 1e5 if bias_dtype == torch.float32 else 1000.5).to(bias_dtype)
+    _, (_, _, _, launched) = prepare_gemm_launch(a, b, bias, out_dtype, kind="cuda")
+    assert launched.dtype == bias_dtype and torch.equal(launched, bias)

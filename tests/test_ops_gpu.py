@@ -101,6 +101,23 @@ def test_gemm_bias_and_out_dtype(dtype, out_dtype, kind):
     assert rel_err(out, ref_gemm(a, b, bias)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype, out_dtype", [(F16, F32), (BF16, F32), (F16, BF16)])
+@pytest.mark.parametrize("kind", ["2d", "b_t"])
+def test_gemm_bias_in_the_output_dtype(dtype, out_dtype, kind):
+    """A bias in the output dtype reaches the epilogue in that dtype: 1e5 would overflow fp16, and bf16 bits
+    read as fp16 would be other numbers."""
+    M, K, N = 127, 255, 129
+    a, b = _operands(kind, M, K, N, dtype)
+    bias = (rnd(N, dtype=F32) * 100 + (1e5 if out_dtype == F32 else 0)).to(out_dtype)
+    poison()
+    out = tile_ops.gemm(a, b, bias, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and torch.isfinite(out).all()
+    if out_dtype == F32:  # the product itself to the inputs' tolerance, under the large bias
+        assert rel_err(out - bias.double(), ref_gemm(a, b)) < TOL[dtype]
+    else:
+        assert rel_err(out, ref_gemm(a, b, bias)) < TOL[BF16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_grads_vs_float64(dtype):
     M, K, N = 127, 255, 129

@@ -252,12 +252,14 @@ def split_k_tiles(K: int, cfg: GemmConfig) -> int:
 
 @tile_ops.jit(out_idx=[-1])
 def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
-         dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), a_cols=None, b_cols=None):
-    """C = A @ B (+ Bias).  With ``cfg.split_k > 1`` the split-K partial kernel instead: grid z is
+         dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), a_cols=None, b_cols=None,
+         bias_dtype=None):
+    """C = A @ B (+ Bias, in ``bias_dtype``: the input dtype unless given).  With ``cfg.split_k > 1`` the split-K partial kernel instead: grid z is
     (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n = ``split_k_tiles``; the last splits
     may get fewer, or none: zeros) into W[s] in fp32, without the bias; ``gemm_splitk_reduce`` adds up.
     ``a_cols``/``b_cols``: A's/B's stored row length when padded past the logical one (``PaddedGemm``)."""
     bM, bN, bK, splits = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split_k
+    bias_dtype = bias_dtype or dtype
     A_shape = (batch_a, K, a_cols or M) if trans_A else (batch_a, M, a_cols or K)
     B_shape = (batch_b, N, b_cols or K) if trans_B else (batch_b, K, b_cols or N)
     A_tile = (bK, bM) if trans_A else (bM, bK)
@@ -318,7 +320,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.copy(C_f, C[split, bz, by * bM, bx * bN])
                 return
             if has_bias:
-                _add_bias(C_f, Bias, bx * bN, bM, bN, dtype)
+                _add_bias(C_f, Bias, bx * bN, bM, bN, bias_dtype)
             if _shared_epilogue_fits(cfg, dtype, out_dtype):  # coalesced (TMA) stores of a staged tile
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 T.copy(C_f, C_s)
@@ -337,7 +339,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 load_A(A, A_s, bz, by, k)
                 T.gemm(B_s, A_s, Ct_f, transpose_A=not trans_B, transpose_B=not trans_A)
             if has_bias:
-                _add_bias(Ct_f, Bias, bx * bN, bN, bM, dtype, along_rows=True)
+                _add_bias(Ct_f, Bias, bx * bN, bN, bM, bias_dtype, along_rows=True)
             if _shared_epilogue_fits(cfg, dtype, out_dtype):  # transposed into a staged C tile, TMA-stored
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 for i, j in T.Parallel(bN, bM):
@@ -350,21 +352,21 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     if cfg.swap_ab:
         @T.prim_func
         def gemm_swapped_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype),
-                                Bias: T.Tensor((N,), dtype), C: T.Tensor((batch, M, N), out_dtype)):
+                                Bias: T.Tensor((N,), bias_dtype), C: T.Tensor((batch, M, N), out_dtype)):
             swapped_body(A, B, Bias, C)
 
         return gemm_swapped_kernel
 
     if splits == 1:
         @T.prim_func
-        def gemm_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
+        def gemm_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), bias_dtype),
                         C: T.Tensor((batch, M, N), out_dtype)):
             body(A, B, Bias, C)
 
         return gemm_kernel
 
     @T.prim_func
-    def gemm_splitk_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), dtype),
+    def gemm_splitk_kernel(A: T.Tensor(A_shape, dtype), B: T.Tensor(B_shape, dtype), Bias: T.Tensor((N,), bias_dtype),
                            W: T.Tensor((splits, batch, M, N), T.float32)):  # Bias: unused, the reduction adds it
         body(A, B, Bias, W)
 
@@ -402,12 +404,14 @@ def reduce_tile(M: int, N: int) -> tuple:
 
 @tile_ops.jit(out_idx=[-1])
 def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16", out_dtype="float16",
-                       block_M=16, block_N=64, threads=128):
-    """C[b] = sum over s of W[s, b] (+ Bias), cast to ``out_dtype``: the second kernel of a split-K gemm."""
+                       block_M=16, block_N=64, threads=128, bias_dtype=None):
+    """C[b] = sum over s of W[s, b] (+ Bias, in ``bias_dtype``: ``dtype`` unless given), cast to ``out_dtype``:
+    the second kernel of a split-K gemm."""
     bM, bN = block_M, block_N
+    bias_dtype = bias_dtype or dtype
 
     @T.prim_func
-    def splitk_reduce(W: T.Tensor((split_k, batch, M, N), T.float32), Bias: T.Tensor((N,), dtype),
+    def splitk_reduce(W: T.Tensor((split_k, batch, M, N), T.float32), Bias: T.Tensor((N,), bias_dtype),
                       C: T.Tensor((batch, M, N), out_dtype)):
         with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), batch, threads=threads) as (bx, by, bz):
             acc = T.alloc_fragment((bM, bN), "float32")
@@ -418,7 +422,7 @@ def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16"
                 for i, j in T.Parallel(bM, bN):
                     acc[i, j] = acc[i, j] + part[i, j]
             if has_bias:
-                _add_bias(acc, Bias, bx * bN, bM, bN, dtype)
+                _add_bias(acc, Bias, bx * bN, bM, bN, bias_dtype)
             T.copy(acc, C[bz, by * bM, bx * bN])
 
     return splitk_reduce
@@ -587,17 +591,19 @@ def padded_cols(M, N, K, batch_a=1, batch_b=1, trans_A=False, trans_B=False, dty
 
 
 def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
-               dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None, pad=True):
+               dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None, pad=True,
+               bias_dtype=None):
     """The launchable gemm for ``cfg``: the ``gemm`` kernel itself, a :class:`SplitKGemm` when
     ``cfg.split_k > 1``, inside a :class:`PaddedGemm` when TMA (sm_90a) cannot load A's or B's rows as
     they are (``pad=False``: the gemm's synchronous-copy path reads them).  Each takes
-    ``launch_ptrs([A, B, Bias, C], device)``."""
+    ``launch_ptrs([A, B, Bias, C], device)``; Bias in ``bias_dtype`` (the input dtype unless given)."""
+    bias_dtype = None if bias_dtype == dtype else bias_dtype  # one cache entry whichever way it is said
     cols = padded_cols(M, N, K, batch_a, batch_b, trans_A, trans_B, dtype, target) if pad else {}
     main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg, **cols,
-                target=target)
+                bias_dtype=bias_dtype, target=target)
     if cfg.split_k > 1:
         reduce = gemm_splitk_reduce(M, N, batch, cfg.split_k, has_bias, dtype, out_dtype, *reduce_tile(M, N),
-                                    target=target)
+                                    bias_dtype=bias_dtype, target=target)
         main = SplitKGemm(main, reduce)
     if not cols:
         return main
@@ -622,7 +628,8 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
             cfg = default_config(M, N, K, batch=Bt)
         elif Bt > 1 and cfg.split_k > 1:  # a tuned split: the batch already multiplies the CTAs
             cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
-    kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg)
+    kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg,
+                        bias_dtype=None if bias is None else _DT[bias.dtype])
     return kernel, a, b
 
 

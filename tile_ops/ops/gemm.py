@@ -95,7 +95,7 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
       transpose (exact strides), batch stride anything (0 for a broadcast 2-D
       operand); 16-byte aligned data pointers.
     * ``out3`` (Bt, M, N): a contiguous view of ``out``.
-    * ``bias``: (N,) contiguous in the input dtype, or None.
+    * ``bias``: (N,) contiguous, in its own dtype (the input or the output dtype), or None.
 
     A 3-D ``a`` with row-major rows and a 2-D ``b`` is folded into a single
     (1, B*M, K) problem.
@@ -112,7 +112,7 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
         return out, None
 
     if bias is not None:
-        bias = bias.to(a.dtype).contiguous()
+        bias = bias.contiguous()  # in its own dtype (the input's or the output's): the epilogue adds it in fp32
         checks.check_alignment(OP, "bias", bias)
 
     if (
