@@ -14,7 +14,7 @@ from programs import matmul
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
 from tile_ops.kernels.gemm import GemmConfig, gemm
-from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax import default_config as gemm_softmax_config, gemm_softmax
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
 needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
@@ -930,3 +930,19 @@ def test_row_softmax_store_errors_say_what_is_accepted():
 
     with pytest.raises(tile_ops.lang.TileLangError, match="without cluster"):
         compile_program(clustered(), "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_tensors_past_int32_offsets_are_refused_unless_only_tma_touches_them(arch):
+    """An lm-head sized output (16384 x 152064 = 2.49e9 elements) overflows a 32-bit offset wherever the kernel
+    indexes its pointer: a clear error, not a TVM literal check or wrong addresses. Through TMA (fp16 output
+    staged and stored by descriptor, sm_90a) its coordinates stay small, and it compiles."""
+    with pytest.raises(ValueError, match=r"Out \(32768, 65536\) \(2,147,483,648 elements\): 2\^31 elements or more"):
+        compile_program(gemm_softmax.fn(32768, 65536, 64, 1.0, cfg=gemm_softmax_config(32768, 65536, 64, arch)), arch)
+    M, N, K = 16384, 152064, 4096
+    cfg = GemmConfig(128, 256, 64, 3, 256, 4, epilogue="shared")
+    with pytest.raises(ValueError, match=r"C \(1, 16384, 152064\).*Split the problem"):  # fp32: direct stores
+        compile_program(gemm.fn(M, N, K, trans_B=True, out_dtype="float32", cfg=cfg), arch)
+    if arch == "sm_90a":
+        c = compile_program(gemm.fn(M, N, K, trans_B=True, cfg=cfg), arch)
+        assert "C" not in c.kept and "C_tmap" in c.kept

@@ -6,6 +6,7 @@ CUDA source with everything a launcher needs (entry, grid, block, shared memory,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..lang.ir import Program
@@ -32,12 +33,27 @@ class CompiledProgram:
     waits_at_entry: bool = False  # griddepcontrol.wait first: it can be launched programmatically
 
 
+def _indexed_too_far(kernel: str, huge: dict) -> ValueError:
+    what = ", ".join(f"{name} {tuple(shape)} ({math.prod(shape):,} elements)" for name, shape in huge.items())
+    return ValueError(f"{kernel}: {what}: 2^31 elements or more, which this kernel addresses with 32-bit offsets "
+                      f"(accepted: tensors of fewer than 2^31 elements; on sm_90a, larger ones only where every "
+                      f"copy of them is a TMA copy). Split the problem, e.g. along M, into parts below that")
+
+
 def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
     from .codegen import emit_cuda
     from .lower import lower
 
     lowered = lower(prog, arch)
-    source, entry, kept = emit_cuda(lowered, arch)
+    huge = {name: shape for name, shape, _ in lowered.params if math.prod(shape) >= 2**31}
+    try:
+        source, entry, kept = emit_cuda(lowered, arch)
+    except Exception as e:  # a flattened offset past int32 is a literal TVM refuses
+        if huge:
+            raise _indexed_too_far(prog.name, huge) from e
+        raise
+    if any(name in kept for name in huge):  # its pointer is indexed (not a TMA descriptor): 32-bit offsets
+        raise _indexed_too_far(prog.name, {n: s for n, s in huge.items() if n in kept})
     return CompiledProgram(source, entry, arch, lowered.grid, lowered.block, lowered.smem_bytes,
                            lowered.params, kept, lowered.layouts, lowered.func.script(), lowered.tensormaps,
                            lowered.ctas_per_sm, lowered.cluster, lowered.persistent_tiles,
