@@ -197,6 +197,25 @@ def test_corrupt_or_stale_table_falls_back_with_a_warning(fake_gpu):
         assert autotune.config_for("gemm", 256, 256, 256, "float16") == gemm_kernels.default_config(256, 256, 256)
 
 
+def test_a_writer_keeps_a_table_it_cannot_read():
+    """Another version's table (a newer tile_ops sharing the cache) is not replaced by one entry of ours; an
+    unparsable file is set aside, not lost."""
+    path = autotune.TuneTable().path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    theirs = '{"version": 2, "entries": {"a": {}, "b": {}, "c": {}}}'
+    path.write_text(theirs)
+    with pytest.raises(RuntimeError, match="is version 2, not 1 .*not writing over it"):
+        autotune.record("gemm", (64, 64, 64), "float16", FAKE_GPU, GemmConfig())
+    assert path.read_text() == theirs
+    path.write_text('{"version": 1, "entr')
+    with pytest.warns(UserWarning, match="kept as autotune.json.unreadable"):
+        autotune.record("gemm", (64, 64, 64), "float16", FAKE_GPU, GemmConfig())
+    assert path.with_name("autotune.json.unreadable").read_text() == '{"version": 1, "entr'
+    assert list(autotune.TuneTable().entries()) == [table.entry_key(FAKE_GPU, "gemm", "float16", (64, 64, 64))]
+    path.write_text(theirs)
+    assert autotune.TuneTable().clear() == 0 and autotune.TuneTable().entries() == {}  # asked for: cleared
+
+
 def test_clear():
     autotune.record("gemm", (64, 64, 64), "float16", FAKE_GPU, GemmConfig())
     assert autotune.TuneTable().clear() == 1 and autotune.TuneTable().entries() == {}
@@ -222,6 +241,21 @@ def test_gemm_op_launches_the_tuned_config_else_the_default(fake_gpu, monkeypatc
     assert seen[-1] == explicit
 
 
+def test_a_tuned_config_that_cannot_build_here_gives_way_to_the_default(fake_gpu, monkeypatch):
+    """1024's tuned pairs of 64-row tiles (cluster 2) reach 520 through the bucket rule: 9 row tiles, which a
+    cluster of 2 cannot divide. That M gets its default instead of a ValueError from every call."""
+    seen, factory = [], gemm_kernels.gemm
+    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, **kw: seen.append(args[-1]))
+    pairs = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
+    autotune.record("gemm", (1024, 1024, 1024), "float16", FAKE_GPU, pairs)
+    for M, expected in ((1024, pairs), (640, pairs), (520, gemm_kernels.default_config(520, 1024, 1024))):
+        a, b = torch.randn(1, M, 1024, dtype=torch.float16), torch.randn(1, 1024, 1024, dtype=torch.float16)
+        gemm_kernels.get_gemm_kernel(a, b, torch.empty(1, M, 1024, dtype=torch.float16))
+        assert seen[-1] == expected, M
+    with pytest.raises(ValueError, match="cluster=2 must divide the 9 row tiles of M=520"):  # asked for: refused
+        factory.fn(520, 1024, 1024, cfg=pairs)
+
+
 def test_gemm_softmax_op_launches_the_tuned_config(fake_gpu, monkeypatch):
     seen = []
 
@@ -240,10 +274,26 @@ def test_gemm_softmax_op_launches_the_tuned_config(fake_gpu, monkeypatch):
     assert seen[-1] == tuned
 
 
-def test_no_gpu_means_the_default():
+def test_an_entry_serves_only_the_arch_it_was_tuned_for(fake_gpu):
+    """A config tuned on the sm_90a path (clusters, TMA) is not the sm_80 build's: precompile --arch sm_80
+    would fail on it."""
+    clustered = GemmConfig(128, 128, 64, 4, 128, 0, epilogue="shared", cluster=2)
+    autotune.record("gemm", (1024, 1024, 1024), "float16", FAKE_GPU, clustered, arch="sm_90a")
+    assert autotune.config_for("gemm", 1024, 1024, 1024, "float16", arch="sm_90a") == clustered
+    assert autotune.config_for("gemm", 1024, 1024, 1024, "float16", arch="sm_80") == \
+        gemm_kernels.default_config(1024, 1024, 1024, "sm_80")
+    assert table.lookup("gemm", (1024, 1024, 1024), "float16", FAKE_GPU) == clustered  # no arch asked: any
+
+
+def test_no_gpu_means_the_default(monkeypatch):
+    tuned = GemmConfig(64, 128, 64, 4, 128, 0)
+    autotune.record("gemm", (16, 4096, 4096), "float16", FAKE_GPU, tuned)
     assert table.gpu_name("cpu") is None
     assert autotune.config_for("gemm", 16, 4096, 4096, "float16", torch.device("cpu")) == \
         gemm_kernels.default_config(16, 4096, 4096)
+    monkeypatch.setattr(table, "gpu_name", lambda device=None: FAKE_GPU)  # the entry is there for a GPU
+    autotune.reload()  # (config_for memoizes per device)
+    assert autotune.config_for("gemm", 16, 4096, 4096, "float16", torch.device("cpu")) == tuned
 
 
 # ------------------------------------------------------------------- the tuner, with a fake timer

@@ -120,6 +120,23 @@ def test_gemm_softmax_repeated_signature_skips_the_op(ops, case):
     assert softmax_op.n == 2
 
 
+def test_a_changed_tune_table_drops_the_plans(ops, tmp_path, monkeypatch):
+    """A plan launches the config chosen when it was recorded: a new tuned entry must reach the next call."""
+    import dataclasses
+
+    from tile_ops import autotune
+
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
+    tile_ops.gemm(rnd(16, 32), rnd(32, 24))
+    assert fastpath.count() == 1
+    autotune.record("gemm", (16, 24, 32), "float16", "SOME GPU", dataclasses.make_dataclass("Cfg", [])())
+    assert fastpath.count() == 0
+    tile_ops.gemm(rnd(16, 32), rnd(32, 24))
+    assert fastpath.count() == 1
+    autotune.TuneTable().clear()
+    assert fastpath.count() == 0
+
+
 def test_op_path_launches_from_the_plan_too(ops):
     gemm_op, softmax_op, (kernels, softmax_kernels) = ops
     a, b = rnd(16, 32), rnd(32, 24)

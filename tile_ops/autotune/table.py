@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import pathlib
+import sys
 import tempfile
 import warnings
 
@@ -105,17 +106,37 @@ class TuneTable:
             removed.extend(entries)
             entries.clear()
 
-        self._modify(change)
+        self._modify(change, overwrite=True)
         return len(removed)
 
-    def _modify(self, change) -> None:
-        """Read, ``change(entries)`` in place, publish: under the lock, so concurrent writers merge."""
+    def _modify(self, change, overwrite: bool = False) -> None:
+        """Read, ``change(entries)`` in place, publish: under the lock, so concurrent writers merge.  A table
+        of another version (another tile_ops sharing the cache) is left alone unless ``overwrite``; an
+        unreadable one is kept beside the new one as ``autotune.json.unreadable``."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with DiskCache(self.path.parent).lock(_LOCK_KEY):
+            self._keep_unless_ours(overwrite)
             entries = self.entries()
             change(entries)
             self._publish({"version": VERSION, "entries": dict(sorted(entries.items()))})
         reload()
+
+    def _keep_unless_ours(self, overwrite: bool) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            aside = self.path.with_name(self.path.name + ".unreadable")
+            warnings.warn(f"tile_ops: ignoring the autotune table {self.path} ({e}); kept as {aside.name}")
+            os.replace(self.path, aside)
+            return
+        version = data.get("version") if isinstance(data, dict) else None
+        if version != VERSION and not overwrite:
+            raise RuntimeError(f"tile_ops: the autotune table {self.path} is version {version!r}, not {VERSION} "
+                               f"(another tile_ops shares this cache directory?); not writing over it. Use another "
+                               f"TILE_OPS_CACHE_DIR, or `python -m tile_ops tune --clear` to start a version "
+                               f"{VERSION} table there")
 
     def _publish(self, data: dict) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
@@ -143,16 +164,20 @@ def record(op: str, shape, dtype: str, gpu: str, cfg, **stats) -> str:
 
 
 # ---------------------------------------------------------------------------------------- lookup
-_index: dict | None = None  # (gpu, op, dtype, N, K) -> [(M, config)], built from the table once
+_index: dict | None = None  # (gpu, op, dtype, N, K) -> [(M, config, arch)], built from the table once
 _chosen: dict = {}  # (op, M, N, K, dtype, device) -> config: the op's per-call path is one dict hit
 _gpu_names: dict = {}
 
 
 def reload() -> None:
-    """Forget what was read from the table (after it changed, or TILE_OPS_CACHE_DIR did)."""
+    """Forget what was read from the table (after it changed, or TILE_OPS_CACHE_DIR did), and the ops'
+    recorded plans, which launch the configs chosen before."""
     global _index
     _index = None
     _chosen.clear()
+    fastpath = sys.modules.get("tile_ops.ops.fastpath")  # loaded only where an op ran: nothing to forget else
+    if fastpath is not None:
+        fastpath.clear()
 
 
 def _load_index() -> dict:
@@ -161,14 +186,15 @@ def _load_index() -> dict:
         try:
             M, N, K = e["shape"]
             cfg = config_from_dict(e["op"], e["config"])
-            index.setdefault((e["gpu"], e["op"], e["dtype"], N, K), []).append((M, cfg))
+            index.setdefault((e["gpu"], e["op"], e["dtype"], N, K), []).append((M, cfg, e.get("arch")))
         except (KeyError, TypeError, ValueError) as err:
             warnings.warn(f"tile_ops: ignoring autotune entry {key!r}: {err}")
     return index
 
 
-def lookup(op: str, shape, dtype: str, gpu: str | None):
-    """The tuned config for (gpu, op, shape, dtype) under the bucket rule, or None."""
+def lookup(op: str, shape, dtype: str, gpu: str | None, arch: str | None = None):
+    """The tuned config for (gpu, op, shape, dtype) under the bucket rule, or None; with ``arch``, only one
+    tuned for that compile target (an sm_90a config may need clusters or TMA that sm_80 lacks)."""
     global _index
     if gpu is None:
         return None
@@ -176,7 +202,8 @@ def lookup(op: str, shape, dtype: str, gpu: str | None):
         _index = _load_index()
     M, N, K = shape
     tuned = _index.get((gpu, op, dtype, N, K), [])
-    same_bucket = [(abs(m - M), -m, cfg) for m, cfg in tuned if shape_bucket(m) == shape_bucket(M)]
+    same_bucket = [(abs(m - M), -m, cfg) for m, cfg, tuned_for in tuned
+                   if shape_bucket(m) == shape_bucket(M) and (arch is None or tuned_for in (None, arch))]
     return min(same_bucket, key=lambda t: t[:2])[2] if same_bucket else None
 
 
@@ -200,6 +227,9 @@ def config_for(op: str, M: int, N: int, K: int, dtype: str, device=None, arch: s
     memo = (op, M, N, K, dtype, device, arch)
     cfg = _chosen.get(memo)
     if cfg is None:
-        cfg = lookup(op, (M, N, K), dtype, gpu_name(device)) or targets.get(op).default_config((M, N, K), arch)
+        from ..jit import default_arch  # what the op compiles for: the current device's arch
+
+        cfg = (lookup(op, (M, N, K), dtype, gpu_name(device), arch or default_arch())
+               or targets.get(op).default_config((M, N, K), arch))
         _chosen[memo] = cfg
     return cfg

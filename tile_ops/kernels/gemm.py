@@ -265,17 +265,12 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
-    if cfg.swap_ab and trans_A and bM % 16:
-        raise ValueError(f"gemm: swap_ab with A stored transposed needs block_M a multiple of 16 (A's M-contiguous "
-                         f"tile is read in 16-column swizzle panels): got {bM}")
+    misfit = _misfit(cfg, M, N, trans_A)
+    if misfit:
+        raise ValueError(f"gemm: {misfit}")
 
     clustered = cfg.cluster * cfg.cluster_n > 1  # grid x: M tiles, grid y: N tiles, a cfg.cluster x cluster_n rectangle
     grid = [T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits]
-    if clustered and grid[1] % cfg.cluster:
-        raise ValueError(f"gemm: cluster={cfg.cluster} must divide the {grid[1]} row tiles of M={M} (block_M={bM})")
-    if clustered and grid[0] % cfg.cluster_n:
-        raise ValueError(f"gemm: cluster_n={cfg.cluster_n} must divide the {grid[0]} column tiles of N={N} "
-                         f"(block_N={bN})")
 
     def load_A(A, A_s, bz, by, k):  # A's k-th tile of block rows by, stored either way round
         za = bz if batch_a > 1 else 0
@@ -371,6 +366,19 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         body(A, B, Bias, W)
 
     return gemm_splitk_kernel
+
+
+def _misfit(cfg: GemmConfig, M: int, N: int, trans_A: bool = False) -> str | None:
+    """Why ``cfg`` cannot build for an M x N problem with A stored this way, or None when it can."""
+    m_tiles, n_tiles = -(-M // cfg.block_M), -(-N // cfg.block_N)
+    if cfg.swap_ab and trans_A and cfg.block_M % 16:
+        return (f"swap_ab with A stored transposed needs block_M a multiple of 16 (A's M-contiguous tile is read in "
+                f"16-column swizzle panels): got {cfg.block_M}")
+    if cfg.cluster * cfg.cluster_n > 1 and m_tiles % cfg.cluster:
+        return f"cluster={cfg.cluster} must divide the {m_tiles} row tiles of M={M} (block_M={cfg.block_M})"
+    if cfg.cluster * cfg.cluster_n > 1 and n_tiles % cfg.cluster_n:
+        return f"cluster_n={cfg.cluster_n} must divide the {n_tiles} column tiles of N={N} (block_N={cfg.block_N})"
+    return None
 
 
 def _shared_epilogue_fits(cfg: GemmConfig, dtype: str, out_dtype: str) -> bool:
@@ -616,14 +624,18 @@ def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=Fa
 def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     """(kernel, a, b): the kernel for these operands and the operand views it reads.
 
-    ``config_for`` chooses per (M, N, K): its heuristic default, fitted to the waves of one matrix, is
-    re-derived with the batch; a tuned split-K config (``split_k > 1``) is divided by the batch count (a
-    batch already multiplies the CTAs).  An explicit ``cfg`` is used as is."""
+    ``config_for`` chooses per (M, N, K). A tuned config that cannot build here (its clusters do not divide
+    this M's tiles: it was tuned for another M of the bucket; or A is stored another way) gives way to the
+    default. The heuristic default, fitted to the waves of one matrix, is re-derived with the batch; a tuned
+    split-K config (``split_k > 1``) is divided by the batch count (a batch already multiplies the CTAs).
+    An explicit ``cfg`` is used as is."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
     if cfg is None:
         cfg = config_for("gemm", M, N, K, _DT[a.dtype], a.device)
+        if _misfit(cfg, M, N, ta):  # tuned for another M of the bucket, or another layout of A
+            cfg = default_config(M, N, K)
         if Bt > 1 and cfg == default_config(M, N, K):  # the heuristic fits one matrix's waves: refit the batch's
             cfg = default_config(M, N, K, batch=Bt)
         elif Bt > 1 and cfg.split_k > 1:  # a tuned split: the batch already multiplies the CTAs
