@@ -407,7 +407,7 @@ def test_cli_list_and_bad_input(capsys):
     for argv, message in [(["tune"], "give an op and --shape"), (["tune", "gemm"], "give an op and --shape"),
                           (["tune", "gemm", "--shape", "64x64"], "expected a shape MxNxK"),
                           (["tune", "conv", "--shape", "64x64x64"], "invalid choice: 'conv'"),
-                          (["tune", "gemm", "--shape", "64x64x64", "-j", "0"], "--jobs must be at least 1"),
+                          (["tune", "gemm", "--shape", "64x64x64", "-j", "0"], "a number of threads, at least 1"),
                           (["tune", "--list", "--shape", "64x64x64"], "--list --shape needs an op")]:
         with pytest.raises(SystemExit) as e:
             main(argv)

@@ -124,6 +124,34 @@ def test_info_and_clear(dc):
     assert all(dc.load(k) is None for k in keys)
 
 
+def test_clear_removes_only_what_the_cache_wrote(dc):
+    """TILE_OPS_CACHE_DIR=$HOME by mistake: `tile_ops cache clear` must not take ~/projects/thesis with it; nor
+    the temp dir of a store in progress in another process (only leftovers an hour old)."""
+    import time
+
+    dc.store(KEY, _entry())
+    theirs = dc.root / "projects" / "thesis"
+    theirs.mkdir(parents=True)
+    (theirs / "thesis.tex").write_text("years of work")
+    look_alike = dc.root / "ab" / "notes"  # a 2-character folder, but not an entry's files
+    look_alike.mkdir(parents=True)
+    (look_alike / "todo.txt").write_text("x")
+    in_progress, leftover = dc.root / "tmp" / f"{KEY}.new", dc.root / "tmp" / f"{KEY}.old"
+    for d in (in_progress, leftover):
+        d.mkdir(parents=True)
+    os.utime(leftover, (time.time() - 7200,) * 2)
+    assert dc.info()["entries"] == 1 and dc.clear() == 1
+    assert (theirs / "thesis.tex").read_text() == "years of work" and (look_alike / "todo.txt").exists()
+    assert in_progress.exists() and not leftover.exists()
+
+
+def test_a_store_that_fails_warns_and_the_caller_keeps_its_kernel(dc, monkeypatch):
+    monkeypatch.setattr(cache_mod.os, "rename", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.warns(UserWarning, match=f"could not store kernel {KEY} in the cache .*No space left"):
+        dc.store(KEY, _entry())
+    assert dc.load(KEY) is None
+
+
 def test_cache_module_does_not_import_tvm_or_torch():
     code = (
         "import importlib.util, sys\n"
@@ -245,3 +273,35 @@ def test_compiler_fingerprint_covers_the_kernel_library(tmp_path, monkeypatch, s
     helper = pkg / sub if sub.endswith(".py") else next((pkg / sub).glob("*.py"))
     helper.write_text(helper.read_text() + "\n# edited\n")
     assert jit.compiler_fingerprint.__wrapped__() != before
+
+
+BLOCK = 64  # read by _reads_a_global below
+
+
+def test_the_key_sees_the_globals_and_closure_a_factory_reads():
+    """A factory reading a module constant or a closure cell builds another program when that value changes:
+    the cache key (in memory and on disk) must change with it, and stay the same across processes."""
+    import tile_ops
+
+    def make(threads):
+        @tile_ops.jit(out_idx=[1])
+        def _reads_a_global(n):
+            return (n, BLOCK, threads)  # never traced here: only the keys are compared
+
+        return _reads_a_global
+
+    f128, f256 = make(128), make(256)
+    key = f128.key((1024,), {}, "sm_90a")
+    assert f256.key((1024,), {}, "sm_90a") != key  # the closure's threads
+    global BLOCK
+    BLOCK = 128
+    try:
+        assert f128.key((1024,), {}, "sm_90a") != key  # the module's BLOCK
+        assert ("BLOCK", 128) in f128.environment() and ("threads", 128) in f128.environment()
+    finally:
+        BLOCK = 64
+    assert make(128).key((1024,), {}, "sm_90a") == key  # values, not identities
+    from tile_ops.jit import _stable
+    from tile_ops.kernels.gemm import gemm  # a library factory: its helpers by name and source, no addresses
+
+    assert "0x" not in json.dumps([[n, _stable(v)] for n, v in gemm.environment()])

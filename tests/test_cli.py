@@ -102,10 +102,23 @@ def test_demo_quick_without_gpu(tmp_path):
 def test_argument_errors():
     assert parse_shape("4096x1024x64") == (4096, 1024, 64)
     for bad in (["precompile", "--arch", "sm_80", "--gemm", "12x3"], ["precompile", "--gemm", "8x8x8"],
-                ["cache", "list"], []):
+                ["cache", "list"], [], ["precompile", "--arch", "hopper", "--gemm", "8x8x8"],
+                ["precompile", "--arch", "sm_75", "--gemm", "8x8x8"], ["precompile", "--arch", "sm_90a", "-j", "-1"],
+                ["tune", "gemm", "--shape", "64x64x64", "--arch", "sm_"], ["tune", "--list", "gemm", "-j", "0"],
+                ["demo", "--arch", "90"]):
         with pytest.raises(SystemExit) as e:
             main(bad)
-        assert e.value.code == 2
+        assert e.value.code == 2, bad
+
+
+def test_show_skips_a_malformed_entry(tmp_path, monkeypatch, capsys):
+    from tile_ops import autotune
+
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
+    autotune.TuneTable().update({"garbage": "garbage"})
+    with pytest.warns(UserWarning, match="skipping the malformed autotune entry 'garbage'"):
+        assert main(["tune", "--show"]) == 0
+    assert "1 entry" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(shutil.which("tile_ops") is None, reason="console script not installed")

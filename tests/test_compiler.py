@@ -946,3 +946,30 @@ def test_tensors_past_int32_offsets_are_refused_unless_only_tma_touches_them(arc
     if arch == "sm_90a":
         c = compile_program(gemm.fn(M, N, K, trans_B=True, cfg=cfg), arch)
         assert "C" not in c.kept and "C_tmap" in c.kept
+
+
+@needs_nvcc
+@pytest.mark.parametrize("damaged", [{}, [1], {"grid": "not a grid"}])
+def test_a_cache_entry_whose_kernel_description_does_not_load_is_rebuilt(damaged):
+    """meta.json's files are hashed, its kernel description is not: one that no longer loads (damaged, or
+    written before a field it needs existed) is a corrupt entry, warned about and rebuilt, not an error forever."""
+    import json
+
+    from tile_ops.jit.cache import DiskCache
+
+    key = matmul.key((64, 64, 64), {}, "sm_80")
+    matmul._mem.clear(), matmul._fast.clear()  # built into this test's cache directory
+    first = matmul(64, 64, 64, target="sm_80")
+    meta_file = DiskCache().path(key) / "meta.json"
+    record = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**record, "meta": damaged}))
+    matmul._mem.clear(), matmul._fast.clear()  # a new process: only the disk cache
+    with pytest.warns(UserWarning, match="is corrupt .*its kernel description does not load"):
+        again = matmul(64, 64, 64, target="sm_80")
+    assert again.cubin == first.cubin and json.loads(meta_file.read_text())["meta"]["grid"] == [1, 1, 1]
+
+
+def test_an_unknown_target_arch_is_refused_before_anything_builds():
+    for bad in ("hopper", "sm_75", "90a", "sm90a"):
+        with pytest.raises(ValueError, match=rf"target arch '{bad}' is not one the compiler builds for"):
+            matmul(64, 64, 64, target=bad)

@@ -103,7 +103,7 @@ def build(job: Job) -> Built:
     out = Built(job)
     try:
         out.key, make = job.key_and_builder()
-        out.cached = DiskCache().path(out.key).is_dir()
+        out.cached = DiskCache().load(out.key) is not None  # a corrupt entry is rebuilt: not "cached"
         t0 = time.perf_counter()
         out.kernel = make()
         out.seconds = time.perf_counter() - t0
@@ -154,6 +154,25 @@ def parse_shape(text: str) -> tuple:
     if len(dims) != 3 or min(dims) <= 0:
         raise argparse.ArgumentTypeError(f"expected a shape MxNxK of three positive integers, got {text!r}")
     return dims
+
+
+def parse_arch(text: str) -> str:
+    from .jit import check_arch
+
+    try:
+        return check_arch(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("tile_ops: ")) from None
+
+
+def parse_jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of threads, at least 1, got {text!r}")
+    return n
 
 
 def instruction_mix(kernel) -> dict | None:
@@ -342,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     d = sub.add_parser("demo", help="compile the library's kernels; with a GPU check and time them vs torch")
-    d.add_argument("--arch", help="target arch, e.g. sm_90a or sm_80 (default: the local GPU's, else sm_90a)")
+    d.add_argument("--arch", type=parse_arch,
+                   help="target arch, e.g. sm_90a or sm_80 (default: the local GPU's, else sm_90a)")
     d.add_argument("--quick", action="store_true", help="small shapes only (fast; for tests)")
     d.set_defaults(func=cmd_demo)
 
@@ -351,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cache)
 
     pc = sub.add_parser("precompile", help="fill the kernel cache for given shapes (no GPU needed)")
-    pc.add_argument("--arch", required=True, help="target arch, e.g. sm_90a or sm_80")
+    pc.add_argument("--arch", required=True, type=parse_arch, help="target arch, e.g. sm_90a or sm_80")
     pc.add_argument("--gemm", nargs="+", type=parse_shape, metavar="MxNxK",
                     help="gemm shapes (default, when neither --gemm nor --gemm-softmax is given: "
                     + " ".join("x".join(map(str, s)) for s in PRECOMPILE_GEMM) + ")")
@@ -362,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--scale", nargs="+", type=float, default=PRECOMPILE_SCALES,
                     help="gemm_softmax scales (compile-time constants; default: 1.0 = the op's default, "
                     "0.125 = the benchmark's)")
-    pc.add_argument("--jobs", "-j", type=int, default=None, help="compile threads (default: one per kernel, "
+    pc.add_argument("--jobs", "-j", type=parse_jobs, default=None, help="compile threads (default: one per kernel, "
                     "up to the CPU count)")
     pc.set_defaults(func=cmd_precompile)
 

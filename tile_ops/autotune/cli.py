@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 
 from . import targets
 
@@ -17,7 +18,7 @@ DTYPES = ("float16", "bfloat16")
 
 
 def add_parser(sub) -> None:
-    from ..__main__ import parse_shape
+    from ..__main__ import parse_arch, parse_jobs, parse_shape
 
     p = sub.add_parser("tune", help="autotune kernel configs on this GPU (or --list / --show / --clear)",
                        description="Compile a kernel's declared config space in parallel, check and time each "
@@ -26,11 +27,11 @@ def add_parser(sub) -> None:
     p.add_argument("op", nargs="?", choices=sorted(targets.TARGETS), help="the op to tune (or list)")
     p.add_argument("--shape", nargs="+", type=parse_shape, metavar="MxNxK", help="problem shape(s) to tune")
     p.add_argument("--dtype", nargs="+", default=["float16"], choices=DTYPES)
-    p.add_argument("--arch", help="target arch (default: the local GPU's, else sm_90a)")
+    p.add_argument("--arch", type=parse_arch, help="target arch (default: the local GPU's, else sm_90a)")
     p.add_argument("--compile-only", action="store_true",
                    help="build the candidates into the kernel cache without timing them (no GPU needed)")
     p.add_argument("--no-save", action="store_true", help="report the results without recording the best")
-    p.add_argument("--jobs", "-j", type=int, default=None, help="compile threads (default: the CPU count)")
+    p.add_argument("--jobs", "-j", type=parse_jobs, default=None, help="compile threads (default: the CPU count)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--list", action="store_true", help="list the tunable ops and config fields; with an op "
@@ -50,8 +51,6 @@ def cmd_tune(args) -> int:
     if args.op is None or not args.shape:
         args.tune_parser.error("give an op and --shape MxNxK to tune (e.g. `tune gemm --shape 4096x4096x4096`), "
                                "or --list / --show / --clear")
-    if args.jobs is not None and args.jobs < 1:
-        args.tune_parser.error(f"--jobs must be at least 1, got {args.jobs}")
     return run(args)
 
 
@@ -162,6 +161,9 @@ def show() -> int:
     rows = []
     for key in sorted(entries):
         e = entries[key]
+        if not isinstance(e, dict) or not isinstance(e.get("config", {}), dict):
+            warnings.warn(f"tile_ops: skipping the malformed autotune entry {key!r}")
+            continue
         default_ms, ms = e.get("default_ms"), e.get("ms")
         rows.append({"gpu": e.get("gpu"), "op": e.get("op"), "dtype": e.get("dtype"),
                      "shape": "x".join(map(str, e.get("shape", []))),

@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import textwrap
 import time
 
@@ -54,6 +55,15 @@ def default_arch() -> str:
     return "sm_90a"
 
 
+def check_arch(arch: str) -> str:
+    """``arch`` if the compiler can target it (sm_80 and newer; sm_90a for the Hopper path), else ValueError."""
+    m = re.fullmatch(r"sm_(\d+)a?", str(arch))
+    if not m or int(m.group(1)) < 80:
+        raise ValueError(f"tile_ops: target arch {arch!r} is not one the compiler builds for (accepted: sm_80 or "
+                         f"newer, e.g. sm_80, sm_86, sm_89, sm_90; sm_90a for Hopper's TMA + wgmma path)")
+    return arch
+
+
 def _canon(v):
     if isinstance(v, (list, tuple)):
         return [_canon(x) for x in v]
@@ -64,14 +74,45 @@ def _canon(v):
     return str(v)  # dtypes and the like
 
 
+def _names_read(code) -> set:
+    """The global names ``code`` and the functions nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names_read(const)
+    return names
+
+
+def _stable(v):
+    """``v`` as the key sees it: data as itself, a function (or factory) by its name and source; an object
+    whose text is an address, by its type (the address differs per process: the disk cache would miss)."""
+    if isinstance(v, JITFunction):
+        v = v.fn
+    if inspect.isfunction(v):
+        try:
+            return f"{v.__module__}.{v.__qualname__}:{hashlib.sha256(inspect.getsource(v).encode()).hexdigest()}"
+        except (OSError, TypeError):
+            return f"{v.__module__}.{v.__qualname__}"
+    canon = _canon(v)
+    return type(v).__qualname__ if isinstance(canon, str) and " at 0x" in canon else canon
+
+
 class JITFunction:
     def __init__(self, fn, out_idx, target):
         self.fn, self.target = fn, target
         self.out_idx = [out_idx] if isinstance(out_idx, int) else list(out_idx or [])
         self._mem: dict = {}  # full key -> Kernel
-        self._fast: dict = {}  # (args, kwargs, arch) -> Kernel: the per-call path skips hashing the source
+        self._fast: dict = {}  # (args, kwargs, arch, environment) -> Kernel: the per-call path skips hashing
         self._source = textwrap.dedent(inspect.getsource(fn))
+        self._names = sorted(_names_read(fn.__code__))  # globals (or attributes) it may read
         functools.update_wrapper(self, fn)
+
+    def environment(self) -> tuple:
+        """The current values of the module globals (not modules: the language) and closure cells the factory
+        reads: they shape its program as much as its arguments do (a module's BLOCK = 64, a notebook's closure)."""
+        g, cells = self.fn.__globals__, zip(self.fn.__code__.co_freevars, self.fn.__closure__ or ())
+        return (tuple((n, g[n]) for n in self._names if n in g and not inspect.ismodule(g[n]))
+                + tuple((n, c.cell_contents) for n, c in cells))
 
     def key(self, args, kwargs, arch) -> str:
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
@@ -79,13 +120,13 @@ class JITFunction:
         blob = json.dumps({
             "fn": f"{self.fn.__module__}.{self.fn.__qualname__}", "src": self._source,
             "args": _canon(dict(bound.arguments)), "out_idx": self.out_idx, "arch": arch,
-            "compiler": compiler_fingerprint(),
+            "env": [[n, _stable(v)] for n, v in self.environment()], "compiler": compiler_fingerprint(),
         }, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def __call__(self, *args, target: str | None = None, **kwargs) -> Kernel:
-        arch = target or self.target or default_arch()
-        fast = (args, tuple(sorted(kwargs.items())), arch)
+        arch = check_arch(target) if target else self.target or default_arch()
+        fast = (args, tuple(sorted(kwargs.items())), arch, self.environment())
         try:
             kernel = self._fast.get(fast)
         except TypeError:  # unhashable arguments: always take the full key
@@ -102,6 +143,8 @@ class JITFunction:
 
 def jit(fn=None, *, out_idx=None, target: str | None = None):
     """Decorator: ``@tile_ops.jit(out_idx=[2])`` on a factory returning a ``@T.prim_func``."""
+    if target:
+        check_arch(target)
     if fn is None:
         return lambda f: JITFunction(f, out_idx, target)
     return JITFunction(fn, out_idx, target)
@@ -109,7 +152,7 @@ def jit(fn=None, *, out_idx=None, target: str | None = None):
 
 def compile(prog, out_idx=None, target: str | None = None) -> Kernel:  # noqa: A001
     """Compile a traced program (a ``@T.prim_func``) directly, bypassing the disk cache."""
-    arch = target or default_arch()
+    arch = check_arch(target) if target else default_arch()
     return _build(prog, arch, [out_idx] if isinstance(out_idx, int) else list(out_idx or []))[0]
 
 
@@ -125,8 +168,12 @@ def _load_or_build(key, trace, arch, out_idx) -> Kernel:
                 kernel, stats = _build(trace(), arch, out_idx)
                 cache.store(key, CacheEntry(kernel.source, kernel.cubin, {**kernel.meta.to_json(), **stats}))
                 return kernel
-    meta = {k: v for k, v in entry.meta.items() if k in KernelMeta.__dataclass_fields__}
-    return Kernel(KernelMeta.from_json(meta), entry.source, entry.cubin)
+    try:
+        meta = KernelMeta.from_json({k: v for k, v in entry.meta.items() if k in KernelMeta.__dataclass_fields__})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # damaged, or written before a field existed
+        cache.discard(key, f"its kernel description does not load: {type(e).__name__}: {e}")
+        return _load_or_build(key, trace, arch, out_idx)
+    return Kernel(meta, entry.source, entry.cubin)
 
 
 def _build(prog, arch, out_idx):

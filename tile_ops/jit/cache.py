@@ -20,6 +20,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 import warnings
 from typing import Iterator
 
@@ -28,7 +29,8 @@ __all__ = ["CacheEntry", "DiskCache", "cache_dir"]
 SOURCE_FILE = "kernel.cu"
 CUBIN_FILE = "kernel.cubin"
 META_FILE = "meta.json"
-_RESERVED = ("tmp", "locks", "build")  # top-level dirs that are not entry shards (shards have 2 chars)
+_ENTRY_FILES = {SOURCE_FILE, CUBIN_FILE, META_FILE}
+_STALE_TMP_S = 3600  # a store's temp dir lives for seconds; one an hour old was left by a killed process
 
 
 def cache_dir() -> pathlib.Path:
@@ -87,9 +89,14 @@ class DiskCache:
         try:
             return self._read(path)
         except (_Corrupt, OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"tile_ops: cache entry {key} at {path} is corrupt ({e}); rebuilding it")
-            shutil.rmtree(path, ignore_errors=True)
+            self.discard(key, e)
             return None
+
+    def discard(self, key: str, why) -> None:
+        """Remove a corrupt entry (its files, or its kernel description), warning why: the caller rebuilds it."""
+        path = self.path(key)
+        warnings.warn(f"tile_ops: cache entry {key} at {path} is corrupt ({why}); rebuilding it")
+        shutil.rmtree(path, ignore_errors=True)
 
     @staticmethod
     def _read(path: pathlib.Path) -> CacheEntry:
@@ -120,7 +127,14 @@ class DiskCache:
 
     # -- write ---------------------------------------------------------------------------
     def store(self, key: str, entry: CacheEntry) -> None:
-        """Atomically publish ``entry``; if another process already published ``key``, keep theirs."""
+        """Atomically publish ``entry``; if another process already published ``key``, keep theirs.  A store
+        that fails (a full disk, a concurrent ``clear``) warns: the caller has its kernel either way."""
+        try:
+            self._publish(key, entry)
+        except OSError as e:
+            warnings.warn(f"tile_ops: could not store kernel {key} in the cache at {self.root}: {e}")
+
+    def _publish(self, key: str, entry: CacheEntry) -> None:
         final = self.path(key)
         if final.exists():
             return
@@ -164,11 +178,13 @@ class DiskCache:
 
     # -- maintenance ---------------------------------------------------------------------
     def _entries(self) -> list[pathlib.Path]:
+        """The entry directories: ``<root>/<key[:2]>/<key>/`` holding nothing but an entry's files.  Anything
+        else under the root (a mistaken TILE_OPS_CACHE_DIR=$HOME) is not ours to count or delete."""
         if not self.root.is_dir():
             return []
-        return [e for shard in self.root.iterdir()
-                if shard.is_dir() and shard.name not in _RESERVED
-                for e in shard.iterdir() if e.is_dir()]
+        return [e for shard in self.root.iterdir() if shard.is_dir() and len(shard.name) == 2
+                for e in shard.iterdir()
+                if e.is_dir() and e.name.startswith(shard.name) and _only_entry_files(e)]
 
     def info(self) -> dict:
         entries = self._entries()
@@ -179,9 +195,21 @@ class DiskCache:
         return {"path": str(self.root), "entries": len(entries), "bytes": size}
 
     def clear(self) -> int:
-        """Remove every entry (and leftover temp dirs); returns the number of entries removed."""
+        """Remove every entry and the temp dirs stores left behind (not those of stores in progress);
+        returns the number of entries removed."""
         entries = self._entries()
         for e in entries:
             shutil.rmtree(e, ignore_errors=True)
-        shutil.rmtree(self.root / "tmp", ignore_errors=True)
+        tmp_root, now = self.root / "tmp", time.time()
+        for tmp in tmp_root.iterdir() if tmp_root.is_dir() else ():
+            with contextlib.suppress(OSError):
+                if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                    shutil.rmtree(tmp, ignore_errors=True)
         return len(entries)
+
+
+def _only_entry_files(path: pathlib.Path) -> bool:
+    with contextlib.suppress(OSError):
+        names = {f.name for f in path.iterdir()}
+        return bool(names) and names <= _ENTRY_FILES and all((path / n).is_file() for n in names)
+    return False
