@@ -13,8 +13,9 @@ attention runs ``tile_ops.gemm_softmax`` + ``tile_ops.gemm``.  Both are wrapped 
              every rank trains on its own data.
 * ``tp``:    ``parallelize_module`` on a 1-D mesh: ``ColwiseParallel`` on ``mlp.fc1``,
              ``RowwiseParallel`` on ``mlp.fc2`` (their weights/biases become DTensors, so
-             ``torch.ops.tile_ops.gemm`` receives DTensors; the sharding strategy registered
-             below lets DTensor run it on the local shards).  All ranks see the same data.
+             ``torch.ops.tile_ops.gemm`` receives DTensors; the sharding strategy the library
+             registers, tile_ops/ops/sharding.py, lets DTensor run it on the local shards).
+             All ranks see the same data.
 
 Each model trains ``--steps`` steps of SGD on an MSE loss against a fixed random target; the
 per-step losses, every step's gradients and the final parameters (full tensors:
@@ -115,35 +116,6 @@ def to_tile_ops(model: Block) -> Block:
     n_torch = sum(type(m) is nn.Linear for m in tm.modules())
     assert n_lin == 5 and n_torch == 0, (n_lin, n_torch)
     return tm
-
-
-# --------------------------------------------------------------------------- DTensor sharding for tile_ops::gemm
-
-
-def register_gemm_sharding():
-    """Sharding strategies for ``tile_ops::gemm`` so DTensor runs it on local shards.
-
-    ``out = a @ b (+ bias)`` with ``a (..., M, K)``, ``b (..., K, N)``, ``bias (N,)``; on one mesh dim:
-    all replicated; rows of ``a`` sharded (M); columns of ``b`` sharded (N, bias sharded with
-    them); or the contraction dim sharded (K) giving a Partial (sum) output with a Partial bias.
-    """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
-
-    @register_sharding(torch.ops.tile_ops.gemm.default)
-    def _gemm_sharding(a, b, bias=None, out_dtype=None):
-        out_nd = max(a.ndim, b.ndim)
-        has_bias = bias is not None
-
-        def strat(out, pa, pb, pbias):
-            return ([out], [pa, pb, pbias if has_bias else None, None])
-
-        return [
-            strat(Replicate(), Replicate(), Replicate(), Replicate()),
-            strat(Shard(out_nd - 2), Shard(a.ndim - 2), Replicate(), Replicate()),  # rows (M)
-            strat(Shard(out_nd - 1), Replicate(), Shard(b.ndim - 1), Shard(0)),  # columns (N)
-            strat(Partial(), Shard(a.ndim - 1), Shard(b.ndim - 2), Partial()),  # contraction (K)
-        ]
 
 
 # --------------------------------------------------------------------------- wrapping
@@ -283,9 +255,7 @@ def main(argv=None) -> int:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.debug import CommDebugMode
 
-        mesh = init_device_mesh(device.type, (world,))
-        if args.mode == "tp":
-            register_gemm_sharding()
+        mesh = init_device_mesh(device.type, (world,))  # (the library registers tile_ops::gemm's sharding)
 
         torch.manual_seed(1234)  # identical init on every rank and for both models
         ref = Block(args.dim, args.hidden, args.out).to(device=device, dtype=dtype)

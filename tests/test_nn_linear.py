@@ -159,3 +159,54 @@ def test_mlp_training_matches_torch():
     assert losses[-1] < losses[0]
     for l_ours, l_ref in zip(losses, losses_ref):
         assert abs(l_ours - l_ref) <= 1e-5 * max(1.0, abs(l_ref))
+
+
+class _Doubled(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _hooked():
+    m = torch.nn.Linear(4, 3)
+    m.register_forward_hook(lambda mod, args, out: out + 1)
+    return m
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: _Doubled(4, 3), "has a forward of its own"),
+    (_hooked, "has hooks"),
+    (lambda: torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3)), "has parametrizations"),
+])
+def test_a_linear_that_does_more_is_not_converted(make, why):
+    """Converting these would silently drop what they add (doubling, a hook, weight_norm's training)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), make())
+    x = torch.randn(2, 4)
+    expected = model(x)
+    with pytest.warns(UserWarning, match=rf"left as they are.*: 1 \({type(model[1]).__name__}\) {why}"):
+        convert_linears(model)
+    assert isinstance(model[0], tile_ops.nn.Linear) and not isinstance(model[1], tile_ops.nn.Linear)
+    torch.testing.assert_close(model(x), expected)
+    with pytest.raises(TypeError, match=why):
+        tile_ops.nn.Linear.from_linear(make())
+
+
+def test_a_lazy_linear_is_converted_only_once_initialized():
+    model = torch.nn.Sequential(torch.nn.LazyLinear(3))
+    with pytest.warns(UserWarning, match=r"0 \(LazyLinear\) is not initialized yet"):
+        convert_linears(model)
+    model(torch.randn(2, 4))  # initializes it: a torch.nn.Linear from now on
+    assert isinstance(convert_linears(model)[0], tile_ops.nn.Linear)
+
+
+def test_autocast_gives_what_torch_linear_gives():
+    lin = torch.nn.Linear(16, 8)
+    fast = tile_ops.nn.Linear.from_linear(lin)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = lin(x), fast(x)
+        mixed = fast(x.bfloat16())  # bf16 activations, fp32 parameters
+    assert got.dtype == expected.dtype == mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    got.float().sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32

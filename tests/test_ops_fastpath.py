@@ -363,8 +363,6 @@ def _outcome(fn, *args):
         lambda a, b: (a.float(), b.float()),  # CUDA dtype rules
         lambda a, b: (a, b[:16]),  # inner dimensions
         lambda a, b: (a, b, torch.ones(7, dtype=F16)),  # bias shape
-        lambda a, b: (a, b, None, "float32"),  # not a dtype
-        lambda a, b: (a, b, None, [F32]),  # unhashable
         lambda a, b: (a.unsqueeze(0).unsqueeze(0), b),  # rank
     ],
 )
@@ -378,15 +376,23 @@ def test_gemm_errors_are_the_same_on_both_paths(ops, make_args):
         assert "accepted on CUDA" in via_op[1]
 
 
-@pytest.mark.parametrize("scale", [True, float("inf"), [0.5], "0.5"])
-def test_gemm_softmax_errors_are_the_same_on_both_paths(ops, scale):
+@pytest.mark.parametrize("out_dtype", ["float32", [F32]])  # not a dtype; unhashable
+def test_what_the_schema_refuses_the_wrapper_refuses_in_the_ops_words(ops, out_dtype):
+    a, b = rnd(16, 32), rnd(32, 24)
+    tile_ops.gemm(a, b)  # a plan for this signature
+    assert _outcome(tile_ops.gemm, a, b, None, out_dtype) == (
+        TypeError, f"tile_ops.gemm: out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+    assert _outcome(torch.ops.tile_ops.gemm, a, b, None, out_dtype)[0] is RuntimeError  # the dispatcher's
+
+
+@pytest.mark.parametrize("scale, error", [(float("inf"), ValueError), (True, TypeError), ([0.5], TypeError),
+                                          ("0.5", TypeError)])
+def test_gemm_softmax_refuses_a_scale_that_is_not_a_finite_float(ops, scale, error):
+    """On both paths; the op's schema would take True as 1.0, the wrapper does not."""
     a, b = rnd(16, 32), rnd(32, 24)
     tile_ops.gemm_softmax(a, b, 1.0)  # 1.0 == True: only the scale's type tells them apart
-    got, want = _outcome(tile_ops.gemm_softmax, a, b, scale), _outcome(torch.ops.tile_ops.gemm_softmax, a, b, scale)
-    if isinstance(want, torch.Tensor):  # the op takes True as 1.0
-        assert torch.equal(got, want)
-    else:
-        assert got == want
+    got = _outcome(tile_ops.gemm_softmax, a, b, scale)
+    assert isinstance(got, tuple) and got[0] is error and "scale must be a" in got[1]
 
 
 def test_plans_are_bounded(ops):

@@ -374,3 +374,35 @@ def test_cuda_launch_passes_the_bias_in_its_own_dtype(bias_dtype, out_dtype):
     bias = torch.full((24,), 1e5 if bias_dtype == torch.float32 else 1000.5).to(bias_dtype)
     _, (_, _, _, launched) = prepare_gemm_launch(a, b, bias, out_dtype, kind="cuda")
     assert launched.dtype == bias_dtype and torch.equal(launched, bias)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda a, b: tile_ops.gemm(a, b, out_dtype="float16"), TypeError, "out_dtype must be a torch.dtype or None"),
+    (lambda a, b: tile_ops.gemm([[1.0]], b), TypeError, "a must be a torch.Tensor, got list"),
+    (lambda a, b: tile_ops.gemm(a, b, [1.0] * 5), TypeError, "bias must be a torch.Tensor, got list"),
+    (lambda a, b: tile_ops.gemm_softmax(a, b, None), TypeError, "scale must be a Python float, got NoneType"),
+    (lambda a, b: tile_ops.gemm_softmax(a, b, True), TypeError, "scale must be a Python float, got bool"),
+    (lambda a, b: tile_ops.gemm_softmax(a, b, 10**400), ValueError, "scale must be a finite float"),
+    (lambda a, b: tile_ops.gemm_softmax(a, "b"), TypeError, "b must be a torch.Tensor, got str"),
+])
+def test_arguments_of_the_wrong_type_are_refused_in_the_ops_words(call, error, message):
+    """Not the dispatcher's 'Expected a value of type Optional[int]', and never a bool taken as a scale."""
+    with pytest.raises(error, match=message):
+        call(torch.randn(5, 4), torch.randn(4, 5))
+
+
+def test_autocast_casts_like_torch_matmul_and_softmax():
+    a, b, bias = torch.randn(8, 16), torch.randn(16, 24), torch.randn(24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tile_ops.gemm(a, b, bias)
+        assert out.dtype == torch.matmul(a, b).dtype == torch.bfloat16
+        assert tile_ops.gemm(a.double(), b.double()).dtype == torch.float64  # float64 is not cast
+        p = tile_ops.gemm_softmax(a, b, 0.5)
+        assert p.dtype == torch.softmax(0.5 * (a @ b), -1).dtype == torch.bfloat16  # (float32 on CUDA)
+    ref = (a.bfloat16().float() @ b.bfloat16().float() + bias.bfloat16().float()).bfloat16()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)  # bf16 results: an ulp or so apart
+    ref = torch.softmax(0.5 * (a.bfloat16().float() @ b.bfloat16().float()), -1).bfloat16()
+    torch.testing.assert_close(p, ref, rtol=2e-2, atol=2e-3)
+    compiled = torch.compile(lambda a, b: tile_ops.gemm(a, b), fullgraph=True)  # the casts trace too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(a, b).dtype == torch.bfloat16

@@ -1,6 +1,9 @@
 """``tile_ops.nn.Linear``: a drop-in replacement for ``torch.nn.Linear`` running on ``tile_ops.gemm``."""
 
+import warnings
+
 import torch
+import torch.nn.utils.parametrize
 from torch.nn import Parameter
 
 from ..ops import gemm
@@ -44,6 +47,11 @@ class Linear(torch.nn.Linear):
             raise TypeError(
                 f"tile_ops.nn.Linear.from_linear: expected a torch.nn.Linear, got {type(module).__name__}"
             )
+        why = _not_plain(module)
+        if why:
+            raise TypeError(f"tile_ops.nn.Linear.from_linear: {type(module).__name__} {why}; a converted module would "
+                            f"compute x @ weight^T + bias without it (accepted: a torch.nn.Linear without hooks, "
+                            f"parametrizations or a forward of its own, with initialized parameters)")
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)  # not Linear.__init__: it would allocate and initialize new parameters
         new.in_features = module.in_features
@@ -73,18 +81,49 @@ class Linear(torch.nn.Linear):
         return y.view(*lead, self.out_features)
 
 
+def _not_plain(module: torch.nn.Linear) -> str | None:
+    """Why ``module`` does more than ``x @ weight^T + bias`` (so converting it would change what it computes),
+    or None."""
+    if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in (module.weight, module.bias)):
+        return "is not initialized yet (a lazy module before its first call)"
+    if type(module).forward is not torch.nn.Linear.forward:
+        return "has a forward of its own"
+    if any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+            module._backward_pre_hooks)):
+        return "has hooks"
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return "has parametrizations (e.g. weight_norm)"
+    return None
+
+
 def convert_linears(module: torch.nn.Module, copy: bool = False) -> torch.nn.Module:
-    """Replace every ``torch.nn.Linear`` inside ``module`` by a ``tile_ops.nn.Linear`` (in place).
+    """Replace every plain ``torch.nn.Linear`` inside ``module`` by a ``tile_ops.nn.Linear`` (in place).
 
     Returns ``module`` (or the converted module when ``module`` itself is a
-    ``torch.nn.Linear``).  Parameters are shared unless ``copy=True``.
+    ``torch.nn.Linear``).  Parameters are shared unless ``copy=True``.  A
+    Linear that does more than ``x @ weight^T + bias`` (a subclass with its
+    own forward, hooks, parametrizations, a lazy module not yet initialized)
+    is left as it is, with a warning naming it.
     """
+    skipped = []
+    converted = _convert(module, "", copy, skipped)
+    if skipped:
+        warnings.warn("tile_ops.convert_linears: left as they are, converting them would change what they "
+                      "compute: " + "; ".join(skipped))
+    return converted
+
+
+def _convert(module: torch.nn.Module, name: str, copy: bool, skipped: list) -> torch.nn.Module:
     if isinstance(module, Linear):  # already converted (and itself a torch.nn.Linear)
         return module
     if isinstance(module, torch.nn.Linear):
+        why = _not_plain(module)
+        if why:
+            skipped.append(f"{name or 'the module'} ({type(module).__name__}) {why}")
+            return module
         return Linear.from_linear(module, copy=copy)
-    for name, child in module.named_children():
-        converted = convert_linears(child, copy=copy)
+    for child_name, child in module.named_children():
+        converted = _convert(child, f"{name}.{child_name}" if name else child_name, copy, skipped)
         if converted is not child:
-            setattr(module, name, converted)
+            setattr(module, child_name, converted)
     return module

@@ -9,7 +9,10 @@ first CUDA call), CPU reference implementation, fake (meta) implementation for
     tile_ops.gemm_softmax(a, b, scale=1.0, out_dtype=None)  torch.ops.tile_ops.gemm_softmax
 """
 
+from . import sharding
 from .gemm import gemm
 from .gemm_softmax import gemm_softmax
+
+sharding.register_if_in_use()  # DTensor already loaded: its sharding rules for the ops, now
 
 __all__ = ["gemm", "gemm_softmax"]

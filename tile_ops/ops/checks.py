@@ -62,6 +62,30 @@ def check_is_tensor(op: str, name: str, t) -> None:
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def check_argument_types(op: str, a, b, bias=None, out_dtype=None) -> None:
+    """What the op's schema would refuse with a dispatcher message: refused here, in the op's words."""
+    check_is_tensor(op, "a", a)
+    check_is_tensor(op, "b", b)
+    if bias is not None:
+        check_is_tensor(op, "bias", bias)
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"{op}: out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+
+
+def autocasting(a) -> bool:
+    """Whether an autocast region is active for ``a``'s device (any region at all first: 0.1 us, not 0.5)."""
+    return (torch._C._is_any_autocast_enabled() and isinstance(a, torch.Tensor) and a.device.type in ("cuda", "cpu")
+            and torch.is_autocast_enabled(a.device.type))
+
+
+def autocast(a, *tensors):
+    """Under autocast, ``a`` and ``tensors`` (None passes) in the region's lower-precision dtype, as torch's
+    matmul-like ops take them: floating point tensors other than float64 are cast."""
+    dtype = torch.get_autocast_dtype(a.device.type)
+    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+            for t in (a, *tensors)]
+
+
 def check_devices(op: str, tensors: Sequence[tuple[str, Optional[torch.Tensor]]]) -> torch.device:
     """All given tensors on one device; returns it."""
     present = [(n, t) for n, t in tensors if t is not None]
@@ -188,7 +212,7 @@ def check_scale(op: str, scale) -> float:
         return scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
-    scale = float(scale)
+    scale = float(scale) if isinstance(scale, float) or abs(scale) < 2**1024 else math.inf
     if not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float, got {scale} (accepted: any finite float)")
     return scale

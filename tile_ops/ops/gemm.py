@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, fastpath
+from . import checks, fastpath, sharding
 
 OP = "tile_ops.gemm"
 
@@ -271,14 +271,22 @@ def gemm(
     empty result and ``K == 0`` gives zeros (plus ``bias``), without a launch.
 
     Differentiable in ``a``, ``b`` and ``bias``; the backward runs two gemms.
-    Works under ``torch.compile(fullgraph=True)``.
+    Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``,
+    floating point operands (not float64) are cast to the region's dtype first,
+    as for ``torch.matmul``.  With DTensor operands (tensor parallelism) each
+    rank runs it on its shards (``tile_ops/ops/sharding.py``).
 
     Calls ``torch.ops.tile_ops.gemm``, except for a repeated CUDA call that
     the dispatcher would add nothing to (eager, no autograd graph, plain
     tensors): that one launches the kernel recorded for its signature directly.
     """
-    if not torch.compiler.is_compiling():  # dynamo folds this to True and traces the op instead
+    if not torch.compiler.is_compiling() and not checks.autocasting(a):  # dynamo folds is_compiling to True
         out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, True)
         if out is not None:
             return out
+    checks.check_argument_types(OP, a, b, bias, out_dtype)
+    if checks.autocasting(a):
+        a, b, bias = checks.autocast(a, b, bias)
+    if not torch.compiler.is_compiling():  # (a registration is no op to trace)
+        sharding.register_if_in_use()
     return torch.ops.tile_ops.gemm(a, b, bias, out_dtype)

@@ -234,14 +234,21 @@ def gemm_softmax(
     the uniform distribution ``1 / N``.
 
     Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
-    Works under ``torch.compile(fullgraph=True)``.
+    Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``
+    the operands are cast to the region's dtype, and on CUDA the result is
+    float32 unless ``out_dtype`` says otherwise: what ``softmax(a @ b)`` gives.
 
     Calls ``torch.ops.tile_ops.gemm_softmax``, except for a repeated CUDA call
     that the dispatcher would add nothing to (eager, no autograd graph, plain
     tensors): that one launches the kernel recorded for its signature directly.
     """
-    if not torch.compiler.is_compiling():  # dynamo folds this to True and traces the op instead
+    if not torch.compiler.is_compiling() and not checks.autocasting(a):  # dynamo folds is_compiling to True
         out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, True)
         if out is not None:
             return out
+    checks.check_argument_types(OP, a, b, out_dtype=out_dtype)
+    checks.check_scale(OP, scale)
+    if checks.autocasting(a):  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
+        out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
+        a, b = checks.autocast(a, b)
     return torch.ops.tile_ops.gemm_softmax(a, b, scale, out_dtype)
