@@ -973,3 +973,12 @@ def test_an_unknown_target_arch_is_refused_before_anything_builds():
     for bad in ("hopper", "sm_75", "90a", "sm90a"):
         with pytest.raises(ValueError, match=rf"target arch '{bad}' is not one the compiler builds for"):
             matmul(64, 64, 64, target=bad)
+
+
+def test_a_grid_past_cudas_limits_is_refused_on_the_path_that_would_launch_it():
+    """sm_80's gemm puts the batch on grid z and M's row tiles on y (at most 65535 each); sm_90a's persistent
+    grid walks any number of tiles."""
+    with pytest.raises(ValueError, match=r"a launch grid of \(1, 1, 70000\) blocks, past CUDA's limits"):
+        compile_program(gemm.fn(8, 64, 16, 70000, 70000, 70000, cfg=GemmConfig(64, 64, 32, 2, 128, 0)), "sm_80")
+    assert compile_program(gemm.fn(8, 64, 16, 70000, 70000, 70000,
+                                   cfg=GemmConfig(64, 64, 64, 4, 128, 0)), "sm_90a").grid[1:] == (1, 1)

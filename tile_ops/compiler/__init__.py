@@ -45,6 +45,10 @@ def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
     from .lower import lower
 
     lowered = lower(prog, arch)
+    if lowered.grid[0] >= 2**31 or max(lowered.grid[1:]) > 65535:
+        raise ValueError(f"{prog.name}: a launch grid of {tuple(lowered.grid)} blocks, past CUDA's limits (x below "
+                         f"2^31, y and z at most 65535; for the library's gemm on {arch}, y counts M's row tiles and "
+                         f"z the batch). Split the problem into launches within them")
     huge = {name: shape for name, shape, _ in lowered.params if math.prod(shape) >= 2**31}
     try:
         source, entry, kept = emit_cuda(lowered, arch)
