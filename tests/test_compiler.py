@@ -982,3 +982,33 @@ def test_a_grid_past_cudas_limits_is_refused_on_the_path_that_would_launch_it():
         compile_program(gemm.fn(8, 64, 16, 70000, 70000, 70000, cfg=GemmConfig(64, 64, 32, 2, 128, 0)), "sm_80")
     assert compile_program(gemm.fn(8, 64, 16, 70000, 70000, 70000,
                                    cfg=GemmConfig(64, 64, 64, 4, 128, 0)), "sm_90a").grid[1:] == (1, 1)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("a_shape, b_shape, c_shape, transpose_B", [
+    ((128, 32), (64, 128), (128, 128), False),  # K differs
+    ((128, 32), (32, 128), (128, 64), False),  # N differs
+    ((64, 32), (32, 128), (128, 128), False),  # M differs
+    ((128, 32), (32, 128), (128, 128), True),  # B^T is (128, 32): K differs
+])
+def test_gemm_shapes_are_checked_on_every_path(arch, a_shape, b_shape, c_shape, transpose_B):
+    """A pipelined wgmma main loop (sm_90a) issues its gemms without the mma.sync lowering: the operand
+    checks run in layout inference, for both."""
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((256, 256), "float16"), B: T.Tensor((256, 256), "float16"),
+                C: T.Tensor((256, 256), "float32")):
+            with T.Kernel(2, 2, threads=128) as (bx, by):
+                A_s = T.alloc_shared(a_shape, "float16")
+                B_s = T.alloc_shared(b_shape, "float16")
+                C_f = T.alloc_fragment(c_shape, "float32")
+                T.clear(C_f)
+                for k in T.Pipelined(8, num_stages=2):
+                    T.copy(A[by * 128, k * 32], A_s)
+                    T.copy(B[k * 32, bx * 128], B_s)
+                    T.gemm(A_s, B_s, C_f, transpose_B=transpose_B)
+                T.copy(C_f, C[by * 128, bx * 128])
+        return bad
+
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"test_compiler.py:\d+: T.gemm: shapes do not match"):
+        compile_program(prog(), arch)

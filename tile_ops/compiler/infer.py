@@ -72,6 +72,7 @@ class LayoutInference:
         M, N = g.C.shape if len(g.C.shape) == 2 else (None, None)
         if g.C.scope != "fragment" or M is None:
             raise error(g.loc, f"T.gemm: C must be a 2-D fragment, got {g.C.scope} {list(g.C.shape)}")
+        check_gemm_operands(g)
         policy = "full_row" if g.A.scope == "fragment" else g.policy
         if policy not in ("square", "full_row", "full_col"):
             raise error(g.loc, f"T.gemm: unknown policy {g.policy!r}; accepted: square, full_row, full_col")
@@ -179,6 +180,32 @@ class LayoutInference:
         if list(first.shape) != list(node.extents):
             raise error(node.loc, f"T.Parallel extents {node.extents} differ from the fragment shape {list(first.shape)}")
         return first
+
+
+MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}  # what mma.sync and wgmma multiply (accumulating in fp32)
+
+
+def check_gemm_operands(g: Gemm) -> None:
+    """What every T.gemm needs, whichever instruction runs it: 16-bit A and B of one dtype, an fp32
+    accumulator, B shared and A shared or a fragment, shapes that agree, K a multiple of 16."""
+    A, B, C = g.A, g.B, g.C
+    for x in (A, B):
+        if x.dtype not in MMA_DTYPES:
+            raise error(g.loc, f"T.gemm: operand {x.name} has dtype {x.dtype}; accepted: float16 or bfloat16")
+    if A.dtype != B.dtype:
+        raise error(g.loc, f"T.gemm: A and B dtypes differ ({A.dtype} vs {B.dtype})")
+    if C.dtype != "float32":
+        raise error(g.loc, f"T.gemm: the accumulator {C.name} must be float32, got {C.dtype}")
+    if B.scope != "shared" or A.scope not in ("shared", "fragment"):
+        raise error(g.loc, "T.gemm: B must be a shared tile and A a shared tile or a fragment")
+    M, N = C.shape
+    Ka, Ma = (A.shape[0], A.shape[1]) if g.transpose_A else (A.shape[1], A.shape[0])
+    Kb, Nb = (B.shape[1], B.shape[0]) if g.transpose_B else (B.shape[0], B.shape[1])
+    if (Ma, Nb) != (M, N) or Ka != Kb:
+        raise error(g.loc, f"T.gemm: shapes do not match: A{list(A.shape)} B{list(B.shape)} C{list(C.shape)} "
+                           f"(transpose_A={g.transpose_A}, transpose_B={g.transpose_B})")
+    if Ka % 16:
+        raise error(g.loc, f"T.gemm: K={Ka} must be a multiple of 16 (the m16n8k16 / m64nNk16 instructions)")
 
 
 def splits_n(g: Gemm, threads: int) -> bool:
