@@ -72,12 +72,12 @@ class LayoutInference:
         M, N = g.C.shape if len(g.C.shape) == 2 else (None, None)
         if g.C.scope != "fragment" or M is None:
             raise error(g.loc, f"T.gemm: C must be a 2-D fragment, got {g.C.scope} {list(g.C.shape)}")
-        check_gemm_operands(g)
         policy = "full_row" if g.A.scope == "fragment" else g.policy
         if policy not in ("square", "full_row", "full_col"):
             raise error(g.loc, f"T.gemm: unknown policy {g.policy!r}; accepted: square, full_row, full_col")
         if g.A.scope == "fragment":
             self.check_fragment_a(g)
+        check_gemm_operands(g)
         if self.wgmma and uses_wgmma(g, self.kernel.threads):
             self.assign(g.C, MmaAccumLayout.for_wgmma(M, N, self.kernel.threads, splits_n(g, self.kernel.threads)), g)
             if g.A.scope == "fragment":  # wgmma's register A: the accumulator layout of (M, K), rows as C's
