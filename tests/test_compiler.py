@@ -883,8 +883,8 @@ def test_row_softmax_store_errors_say_what_is_accepted():
         gemm_softmax(1000, 1100, 200, 0.125, "float16", "float16", cfg, target="sm_90a")
     with pytest.raises(ValueError, match="deferred: one tile per block over the whole grid"):
         SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=2, deferred=True)
-    with pytest.raises(tile_ops.lang.TileLangError, match="warp-specialized sm_90a path"):
-        gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, target="sm_80")
+    with pytest.raises(tile_ops.lang.TileLangError, match="warp-specialized sm_90a path"):  # (sm_80: too big)
+        gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, target="sm_90")
     # a CTA holding two tiles of one row would wait on its own later tile: rows of at most 16 tiles
     with pytest.raises(ValueError, match="at most 16 tiles"):
         gemm_softmax(1024, 50304, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
@@ -932,7 +932,7 @@ def test_row_softmax_store_errors_say_what_is_accepted():
         compile_program(clustered(), "sm_90a")
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])  # (the Ampere-class path: 65536 columns fit sm_90's smem)
 def test_tensors_past_int32_offsets_are_refused_unless_only_tma_touches_them(arch):
     """An lm-head sized output (16384 x 152064 = 2.49e9 elements) overflows a 32-bit offset wherever the kernel
     indexes its pointer: a clear error, not a TVM literal check or wrong addresses. Through TMA (fp16 output
@@ -1012,3 +1012,12 @@ def test_gemm_shapes_are_checked_on_every_path(arch, a_shape, b_shape, c_shape, 
 
     with pytest.raises(tile_ops.lang.TileLangError, match=r"test_compiler.py:\d+: T.gemm: shapes do not match"):
         compile_program(prog(), arch)
+
+
+def test_shared_memory_is_held_to_the_targets_limit():
+    """163 KiB on sm_80 (A100), 227 on sm_90: a 192 KiB kernel builds for the H200, not for an A100."""
+    cfg = GemmConfig(128, 128, 128, 3, 128, 8)  # 3 x (32 + 32) KiB
+    assert compile_program(gemm.fn(1024, 1024, 1024, cfg=cfg), "sm_90").smem_bytes == 196608
+    with pytest.raises(tile_ops.lang.TileLangError, match="needs 196608 bytes of shared memory; the limit on sm_80 "
+                                                          "is 166912"):
+        compile_program(gemm.fn(1024, 1024, 1024, cfg=cfg), "sm_80")

@@ -8,11 +8,11 @@ import dataclasses
 import os
 import time
 
+from ..jit import build
 from . import table, targets
 from .progress import progress
 
 # Opt-in dynamic shared memory per block when no GPU can be asked (CUDA occupancy tables).
-_SMEM_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
 @dataclasses.dataclass
@@ -53,8 +53,7 @@ def smem_limit(arch: str, device=None) -> int:
         limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
         if limit:
             return limit
-    number = int("".join(ch for ch in arch.split("_")[-1] if ch.isdigit()))
-    return _SMEM_LIMIT.get(number, 101376)
+    return build.smem_limit(arch)
 
 
 def make_candidates(target, shape, dtype: str, arch: str, configs=None) -> list[Candidate]:

@@ -20,6 +20,7 @@ from tvm.sym.analyzer import Analyzer
 from tvm.tirx import op as top
 from tvm.tirx.script import builder as T
 
+from ..jit.build import smem_limit
 from ..jit.kernel import FLAG_SLOTS, WORKSPACE
 from ..lang import ir
 from ..lang.ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, RowSoftmaxStore, Store, TileLangError,
@@ -30,7 +31,6 @@ from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
 from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx
 
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
-SMEM_LIMIT = 227 * 1024  # per CTA on sm_80 / sm_90
 ALIGN_SM90 = 1024  # TMA and wgmma read 128-byte swizzle atoms of 8 rows from 1024-byte boundaries
 
 
@@ -75,7 +75,7 @@ class SharedTile:
 
 class Lowerer:
     def __init__(self, prog: ir.Program, arch: str):
-        self.prog, self.kernel = prog, prog.kernel
+        self.prog, self.kernel, self.arch = prog, prog.kernel, arch
         self.sm90 = arch == "sm_90a"  # wgmma, TMA and setmaxnreg need the arch-specific sm_90a target
         self.threads = self.kernel.threads
         self.buffers = prog.buffers
@@ -248,9 +248,9 @@ class Lowerer:
                 IRBuilder.name(f"{node.buffers[0].name}_cluster", self.exchange[id(node)])
             if self.hopper:
                 self.hopper.bind_barriers(arena, plan.barrier_offset)
-        if total > SMEM_LIMIT:
-            raise error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit is "
-                                         f"{SMEM_LIMIT} (reduce block sizes or num_stages)")
+        if total > smem_limit(self.arch):
+            raise error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit on {self.arch} "
+                                         f"is {smem_limit(self.arch)} (reduce block sizes or num_stages)")
         return total
 
     def _copy_offset(self, offset: int, copy_bytes: int):
