@@ -13,7 +13,7 @@ import tile_ops.lang as T
 from programs import matmul
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
-from tile_ops.kernels.gemm import GemmConfig, gemm
+from tile_ops.kernels.gemm import GemmConfig, build_gemm, gemm
 from tile_ops.kernels.gemm_softmax import default_config as gemm_softmax_config, gemm_softmax
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
@@ -676,7 +676,7 @@ def test_pingpong_runs_two_consumer_warpgroups_on_alternate_tiles():
     w takes the CTA's tiles w, w + 2, ... and starts its pipeline count one tile in (the stages are
     consumed in the producer's order); its epilogue tile and named barrier are its own; registers move
     to the consumers (setmaxnreg), nothing spills."""
-    from tile_ops.kernels.gemm import GemmConfig, gemm
+    from tile_ops.kernels.gemm import GemmConfig, build_gemm, gemm
 
     plain = gemm(4096, 4096, 4096, 1, 1, 1, False, False, False, "float16", "float16",
                  GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared"), target="sm_90a")
@@ -725,7 +725,7 @@ def test_pingpong_softmax_exchanges_per_warpgroup():
 
 
 def test_pingpong_errors_say_what_is_accepted():
-    from tile_ops.kernels.gemm import GemmConfig, gemm
+    from tile_ops.kernels.gemm import GemmConfig, build_gemm, gemm
 
     def prog(threads=128, persistent=True):
         @T.prim_func
@@ -1021,3 +1021,55 @@ def test_shared_memory_is_held_to_the_targets_limit():
     with pytest.raises(tile_ops.lang.TileLangError, match="needs 196608 bytes of shared memory; the limit on sm_80 "
                                                           "is 166912"):
         compile_program(gemm.fn(1024, 1024, 1024, cfg=cfg), "sm_80")
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: GemmConfig(block_M=0), ValueError, "block sizes, stages and threads must be at least 1"),
+    (lambda: GemmConfig(block_K=-64), ValueError, "block sizes, stages and threads must be at least 1"),
+    (lambda: GemmConfig(swizzle=-1), ValueError, "swizzle 0 .off. or more"),
+    (lambda: gemm.fn(0, 256, 256), ValueError, "sizes must be at least 1"),
+    (lambda: gemm.fn(64, 64, 64, 2, 3, 5), ValueError, "each operand's batch 1 .broadcast. or the batch"),
+    (lambda: gemm.fn(64, 64, 64, dtype="int8", out_dtype="int32"), ValueError, "dtype='int8'; accepted"),
+    (lambda: build_gemm(64, 64, 64, dtype="float8"), ValueError, "dtype='float8'; accepted"),
+    (lambda: gemm_softmax.fn(64, 0, 64), ValueError, "sizes of at least 1"),
+])
+def test_impossible_configs_and_problems_are_refused_by_name(make, error, message):
+    """Not a ZeroDivisionError, a TVM 'Divide by zero', a KeyError in the padding plan, or (swizzle=-1) a
+    rasterization that computes tiles outside the grid and skips others."""
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_kernel_grid_and_swizzle_panel_must_be_positive():
+    def prog(grid, panel):
+        @T.prim_func
+        def k(A: T.Tensor((64, 64), "float32")):
+            with T.Kernel(*grid, threads=128) as ids:
+                T.use_swizzle(panel)
+                A[0, 0] = 1.0
+        return k
+
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.Kernel: grid \[0, 4\]: every extent must be at least 1"):
+        prog((0, 4), 8)
+    with pytest.raises(tile_ops.lang.TileLangError, match="T.use_swizzle: panel_size=-1; accepted: 1 or more"):
+        prog((4, 4), -1)
+
+
+def test_a_dtype_error_points_at_the_users_line_not_generated_code():
+    def prog():
+        @T.prim_func
+        def k(A: T.Tensor((64, 64), "fp16")):
+            with T.Kernel(1, threads=128) as bx:
+                A[0, 0] = 1.0
+        return k
+
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"test_compiler.py:\d+: unsupported dtype 'fp16'"):
+        prog()
+
+
+@needs_nvcc
+def test_a_kernel_that_spills_to_local_memory_says_so():
+    """128x256 fp32 accumulators over 128 threads: 256 registers' worth per thread, more than ptxas has."""
+    with pytest.warns(UserWarning, match=r"kernel gemm_kernel \(sm_90a.*bytes per thread in local memory .* "
+                                         r"expect it to be slow"):
+        gemm(512, 512, 512, cfg=GemmConfig(128, 256, 64, 3, 128, 8), target="sm_90a")

@@ -17,6 +17,7 @@ import os
 import re
 import textwrap
 import time
+import warnings
 
 from .kernel import Kernel, KernelMeta
 
@@ -189,6 +190,12 @@ def _build(prog, arch, out_idx):
                       resources, c.layouts, c.tensormaps, c.ctas_per_sm, c.cluster, c.persistent_tiles,
                       c.workspace_floats, c.workspace_fixed_floats, c.waits_at_entry)
     stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3), "nvcc": nvcc_version()}
+    spilled, frame = resources.get("spill_stores", 0), resources.get("stack_frame", 0)
+    if spilled or frame > 1024:  # local memory in the main loop: correct, and slow
+        warnings.warn(f"tile_ops: kernel {prog.name} ({arch}, grid {c.grid}, {c.block[0]} threads) keeps "
+                      f"{max(spilled, frame)} bytes per thread in local memory (ptxas: {spilled} bytes spilled, "
+                      f"{frame} bytes of stack): expect it to be slow; smaller tiles per thread (block sizes, or more "
+                      f"threads) fit the registers", stacklevel=2)
     kernel = Kernel(meta, c.source, cubin)
     kernel.tir = c.tir
     return kernel, stats

@@ -32,6 +32,11 @@ class GemmConfig:
     # along its n (block_M of 16-256), so no tensor work is spent on rows A does not have
 
     def __post_init__(self):
+        sizes = {"block_M": self.block_M, "block_N": self.block_N, "block_K": self.block_K,
+                 "num_stages": self.num_stages, "threads": self.threads}
+        if any(v < 1 for v in sizes.values()) or self.swizzle < 0:
+            raise ValueError(f"GemmConfig({', '.join(f'{k}={v}' for k, v in sizes.items())}, swizzle={self.swizzle}): "
+                             f"block sizes, stages and threads must be at least 1, swizzle 0 (off) or more")
         if min(self.cluster, self.cluster_n) < 1 or self.cluster * self.cluster_n > T.MAX_CLUSTER:
             raise ValueError(f"GemmConfig.cluster={self.cluster}, cluster_n={self.cluster_n}: each >= 1, a cluster of "
                              f"at most {T.MAX_CLUSTER} blocks in all")
@@ -260,6 +265,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     ``a_cols``/``b_cols``: A's/B's stored row length when padded past the logical one (``PaddedGemm``)."""
     bM, bN, bK, splits = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split_k
     bias_dtype = bias_dtype or dtype
+    _check_problem(M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtype)
     A_shape = (batch_a, K, a_cols or M) if trans_A else (batch_a, M, a_cols or K)
     B_shape = (batch_b, N, b_cols or K) if trans_B else (batch_b, K, b_cols or N)
     A_tile = (bK, bM) if trans_A else (bM, bK)
@@ -366,6 +372,18 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         body(A, B, Bias, W)
 
     return gemm_splitk_kernel
+
+
+def _check_problem(M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtype) -> None:
+    """The problem itself: sizes of at least 1 (the op answers empty problems without a kernel), operand
+    batches of 1 (broadcast) or ``batch``, dtypes the kernel computes."""
+    if min(M, N, K, batch) < 1 or batch_a not in (1, batch) or batch_b not in (1, batch):
+        raise ValueError(f"gemm: M={M}, N={N}, K={K}, batch={batch} (batch_a={batch_a}, batch_b={batch_b}): sizes "
+                         f"must be at least 1, and each operand's batch 1 (broadcast) or the batch")
+    for name, dt, accepted in (("dtype", dtype, ("float16", "bfloat16")), ("out_dtype", out_dtype, tuple(_ESIZE)),
+                               ("bias_dtype", bias_dtype, tuple(_ESIZE))):
+        if dt not in accepted:
+            raise ValueError(f"gemm: {name}={dt!r}; accepted: {', '.join(accepted)}")
 
 
 def _misfit(cfg: GemmConfig, M: int, N: int, trans_A: bool = False) -> str | None:
@@ -606,6 +624,7 @@ def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=Fa
     they are (``pad=False``: the gemm's synchronous-copy path reads them).  Each takes
     ``launch_ptrs([A, B, Bias, C], device)``; Bias in ``bias_dtype`` (the input dtype unless given)."""
     bias_dtype = None if bias_dtype == dtype else bias_dtype  # one cache entry whichever way it is said
+    _check_problem(M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtype or dtype)
     cols = padded_cols(M, N, K, batch_a, batch_b, trans_A, trans_B, dtype, target) if pad else {}
     main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg, **cols,
                 bias_dtype=bias_dtype, target=target)

@@ -49,6 +49,11 @@ class SoftmaxConfig:
     deferred: bool = False
 
     def __post_init__(self):
+        sizes = {"block_M": self.block_M, "block_N": self.block_N, "block_K": self.block_K,
+                 "num_stages": self.num_stages, "threads": self.threads}
+        if any(v < 1 for v in sizes.values()):
+            raise ValueError(f"SoftmaxConfig({', '.join(f'{k}={v}' for k, v in sizes.items())}): block sizes, "
+                             f"stages and threads must be at least 1")
         if not 1 <= self.split <= T.MAX_CLUSTER:
             raise ValueError(f"SoftmaxConfig.split={self.split}: must be in [1, {T.MAX_CLUSTER}] (a cluster's blocks)")
         if self.deferred and (self.split > 1 or self.pingpong or self.stream_k or not self.persistent):
@@ -156,6 +161,9 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     unnormalized), "gemm" also the softmax math (each tile's scaled scores are cast and stored)."""
     if parts not in PARTS:
         raise ValueError(f"gemm_softmax: parts={parts!r}, accepted: {', '.join(PARTS)}")
+    if min(M, N, K) < 1 or dtype not in ("float16", "bfloat16") or out_dtype not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"gemm_softmax: M={M}, N={N}, K={K}, dtype={dtype!r}, out_dtype={out_dtype!r}; accepted: "
+                         f"sizes of at least 1, dtype float16 or bfloat16, out_dtype one of those or float32")
     bM, bN, bK, split = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split
     cols = block_columns(N, cfg)
     if not _every_block_has_columns(N, cfg):

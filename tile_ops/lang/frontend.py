@@ -92,6 +92,9 @@ class Kernel:
         if threads % 32 or not 32 <= threads <= 1024:
             raise error(user_loc(), f"threads={threads}: must be a multiple of 32 in [32, 1024]")
         self.grid = [int(ir.tirx_simplify(g)) for g in grid]
+        if builtins.min(self.grid) < 1:
+            raise error(user_loc(), f"T.Kernel: grid {self.grid}: every extent must be at least 1 (a problem with "
+                                    f"nothing to compute has no kernel to launch)")
         self.threads = threads
         self.cluster = _cluster_dims(cluster, self.grid)
         if pingpong and (threads != 128 or not persistent):
@@ -306,6 +309,8 @@ def use_swizzle(panel_size: int = 8):
     k = ir.tracer().kernel
     if k is None or len(k.grid) < 2:
         raise error(user_loc(), "T.use_swizzle needs a 2-D T.Kernel grid")
+    if int(panel_size) < 1:
+        raise error(user_loc(), f"T.use_swizzle: panel_size={panel_size}; accepted: 1 or more grid rows")
     k.swizzle_panel = int(panel_size)
 
 

@@ -38,10 +38,12 @@ class Loc:
 
 
 def user_loc() -> Loc | None:
-    """The innermost stack frame outside tile_ops.lang: the line of the user's kernel."""
+    """The innermost stack frame outside tile_ops.lang (and not generated code, such as a dataclass's
+    ``__init__`` in ``<string>``): the line of the user's kernel."""
     frame = sys._getframe(1)
     while frame is not None:
-        if not os.path.abspath(frame.f_code.co_filename).startswith(_LANG_DIR):
+        name = frame.f_code.co_filename
+        if not name.startswith("<") and not os.path.abspath(name).startswith(_LANG_DIR):
             return Loc(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
