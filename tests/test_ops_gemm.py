@@ -406,3 +406,32 @@ def test_autocast_casts_like_torch_matmul_and_softmax():
     compiled = torch.compile(lambda a, b: tile_ops.gemm(a, b), fullgraph=True)  # the casts trace too
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compiled(a, b).dtype == torch.bfloat16
+
+
+def _jvp_cases():
+    torch.manual_seed(3)
+    a, b, bias = (torch.randn(*s, dtype=torch.float64) for s in ((2, 6, 5), (5, 4), (4,)))
+    ta, tb, tbias = (torch.randn_like(x) for x in (a, b, bias))
+    return a, b, bias, ta, tb, tbias
+
+
+def test_forward_mode_tangents_are_the_products_not_zeros():
+    """A custom op has no forward-mode formula: func.jvp gave a zero tangent and forward_ad none."""
+    import torch.autograd.forward_ad as fwAD
+
+    a, b, bias, ta, tb, tbias = _jvp_cases()
+    want = torch.func.jvp(lambda x, y, z: torch.matmul(x, y) + z, (a, b, bias), (ta, tb, tbias))
+    got = torch.func.jvp(lambda x, y, z: tile_ops.gemm(x, y, z), (a, b, bias), (ta, tb, tbias))
+    torch.testing.assert_close(got, want)
+    only_b = torch.func.jvp(lambda y: tile_ops.gemm(a, y), (b,), (tb,))[1]
+    torch.testing.assert_close(only_b, a @ tb)
+    for scale in (0.5, -2.0):
+        want = torch.func.jvp(lambda x, y: torch.softmax(scale * (x @ y), -1), (a, b), (ta, tb))
+        got = torch.func.jvp(lambda x, y: tile_ops.gemm_softmax(x, y, scale), (a, b), (ta, tb))
+        torch.testing.assert_close(got, want)
+    with fwAD.dual_level():
+        y = tile_ops.gemm(fwAD.make_dual(a, ta), b)
+        torch.testing.assert_close(fwAD.unpack_dual(y).tangent, ta @ b)
+    lin = tile_ops.nn.Linear(5, 4).double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(torch.func.jvp(lin, (x,), (ta[0, :3],))[1], ta[0, :3] @ lin.weight.t())

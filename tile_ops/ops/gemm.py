@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, fastpath, sharding
+from . import checks, fastpath, forward_ad, sharding
 
 OP = "tile_ops.gemm"
 
@@ -271,6 +271,8 @@ def gemm(
     empty result and ``K == 0`` gives zeros (plus ``bias``), without a launch.
 
     Differentiable in ``a``, ``b`` and ``bias``; the backward runs two gemms.
+    Forward mode too (``torch.func.jvp``, ``torch.autograd.forward_ad``), eagerly:
+    the tangent is ``da @ b + a @ db + dbias``, from three gemms.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``,
     floating point operands (not float64) are cast to the region's dtype first,
     as for ``torch.matmul``.  With DTensor operands (tensor parallelism) each
@@ -280,13 +282,17 @@ def gemm(
     the dispatcher would add nothing to (eager, no autograd graph, plain
     tensors): that one launches the kernel recorded for its signature directly.
     """
-    if not torch.compiler.is_compiling() and not checks.autocasting(a):  # dynamo folds is_compiling to True
+    eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
+    if eager and not checks.autocasting(a) and not forward_ad.active():
         out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, True)
         if out is not None:
             return out
     checks.check_argument_types(OP, a, b, bias, out_dtype)
     if checks.autocasting(a):
         a, b, bias = checks.autocast(a, b, bias)
-    if not torch.compiler.is_compiling():  # (a registration is no op to trace)
+    if eager:  # (neither a registration nor dual numbers are ops to trace)
         sharding.register_if_in_use()
+        dual = forward_ad.gemm_jvp(gemm, a, b, bias, out_dtype) if forward_ad.active() else None
+        if dual is not None:
+            return dual
     return torch.ops.tile_ops.gemm(a, b, bias, out_dtype)

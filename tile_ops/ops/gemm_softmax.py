@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from . import checks, fastpath
-from .gemm import _compute_dtype, load_kernel_module, matmul_input_grads, needs_input_grad
+from . import checks, fastpath, forward_ad
+from .gemm import _compute_dtype, gemm, load_kernel_module, matmul_input_grads, needs_input_grad
 
 OP = "tile_ops.gemm_softmax"
 
@@ -234,6 +234,7 @@ def gemm_softmax(
     the uniform distribution ``1 / N``.
 
     Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
+    Forward mode too (``torch.func.jvp``, ``torch.autograd.forward_ad``), eagerly.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``
     the operands are cast to the region's dtype, and on CUDA the result is
     float32 unless ``out_dtype`` says otherwise: what ``softmax(a @ b)`` gives.
@@ -242,7 +243,8 @@ def gemm_softmax(
     that the dispatcher would add nothing to (eager, no autograd graph, plain
     tensors): that one launches the kernel recorded for its signature directly.
     """
-    if not torch.compiler.is_compiling() and not checks.autocasting(a):  # dynamo folds is_compiling to True
+    eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
+    if eager and not checks.autocasting(a) and not forward_ad.active():
         out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, True)
         if out is not None:
             return out
@@ -251,4 +253,8 @@ def gemm_softmax(
     if checks.autocasting(a):  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
         a, b = checks.autocast(a, b)
+    if eager and forward_ad.active():
+        dual = forward_ad.gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype)
+        if dual is not None:
+            return dual
     return torch.ops.tile_ops.gemm_softmax(a, b, scale, out_dtype)

@@ -1,0 +1,57 @@
+"""Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) for the ops' Python wrappers.
+
+A ``torch.library.custom_op`` has no forward-mode formula: its result would carry a zero (``func.jvp``) or no
+(``forward_ad``) tangent, silently.  So the wrappers take dual operands apart here and build the result's
+tangent from the ops themselves: ``d(a @ b + bias) = da @ b + a @ db + dbias`` and, for ``p = softmax(s * a@b)``,
+``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``.
+"""
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch._C._functorch import peek_interpreter_stack
+
+
+def active() -> bool:
+    """Whether a tangent could be attached to anything: a forward_ad dual level or a functorch transform."""
+    return fwAD._current_level >= 0 or peek_interpreter_stack() is not None
+
+
+def _split(*tensors):
+    """(primals, tangents) of ``tensors`` (None passes through), or None when none of them has a tangent."""
+    duals = [fwAD.unpack_dual(t) if isinstance(t, torch.Tensor) else None for t in tensors]
+    if all(d is None or d.tangent is None for d in duals):
+        return None
+    return ([t if d is None else d.primal for t, d in zip(tensors, duals)],
+            [None if d is None else d.tangent for d in duals])
+
+
+def _sum(terms):
+    terms = [t for t in terms if t is not None]
+    return terms[0] if len(terms) == 1 else torch.stack(torch.broadcast_tensors(*terms)).sum(0)
+
+
+def gemm_jvp(gemm, a, b, bias, out_dtype):
+    """``gemm(a, b, bias, out_dtype)`` with its tangent, or None when no operand has one."""
+    split = _split(a, b, bias)
+    if split is None:
+        return None
+    (pa, pb, pbias), (ta, tb, tbias) = split
+    y = gemm(pa, pb, pbias, out_dtype)
+    tangent = _sum([gemm(ta, pb, None, out_dtype) if ta is not None else None,
+                    gemm(pa, tb, None, out_dtype) if tb is not None else None,
+                    tbias.to(y.dtype) if tbias is not None else None])
+    return fwAD.make_dual(y, tangent.expand_as(y).to(y.dtype))
+
+
+def gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype):
+    """``gemm_softmax(a, b, scale, out_dtype)`` with its tangent, or None when neither operand has one."""
+    split = _split(a, b)
+    if split is None:
+        return None
+    (pa, pb), (ta, tb) = split
+    p = gemm_softmax(pa, pb, scale, out_dtype)
+    wide = torch.float32 if pa.dtype in (torch.float16, torch.bfloat16) else pa.dtype  # the scores' precision
+    dz = scale * _sum([gemm(ta, pb, None, wide) if ta is not None else None,
+                       gemm(pa, tb, None, wide) if tb is not None else None])
+    pw = p.to(wide)
+    return fwAD.make_dual(p, (pw * (dz - (pw * dz).sum(-1, keepdim=True))).to(p.dtype))
