@@ -1073,3 +1073,23 @@ def test_a_kernel_that_spills_to_local_memory_says_so():
     with pytest.warns(UserWarning, match=r"kernel gemm_kernel \(sm_90a.*bytes per thread in local memory .* "
                                          r"expect it to be slow"):
         gemm(512, 512, 512, cfg=GemmConfig(128, 256, 64, 3, 128, 8), target="sm_90a")
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda A, F: T.copy(A[0 * 64.0, 0], F), r"A indexed with a float32 value \(0.0\); indices are integers"),
+    (lambda A, F: F.__setitem__((0, 0), A[F[0, 1], 0]), r"A indexed with a float32 value .*; indices are integers"),
+    (lambda A, F: F.__setitem__((0, 0), T.exp2(T.cast(1, "int32"))),
+     "T.exp2: needs a floating point argument, got int32"),
+])
+def test_integer_indices_and_floating_math_are_checked_at_the_users_line(body, message):
+    """Not nvcc's 'expression must have integral or unscoped enum type' or '__exp2 is undefined'."""
+    def prog():
+        @T.prim_func
+        def k(A: T.Tensor((64, 64), "float32"), C: T.Tensor((64, 64), "float32")):
+            with T.Kernel(1, threads=128) as bx:
+                F = T.alloc_fragment((64, 64), "float32")
+                body(A, F)
+        return k
+
+    with pytest.raises(tile_ops.lang.TileLangError, match=message):
+        prog()

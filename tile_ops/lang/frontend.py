@@ -343,6 +343,19 @@ def if_then_else(cond, a, b):
     return tirx.if_then_else(cond, a, b)
 
 
+def _floating(fn):
+    """``fn`` (tirx.exp, ...) refusing a non-floating argument at the user's line, not in nvcc's output."""
+    def checked(x):
+        dtype = ir.expr_dtype(x)
+        if not dtype.startswith(("float", "bfloat")):
+            raise error(user_loc(), f"T.{fn.__name__}: needs a floating point argument, got {dtype} "
+                                    f"(T.cast(x, 'float32') first)")
+        return fn(x)
+
+    checked.__name__ = checked.__qualname__ = fn.__name__
+    return checked
+
+
 # a float32 exp2 compiles to ex2.approx.ftz (2 ulp, subnormal results flushed to 0; compiler/lower.py)
-exp, exp2, log, log2, sqrt = tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.sqrt
+exp, exp2, log, log2, sqrt = map(_floating, (tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.sqrt))
 abs = tirx.abs  # noqa: A001

@@ -49,6 +49,15 @@ def user_loc() -> Loc | None:
     return None
 
 
+def expr_dtype(x) -> str:
+    """The dtype of a Python number or a TIRx expression ("" when it has none)."""
+    if isinstance(x, bool) or isinstance(x, int):
+        return "int32"
+    if isinstance(x, float):
+        return "float32"
+    return str(getattr(x, "ty", ""))
+
+
 def error(loc: Loc | None, reason: str) -> TileLangError:
     where = f"{loc.filename}:{loc.lineno}" if loc else "<unknown location>"
     src = f"\n    {loc.line}" if loc and loc.line else ""
@@ -83,6 +92,12 @@ class TileBuffer:
         idx = idx if isinstance(idx, tuple) else (idx,)
         if len(idx) != len(self.shape):
             raise error(user_loc(), f"{self.name} has {len(self.shape)} dims, indexed with {len(idx)}")
+        for i in idx:
+            for part in (i.start, i.stop) if isinstance(i, slice) else (i,):
+                dtype = expr_dtype(part)
+                if part is not None and not dtype.startswith(("int", "uint")):
+                    raise error(user_loc(), f"{self.name} indexed with a {dtype} value ({part}); indices are "
+                                            f"integers (T.cast(x, 'int32') where one is computed in floating point)")
         return list(idx)
 
     def __getitem__(self, idx):
