@@ -254,6 +254,9 @@ def test_a_tuned_config_that_cannot_build_here_gives_way_to_the_default(fake_gpu
         assert seen[-1] == expected, M
     with pytest.raises(ValueError, match="cluster=2 must divide the 9 row tiles of M=520"):  # asked for: refused
         factory.fn(520, 1024, 1024, cfg=pairs)
+    # precompile builds what the op launches: the same choice
+    assert gemm_kernels.launch_config(520, 1024, 1024, "float16") == gemm_kernels.default_config(520, 1024, 1024)
+    assert gemm_kernels.launch_config(640, 1024, 1024, "float16") == pairs
 
 
 def test_gemm_softmax_op_launches_the_tuned_config(fake_gpu, monkeypatch):

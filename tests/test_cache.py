@@ -136,13 +136,15 @@ def test_clear_removes_only_what_the_cache_wrote(dc):
     look_alike = dc.root / "ab" / "notes"  # a 2-character folder, but not an entry's files
     look_alike.mkdir(parents=True)
     (look_alike / "todo.txt").write_text("x")
-    in_progress, leftover = dc.root / "tmp" / f"{KEY}.new", dc.root / "tmp" / f"{KEY}.old"
-    for d in (in_progress, leftover):
+    tmp = dc.root / "tmp"  # ($HOME/tmp, with that mistake)
+    in_progress, leftover, project = tmp / f"{KEY}.x7k2p9qa", tmp / f"{KEY}.b3n8m1zt", tmp / "myproject"
+    for d in (in_progress, leftover, project):
         d.mkdir(parents=True)
-    os.utime(leftover, (time.time() - 7200,) * 2)
+    for d in (leftover, project):
+        os.utime(d, (time.time() - 7200,) * 2)
     assert dc.info()["entries"] == 1 and dc.clear() == 1
     assert (theirs / "thesis.tex").read_text() == "years of work" and (look_alike / "todo.txt").exists()
-    assert in_progress.exists() and not leftover.exists()
+    assert in_progress.exists() and project.exists() and not leftover.exists()
 
 
 def test_a_store_that_fails_warns_and_the_caller_keeps_its_kernel(dc, monkeypatch):
@@ -297,11 +299,53 @@ def test_the_key_sees_the_globals_and_closure_a_factory_reads():
     BLOCK = 128
     try:
         assert f128.key((1024,), {}, "sm_90a") != key  # the module's BLOCK
-        assert ("BLOCK", 128) in f128.environment() and ("threads", 128) in f128.environment()
+        env = dict(zip(f128.environment_names(), f128.environment()))
+        assert env["BLOCK"] == 128 and env["threads"] == 128
     finally:
         BLOCK = 64
     assert make(128).key((1024,), {}, "sm_90a") == key  # values, not identities
     from tile_ops.jit import _stable
     from tile_ops.kernels.gemm import gemm  # a library factory: its helpers by name and source, no addresses
 
-    assert "0x" not in json.dumps([[n, _stable(v)] for n, v in gemm.environment()])
+    assert "0x" not in json.dumps([_stable(v) for v in gemm.environment()])
+
+
+FACTORY = """
+import tile_ops
+
+def _relu(x):
+    return x
+
+ACTS = {"relu": _relu}
+TAGS = {"b", "a", "c", "d", "e"}
+
+@tile_ops.jit(out_idx=[1])
+def f(n):
+    return (n, ACTS, TAGS, later)
+"""
+
+
+def test_the_key_is_the_same_in_every_process(tmp_path):
+    """Containers of functions and sets (iterated in hash-seed order) in what a factory reads: one key in every
+    process, or the disk cache never hits and grows by an entry a process."""
+    (tmp_path / "factory_mod.py").write_text(FACTORY)
+    code = "import factory_mod; print(factory_mod.f.key((8,), {}, 'sm_90a'))"
+    keys = {subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2, 3)}
+    assert len(keys) == 1, keys
+
+
+def test_a_closure_cell_assigned_later_is_not_an_error():
+    import tile_ops
+
+    def make():
+        @tile_ops.jit(out_idx=[1])
+        def g(n):
+            return (n, late)
+
+        before = g.key((8,), {}, "sm_90a")  # `late` unassigned: not ValueError('Cell is empty')
+        late = 4  # noqa: F841
+        return before, g.key((8,), {}, "sm_90a")
+
+    before, after = make()
+    assert before != after

@@ -1082,6 +1082,7 @@ def test_a_kernel_that_spills_to_local_memory_says_so():
      "T.exp2: needs a floating point argument, got int32"),
 ])
 def test_integer_indices_and_floating_math_are_checked_at_the_users_line(body, message):
+    """(Bool and numpy indices, numpy floats to exp: still accepted, see the test below.)"""
     """Not nvcc's 'expression must have integral or unscoped enum type' or '__exp2 is undefined'."""
     def prog():
         @T.prim_func
@@ -1093,3 +1094,16 @@ def test_integer_indices_and_floating_math_are_checked_at_the_users_line(body, m
 
     with pytest.raises(tile_ops.lang.TileLangError, match=message):
         prog()
+
+
+def test_bool_and_numpy_indices_and_numpy_floats_still_compile():
+    import numpy as np
+
+    @T.prim_func
+    def k(A: T.Tensor((64, 64), "float32"), C: T.Tensor((64, 64), "float32")):
+        with T.Kernel(1, threads=128) as bx:
+            F = T.alloc_fragment((64, 64), "float32")
+            for i, j in T.Parallel(64, 64):
+                F[i, j] = A[bx > 3, np.int32(7)] + T.exp(np.float32(0.5))
+            T.copy(F, C[0, 0])
+    assert compile_program(k, "sm_80").source

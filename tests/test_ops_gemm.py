@@ -365,6 +365,16 @@ def test_cuda_glue_misaligned_pointer_error(stand_in_kernels):
         _run_glue(stand_in_kernels, rnd(4, 8, dtype=F16), buf[1:33].view(8, 4))
 
 
+def test_a_misaligned_bias_view_is_copied_not_refused():
+    """N values are cheap to copy; a view one element into a buffer (torch.randn(65)[1:]) is 4 bytes off."""
+    from tile_ops.ops.gemm import prepare_gemm_launch
+
+    a, b = torch.randn(8, 16, dtype=torch.float16), torch.randn(16, 64, dtype=torch.float16)
+    bias = torch.randn(65)[1:]
+    _, (_, _, _, launched) = prepare_gemm_launch(a, b, bias, torch.float32, kind="cuda")
+    assert launched.data_ptr() % 16 == 0 and torch.equal(launched, bias)
+
+
 @pytest.mark.parametrize("bias_dtype, out_dtype", [(torch.float32, torch.float32), (BF16, BF16),
                                                    (torch.float16, torch.float32)])
 def test_cuda_launch_passes_the_bias_in_its_own_dtype(bias_dtype, out_dtype):

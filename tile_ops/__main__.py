@@ -70,10 +70,10 @@ class Job:
         from .autotune import config_for  # the config the op would launch with here (tuned, else default)
 
         if self.op == "gemm":
-            from .kernels.gemm import build_gemm, gemm, padded_cols
+            from .kernels.gemm import build_gemm, gemm, launch_config, padded_cols
 
             args = (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype,
-                    config_for("gemm", M, N, K, self.dtype, arch=self.arch))
+                    launch_config(M, N, K, self.dtype, arch=self.arch))
             return (gemm.key(args, padded_cols(M, N, K, dtype=self.dtype, target=self.arch), self.arch),
                     lambda: build_gemm(*args, target=self.arch))
         if self.op == "gemm_softmax":

@@ -56,6 +56,7 @@ def default_arch() -> str:
     return "sm_90a"
 
 
+@functools.lru_cache(maxsize=None)
 def check_arch(arch: str) -> str:
     """``arch`` if the compiler can target it (sm_80 and newer; sm_90a for the Hopper path), else ValueError."""
     m = re.fullmatch(r"sm_(\d+)a?", str(arch))
@@ -85,8 +86,9 @@ def _names_read(code) -> set:
 
 
 def _stable(v):
-    """``v`` as the key sees it: data as itself, a function (or factory) by its name and source; an object
-    whose text is an address, by its type (the address differs per process: the disk cache would miss)."""
+    """``v`` as the key sees it, the same in every process: data as itself (containers element by element,
+    sets sorted), a function (or factory) by its name and source, another object by its text, or by its type
+    where that text is an address."""
     if isinstance(v, JITFunction):
         v = v.fn
     if inspect.isfunction(v):
@@ -94,8 +96,24 @@ def _stable(v):
             return f"{v.__module__}.{v.__qualname__}:{hashlib.sha256(inspect.getsource(v).encode()).hexdigest()}"
         except (OSError, TypeError):
             return f"{v.__module__}.{v.__qualname__}"
+    if isinstance(v, (list, tuple)):
+        return [_stable(x) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return sorted((_stable(x) for x in v), key=json.dumps)
+    if isinstance(v, dict):
+        return sorted(([_stable(k), _stable(x)] for k, x in v.items()), key=json.dumps)
     canon = _canon(v)
     return type(v).__qualname__ if isinstance(canon, str) and " at 0x" in canon else canon
+
+
+_EMPTY = object()  # a closure cell not assigned yet
+
+
+def _cell(c):
+    try:
+        return c.cell_contents
+    except ValueError:
+        return _EMPTY
 
 
 class JITFunction:
@@ -105,23 +123,32 @@ class JITFunction:
         self._mem: dict = {}  # full key -> Kernel
         self._fast: dict = {}  # (args, kwargs, arch, environment) -> Kernel: the per-call path skips hashing
         self._source = textwrap.dedent(inspect.getsource(fn))
-        self._names = sorted(_names_read(fn.__code__))  # globals (or attributes) it may read
+        self._read = _names_read(fn.__code__)  # global names (or attributes) it may read
+        self._globals = None  # those that are module globals and not modules (the language): set at first use
         functools.update_wrapper(self, fn)
 
     def environment(self) -> tuple:
-        """The current values of the module globals (not modules: the language) and closure cells the factory
-        reads: they shape its program as much as its arguments do (a module's BLOCK = 64, a notebook's closure)."""
-        g, cells = self.fn.__globals__, zip(self.fn.__code__.co_freevars, self.fn.__closure__ or ())
-        return (tuple((n, g[n]) for n in self._names if n in g and not inspect.ismodule(g[n]))
-                + tuple((n, c.cell_contents) for n, c in cells))
+        """The current values of the module globals (not modules) and closure cells the factory reads, in the
+        order of :meth:`environment_names`: they shape its program as much as its arguments do (a module's
+        BLOCK = 64, a notebook's closure).  A few dict lookups: it is part of every call's fast key."""
+        g = self.fn.__globals__
+        if self._globals is None:
+            self._globals = sorted(n for n in self._read if n in g and not inspect.ismodule(g[n]))
+        cells = self.fn.__closure__
+        return tuple(g.get(n) for n in self._globals) + (tuple(map(_cell, cells)) if cells else ())
+
+    def environment_names(self) -> list:
+        self.environment()
+        return self._globals + list(self.fn.__code__.co_freevars)
 
     def key(self, args, kwargs, arch) -> str:
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
+        env = [[n, _stable(v)] for n, v in zip(self.environment_names(), self.environment()) if v is not _EMPTY]
         blob = json.dumps({
             "fn": f"{self.fn.__module__}.{self.fn.__qualname__}", "src": self._source,
-            "args": _canon(dict(bound.arguments)), "out_idx": self.out_idx, "arch": arch,
-            "env": [[n, _stable(v)] for n, v in self.environment()], "compiler": compiler_fingerprint(),
+            "args": _canon(dict(bound.arguments)), "out_idx": self.out_idx, "arch": arch, "env": env,
+            "compiler": compiler_fingerprint(),
         }, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

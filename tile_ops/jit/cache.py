@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import time
@@ -30,6 +31,8 @@ SOURCE_FILE = "kernel.cu"
 CUBIN_FILE = "kernel.cubin"
 META_FILE = "meta.json"
 _ENTRY_FILES = {SOURCE_FILE, CUBIN_FILE, META_FILE}
+_HEX = re.compile(r"[0-9a-f]+")  # keys and their shards
+_TEMP = re.compile(r"[0-9a-f]+\.[A-Za-z0-9_]{8}")  # a store's temp dir: tempfile.mkdtemp(prefix=f"{key}.")
 _STALE_TMP_S = 3600  # a store's temp dir lives for seconds; one an hour old was left by a killed process
 
 
@@ -182,9 +185,9 @@ class DiskCache:
         else under the root (a mistaken TILE_OPS_CACHE_DIR=$HOME) is not ours to count or delete."""
         if not self.root.is_dir():
             return []
-        return [e for shard in self.root.iterdir() if shard.is_dir() and len(shard.name) == 2
-                for e in shard.iterdir()
-                if e.is_dir() and e.name.startswith(shard.name) and _only_entry_files(e)]
+        return [e for shard in self.root.iterdir() if shard.is_dir() and _HEX.fullmatch(shard.name)
+                and len(shard.name) == 2 for e in shard.iterdir()
+                if e.is_dir() and _HEX.fullmatch(e.name) and e.name.startswith(shard.name) and _only_entry_files(e)]
 
     def info(self) -> dict:
         entries = self._entries()
@@ -202,8 +205,8 @@ class DiskCache:
             shutil.rmtree(e, ignore_errors=True)
         tmp_root, now = self.root / "tmp", time.time()
         for tmp in tmp_root.iterdir() if tmp_root.is_dir() else ():
-            with contextlib.suppress(OSError):
-                if now - tmp.stat().st_mtime > _STALE_TMP_S:
+            with contextlib.suppress(OSError):  # only what _publish names: <key>.<mkdtemp suffix>, left an hour ago
+                if _TEMP.fullmatch(tmp.name) and tmp.is_dir() and now - tmp.stat().st_mtime > _STALE_TMP_S:
                     shutil.rmtree(tmp, ignore_errors=True)
         return len(entries)
 

@@ -651,17 +651,22 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
-    if cfg is None:
-        cfg = config_for("gemm", M, N, K, _DT[a.dtype], a.device)
-        if _misfit(cfg, M, N, ta):  # tuned for another M of the bucket, or another layout of A
-            cfg = default_config(M, N, K)
-        if Bt > 1 and cfg == default_config(M, N, K):  # the heuristic fits one matrix's waves: refit the batch's
-            cfg = default_config(M, N, K, batch=Bt)
-        elif Bt > 1 and cfg.split_k > 1:  # a tuned split: the batch already multiplies the CTAs
-            cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // Bt))
+    cfg = cfg or launch_config(M, N, K, _DT[a.dtype], Bt, ta, a.device)
     kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg,
                         bias_dtype=None if bias is None else _DT[bias.dtype])
     return kernel, a, b
+
+
+def launch_config(M, N, K, dtype, batch=1, trans_A=False, device=None, arch=None) -> GemmConfig:
+    """The config the op launches (and ``precompile`` builds) for this problem: see ``get_gemm_kernel``."""
+    cfg = config_for("gemm", M, N, K, dtype, device, arch)
+    if _misfit(cfg, M, N, trans_A):  # tuned for another M of the bucket, or another layout of A
+        cfg = default_config(M, N, K, arch)
+    if batch > 1 and cfg == default_config(M, N, K, arch):  # the heuristic fits one matrix's waves: the batch's
+        cfg = default_config(M, N, K, arch, batch=batch)
+    elif batch > 1 and cfg.split_k > 1:  # a tuned split: the batch already multiplies the CTAs
+        cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // batch))
+    return cfg
 
 
 def gemm_launcher(kernel, device):

@@ -347,7 +347,7 @@ def _floating(fn):
     """``fn`` (tirx.exp, ...) refusing a non-floating argument at the user's line, not in nvcc's output."""
     def checked(x):
         dtype = ir.expr_dtype(x)
-        if not dtype.startswith(("float", "bfloat")):
+        if dtype.startswith(("int", "uint", "bool")):
             raise error(user_loc(), f"T.{fn.__name__}: needs a floating point argument, got {dtype} "
                                     f"(T.cast(x, 'float32') first)")
         return fn(x)

@@ -38,24 +38,25 @@ class Loc:
 
 
 def user_loc() -> Loc | None:
-    """The innermost stack frame outside tile_ops.lang (and not generated code, such as a dataclass's
-    ``__init__`` in ``<string>``): the line of the user's kernel."""
+    """The innermost stack frame outside tile_ops.lang, whose files and generated code (a dataclass's
+    ``__init__``, filed as ``<string>`` in the module's globals) it skips: the line of the user's kernel."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith("<") and not os.path.abspath(name).startswith(_LANG_DIR):
+        ours = frame.f_globals.get("__name__", "").startswith("tile_ops.lang")
+        if not ours and not os.path.abspath(name).startswith(_LANG_DIR):
             return Loc(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
 
 
 def expr_dtype(x) -> str:
-    """The dtype of a Python number or a TIRx expression ("" when it has none)."""
-    if isinstance(x, bool) or isinstance(x, int):
+    """The dtype of a Python or numpy number or a TIRx expression ("" when it has none we know)."""
+    if isinstance(x, int):  # (bool too)
         return "int32"
     if isinstance(x, float):
         return "float32"
-    return str(getattr(x, "ty", ""))
+    return str(getattr(x, "ty", None) or getattr(x, "dtype", ""))
 
 
 def error(loc: Loc | None, reason: str) -> TileLangError:
@@ -95,7 +96,7 @@ class TileBuffer:
         for i in idx:
             for part in (i.start, i.stop) if isinstance(i, slice) else (i,):
                 dtype = expr_dtype(part)
-                if part is not None and not dtype.startswith(("int", "uint")):
+                if dtype.startswith(("float", "bfloat")):
                     raise error(user_loc(), f"{self.name} indexed with a {dtype} value ({part}); indices are "
                                             f"integers (T.cast(x, 'int32') where one is computed in floating point)")
         return list(idx)
