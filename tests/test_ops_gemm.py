@@ -445,3 +445,14 @@ def test_forward_mode_tangents_are_the_products_not_zeros():
     lin = tile_ops.nn.Linear(5, 4).double()
     x = torch.randn(3, 5, dtype=torch.float64)
     torch.testing.assert_close(torch.func.jvp(lin, (x,), (ta[0, :3],))[1], ta[0, :3] @ lin.weight.t())
+
+
+def test_nested_forward_mode_is_refused():
+    """The tangent of an outer forward level would be zero: refused, not returned (forward_ad itself refuses
+    nested dual levels)."""
+    a, b, _, ta, tb, _ = _jvp_cases()
+    a, ta = a[0], ta[0]
+    with pytest.raises(NotImplementedError, match="nested forward-mode AD .* is not supported"):
+        torch.func.jacfwd(torch.func.jacfwd(lambda x: tile_ops.gemm(x, x.T.contiguous()).sum()))(a[:4, :4])
+    with pytest.raises(NotImplementedError, match="nested forward-mode AD"):
+        torch.func.jvp(lambda y: torch.func.jvp(lambda x: tile_ops.gemm(x, y), (a,), (ta,))[1], (b,), (tb,))

@@ -3,7 +3,8 @@
 A ``torch.library.custom_op`` has no forward-mode formula: its result would carry a zero (``func.jvp``) or no
 (``forward_ad``) tangent, silently.  So the wrappers take dual operands apart here and build the result's
 tangent from the ops themselves: ``d(a @ b + bias) = da @ b + a @ db + dbias`` and, for ``p = softmax(s * a@b)``,
-``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``.
+``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``.  One forward level (nested ones are
+refused), eagerly: under ``torch.compile`` the op's tangent stays zero.
 """
 
 import torch
@@ -16,11 +17,22 @@ def active() -> bool:
     return fwAD._current_level >= 0 or peek_interpreter_stack() is not None
 
 
-def _split(*tensors):
+def _forward_levels() -> int:
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    jvps = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    return jvps or fwAD._current_level + 1  # (a functorch jvp holds a forward_ad level of its own)
+
+
+def _split(op: str, *tensors):
     """(primals, tangents) of ``tensors`` (None passes through), or None when none of them has a tangent."""
     duals = [fwAD.unpack_dual(t) if isinstance(t, torch.Tensor) else None for t in tensors]
     if all(d is None or d.tangent is None for d in duals):
         return None
+    if _forward_levels() > 1:  # the tangent built here would be the innermost level's only: refuse, not zeros
+        raise NotImplementedError(f"{op}: nested forward-mode AD (jvp of jvp, jacfwd of jacfwd) is not supported; "
+                                  f"supported: one forward level (torch.func.jvp, jacfwd, forward_ad)")
     return ([t if d is None else d.primal for t, d in zip(tensors, duals)],
             [None if d is None else d.tangent for d in duals])
 
@@ -32,7 +44,7 @@ def _sum(terms):
 
 def gemm_jvp(gemm, a, b, bias, out_dtype):
     """``gemm(a, b, bias, out_dtype)`` with its tangent, or None when no operand has one."""
-    split = _split(a, b, bias)
+    split = _split("tile_ops.gemm", a, b, bias)
     if split is None:
         return None
     (pa, pb, pbias), (ta, tb, tbias) = split
@@ -45,7 +57,7 @@ def gemm_jvp(gemm, a, b, bias, out_dtype):
 
 def gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype):
     """``gemm_softmax(a, b, scale, out_dtype)`` with its tangent, or None when neither operand has one."""
-    split = _split(a, b)
+    split = _split("tile_ops.gemm_softmax", a, b)
     if split is None:
         return None
     (pa, pb), (ta, tb) = split

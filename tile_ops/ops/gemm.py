@@ -272,8 +272,9 @@ def gemm(
     empty result and ``K == 0`` gives zeros (plus ``bias``), without a launch.
 
     Differentiable in ``a``, ``b`` and ``bias``; the backward runs two gemms.
-    Forward mode too (``torch.func.jvp``, ``torch.autograd.forward_ad``), eagerly:
-    the tangent is ``da @ b + a @ db + dbias``, from three gemms.
+    Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
+    one level, eagerly: the tangent is ``da @ b + a @ db + dbias``, from three gemms;
+    nested forward levels are refused; inside ``torch.compile`` it is not computed.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``,
     floating point operands (not float64) are cast to the region's dtype first,
     as for ``torch.matmul``.  With DTensor operands (tensor parallelism) each

@@ -234,7 +234,8 @@ def gemm_softmax(
     the uniform distribution ``1 / N``.
 
     Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
-    Forward mode too (``torch.func.jvp``, ``torch.autograd.forward_ad``), eagerly.
+    Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
+    one level, eagerly (nested levels are refused; not inside ``torch.compile``).
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``
     the operands are cast to the region's dtype, and on CUDA the result is
     float32 unless ``out_dtype`` says otherwise: what ``softmax(a @ b)`` gives.
