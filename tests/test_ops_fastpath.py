@@ -137,6 +137,21 @@ def test_a_changed_tune_table_drops_the_plans(ops, tmp_path, monkeypatch):
     assert fastpath.count() == 0
 
 
+def test_a_planned_signature_under_forward_mode_gets_its_tangent(ops):
+    """The fast path's gate looks only at forward_ad's level: functorch's tensors are wrapped, and a plan serves
+    plain tensors only."""
+    import torch.autograd.forward_ad as fwAD
+
+    a, b, t = rnd(16, 32), rnd(32, 24), rnd(16, 32)
+    tile_ops.gemm(a, b)
+    assert fastpath.count() == 1
+    out, tangent = torch.func.jvp(lambda x: tile_ops.gemm(x, b), (a,), (t,))
+    close(tangent, ref_gemm(t, b, None, None))
+    with fwAD.dual_level():
+        y = tile_ops.gemm(fwAD.make_dual(a, t), b)
+        close(fwAD.unpack_dual(y).tangent, ref_gemm(t, b, None, None))
+
+
 def test_op_path_launches_from_the_plan_too(ops):
     gemm_op, softmax_op, (kernels, softmax_kernels) = ops
     a, b = rnd(16, 32), rnd(32, 24)

@@ -17,6 +17,12 @@ def active() -> bool:
     return fwAD._current_level >= 0 or peek_interpreter_stack() is not None
 
 
+def plain_operands_may_be_dual() -> bool:
+    """The fast path's gate: a plan serves only plain tensors, and functorch's are wrapped (never plain), so
+    only forward_ad's dual level can hide a tangent on one.  A module attribute, not a C call."""
+    return fwAD._current_level >= 0
+
+
 def _forward_levels() -> int:
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters

@@ -285,7 +285,7 @@ def gemm(
     tensors): that one launches the kernel recorded for its signature directly.
     """
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
-    if eager and not checks.autocasting(a) and not forward_ad.active():
+    if eager and not checks.autocasting(a) and not forward_ad.plain_operands_may_be_dual():
         out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, True)
         if out is not None:
             return out

@@ -245,7 +245,7 @@ def gemm_softmax(
     tensors): that one launches the kernel recorded for its signature directly.
     """
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
-    if eager and not checks.autocasting(a) and not forward_ad.active():
+    if eager and not checks.autocasting(a) and not forward_ad.plain_operands_may_be_dual():
         out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, True)
         if out is not None:
             return out
