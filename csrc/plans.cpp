@@ -33,6 +33,7 @@
 
 #include <array>
 #include <cstring>
+#include <memory>
 #include <unordered_map>
 
 #include "driver.h"
@@ -99,9 +100,14 @@ struct Plan {
   std::vector<TensorMapSlot> tensormaps;
 };
 
+// Plans are shared: a call keeps its plan alive through the Python it runs (the stream getter, a host launch),
+// which may clear or refill the table; and a plan leaves the table before it is destroyed, since destroying
+// one runs Python (its host launch's finalizer) that may come back into the table.
+using Plans = std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash>;
+
 struct State {
-  std::unordered_map<Key, Plan, KeyHash> plans;
-  std::vector<PyTypeObject*> plain_types;  // torch.Tensor, torch.nn.Parameter: not subclasses
+  Plans plans;
+  std::vector<py::object> plain_types;  // torch.Tensor, torch.nn.Parameter: not subclasses (held: compared by identity)
   py::object stream_getter;                // stream_getter(device_index) -> raw cudaStream_t
 };
 
@@ -111,8 +117,8 @@ State& state() {
 }
 
 bool is_plain(PyObject* obj) {
-  for (PyTypeObject* t : state().plain_types)
-    if (Py_TYPE(obj) == t) return true;
+  for (const py::object& t : state().plain_types)
+    if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) == t.ptr()) return true;
   return false;
 }
 
@@ -312,8 +318,9 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   const long long op = PyLong_AsLongLong(args[0]);
+  if (op == -1 && PyErr_Occurred()) return nullptr;
   const int check_dispatch = PyObject_IsTrue(args[6]);
-  if ((op == -1 && PyErr_Occurred()) || check_dispatch < 0) return nullptr;
+  if (check_dispatch < 0) return nullptr;
   const at::Tensor* tensors[kOperands];
   if (!unpack(args + 1, tensors)) Py_RETURN_NONE;
   if (check_dispatch && !dispatcher_adds_nothing(tensors)) Py_RETURN_NONE;
@@ -322,7 +329,8 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   State& s = state();
   auto it = s.plans.find(key);
   if (it == s.plans.end()) Py_RETURN_NONE;
-  Plan& plan = it->second;
+  const std::shared_ptr<Plan> held = it->second;  // the iterator dies with the first Python call below
+  Plan& plan = *held;
 
   std::vector<uint64_t> pointers(kOut + 1 + plan.scratch.size(), 0);
   uint64_t misaligned = 0;
@@ -344,7 +352,8 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     py::object launch = plan.host_launch;  // owned: the callback may clear the plans
     launch(pointers[0], pointers[1], pointers[kOut], pointers[2]);
   } else if (!run_steps(plan, pointers, device.index())) {
-    s.plans.erase(it);  // a kernel was unloaded: the checked path loads it again and records anew
+    auto again = s.plans.find(key);  // a kernel was unloaded: the checked path loads it again and records anew
+    if (again != s.plans.end() && again->second == held) s.plans.erase(again);
     Py_RETURN_NONE;
   }
   return THPVariable_Wrap(std::move(out));
@@ -357,22 +366,26 @@ bool plans_record(int64_t op, py::handle a, py::handle b, py::handle c, py::hand
   const at::Tensor* tensors[kOperands];
   Key key;
   if (!unpack(objs, tensors) || !make_key(op, tensors, out_dtype.ptr(), scale.ptr(), key)) return false;
-  Plan plan;
-  plan.out = buffer_of(out_shape, result_dtype);
-  read_program(program, plan);
+  auto plan = std::make_shared<Plan>();
+  plan->out = buffer_of(out_shape, result_dtype);
+  read_program(program, *plan);
   State& s = state();
-  if (s.plans.size() >= kMaxPlans) s.plans.clear();
-  s.plans.insert_or_assign(key, std::move(plan));
+  Plans dropped;  // destroyed on return, once the table is whole again
+  if (s.plans.size() >= kMaxPlans) dropped.swap(s.plans);
+  auto [slot, inserted] = s.plans.try_emplace(key, plan);
+  if (!inserted) std::swap(slot->second, plan);  // the replaced plan is destroyed on return
   return true;
 }
 
 void plans_configure(py::tuple plain_types, py::object stream_getter) {
   State& s = state();
-  s.plain_types.clear();
+  std::vector<py::object> types;
   for (py::handle t : plain_types) {
-    if (!PyType_Check(t.ptr())) throw py::type_error("tile_ops: plans_configure: plain_types must be types");
-    s.plain_types.push_back(reinterpret_cast<PyTypeObject*>(t.ptr()));
+    if (!PyType_Check(t.ptr()) || PyObject_IsSubclass(t.ptr(), THPVariableClass) != 1)
+      throw py::type_error("tile_ops: plans_configure: plain_types must be torch.Tensor and its subclasses");
+    types.push_back(py::reinterpret_borrow<py::object>(t));
   }
+  s.plain_types.swap(types);
   s.stream_getter = std::move(stream_getter);
   if (s.stream_getter.is_none()) s.stream_getter = py::object();
 }
@@ -390,9 +403,13 @@ void register_plans(py::module_& m) {
   m.def("plans_record", &plans_record, py::arg("op"), py::arg("a"), py::arg("b"), py::arg("c"),
         py::arg("out_dtype"), py::arg("scale"), py::arg("out_shape"), py::arg("result_dtype"),
         py::arg("program"), "Record the plan of a call's signature; False when it cannot have one.");
-  m.def("plans_clear", []() { state().plans.clear(); });
+  m.def("plans_clear", []() {
+    Plans dropped;  // destroyed on return, after the table is empty
+    dropped.swap(state().plans);
+  });
   m.def("plans_size", []() { return state().plans.size(); });
-  m.add_object("plans_call", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&kPlansCall, nullptr, m.ptr())));
+  m.add_object("plans_call",  // (the module's name: what __module__ and pickle read)
+               py::reinterpret_steal<py::object>(PyCFunction_NewEx(&kPlansCall, nullptr, m.attr("__name__").ptr())));
 }
 
 }  // namespace tile_ops

@@ -8,6 +8,7 @@ plan) instead of the driver's.
 """
 
 import importlib
+import itertools
 import warnings
 
 import pytest
@@ -417,3 +418,59 @@ def test_plans_are_bounded(ops):
         a = torch.empty(m, 32, dtype=F16)
         fastpath.record(fastpath.GEMM, a, b, None, None, None, torch.empty(m, 8, dtype=F16), lambda *ptrs: None)
     assert fastpath.count() == 1
+
+
+def _plans_lib():
+    from tile_ops.jit.launcher import get_launcher
+
+    lib = get_launcher()
+    lib.plans_configure(fastpath._PLAIN_TENSORS, None)
+    return lib
+
+
+class _Launch:
+    """A host launch whose teardown records plans (as a launcher whose finalizer runs an op would)."""
+
+    ops = itertools.count(10_000)  # each recorded plan its own signature
+
+    def __init__(self, lib, a, records):
+        self.lib, self.a, self.records = lib, a, records
+
+    def __call__(self, *pointers):
+        pass
+
+    def __del__(self):
+        for _ in range(self.records):
+            self.lib.plans_record(next(self.ops), self.a, self.a.t(), None, None, None, [1], F16, lambda *p: None)
+
+
+@pytest.mark.parametrize("how", ["clear", "replace", "full"])
+def test_the_plans_table_survives_python_run_while_it_changes(how):
+    """Destroying a plan runs Python (its host launch's finalizer), which may record plans: that used to run in
+    the middle of the table's clear or insert (a double free). Now a plan leaves the table first."""
+    lib, a = _plans_lib(), torch.zeros(16, 32, dtype=F16)
+    lib.plans_clear()
+    for i in range(200):
+        lib.plans_record(i, a, a.t(), None, None, None, [1], F16, _Launch(lib, a, 4))
+    if how == "clear":
+        lib.plans_clear()
+        assert lib.plans_size() == 200 * 4  # recorded by the finalizers, after the table was emptied
+    elif how == "replace":
+        for i in range(200):
+            lib.plans_record(i, a, a.t(), None, None, None, [1], F16, lambda *p: None)
+        assert lib.plans_size() == 200 + 200 * 4
+    else:  # past the table's bound (4096): it is cleared, then the new plan goes in
+        for i in range(200, 5000):
+            lib.plans_record(i, a, a.t(), None, None, None, [1], F16, lambda *p: None)
+        assert 0 < lib.plans_size() <= 4096
+    lib.plans_clear()
+
+
+def test_plans_take_only_tensor_types_and_report_their_module():
+    lib = _plans_lib()
+    with pytest.raises(TypeError, match="plain_types must be torch.Tensor and its subclasses"):
+        lib.plans_configure((int,), None)
+    lib.plans_configure(fastpath._PLAIN_TENSORS, None)
+    assert lib.plans_call.__module__ == lib.__name__
+    with pytest.raises(OverflowError):  # not a SystemError from a call made with the error pending
+        lib.plans_call(2**70, None, None, None, None, None, True)
