@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -439,3 +440,22 @@ def test_tune_end_to_end_on_the_gpu(op, shape, configs):
     else:
         got, ref = tile_ops.gemm_softmax(a, b), torch.softmax(a.double() @ b.double(), -1)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+def test_a_scale_that_changes_every_call_is_called_out_once(monkeypatch):
+    """Each scale compiles its own kernel (a constant of it): a learnable temperature would compile every step."""
+    monkeypatch.setattr(softmax_kernels, "gemm_softmax", lambda *args, **kw: None)
+    monkeypatch.setattr(softmax_kernels, "_SCALES_SEEN", {})
+    a, b = torch.randn(128, 64, dtype=torch.float16), torch.randn(64, 96, dtype=torch.float16)
+    out = torch.empty(128, 96, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):  # one scale, however often: silent
+            softmax_kernels.get_gemm_softmax_kernel(a, b, out, 0.125)
+        for i in range(softmax_kernels.MANY_SCALES - 2):
+            softmax_kernels.get_gemm_softmax_kernel(a, b, out, 1.0 + i)
+    with pytest.warns(UserWarning, match=r"8 different scales for one problem \(128, 96, 64\).*multiply a"):
+        softmax_kernels.get_gemm_softmax_kernel(a, b, out, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        softmax_kernels.get_gemm_softmax_kernel(a, b, out, 0.25)  # said once

@@ -17,6 +17,7 @@ cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_
 
 import math
 import struct
+import warnings
 from dataclasses import dataclass, replace
 
 import tile_ops
@@ -400,6 +401,10 @@ def _rescale_tile(P, P_s, Out, factor, j, row0, col0):
             Out[row0 + r, col0 + col] = Out[row0 + r, col0 + col] * factor[j, r]
 
 
+_SCALES_SEEN: dict = {}  # the problem (shape, dtypes) -> the scales compiled for it in this process
+MANY_SCALES = 8
+
+
 def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
     """The kernel computing out (M, N) = softmax(scale * a (M, K) @ b (K, N), -1)."""
     M, K = a.shape
@@ -409,7 +414,19 @@ def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
         if cfg.deferred and not _output_tile_fits(shared_memory_bytes(cfg, M, N, K, _DT[a.dtype]), cfg,
                                                   _DT[a.dtype], _DT[out.dtype]):  # a float32 output
             cfg = replace(cfg, deferred=False, split=_widest_split(N, cfg))
+    _note_scale((M, N, K, a.dtype, out.dtype), float(scale))
     return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
+
+
+def _note_scale(problem, scale: float) -> None:
+    """The scale is a constant of the compiled kernel (folded into its exp2 multiplier): a scale that changes
+    every call (a learnable temperature) compiles a kernel, and stores one on disk, every call. Say so once."""
+    seen = _SCALES_SEEN.setdefault(problem, set())
+    seen.add(scale)
+    if len(seen) == MANY_SCALES:
+        warnings.warn(f"tile_ops.gemm_softmax: {MANY_SCALES} different scales for one problem {problem[:3]}; each "
+                      f"compiles (and caches) its own kernel, the scale being a constant of it. For a scale that "
+                      f"changes every step, pass scale=1.0 and multiply a (or b) by it instead", stacklevel=3)
 
 
 def gemm_softmax_launcher(kernel, device):
