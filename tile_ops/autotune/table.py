@@ -83,6 +83,10 @@ class TuneTable:
         except (OSError, ValueError) as e:
             warnings.warn(f"tile_ops: ignoring the autotune table {self.path}: {e}")
             return {}
+        return self._ours(data)
+
+    def _ours(self, data) -> dict:
+        """The entries of a parsed table of our version; {} with a warning for anything else."""
         if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
             warnings.warn(f"tile_ops: ignoring the autotune table {self.path}: not a version {VERSION} table")
             return {}
@@ -115,28 +119,29 @@ class TuneTable:
         unreadable one is kept beside the new one as ``autotune.json.unreadable``."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with DiskCache(self.path.parent).lock(_LOCK_KEY):
-            self._keep_unless_ours(overwrite)
-            entries = self.entries()
+            entries = self._entries_to_change(overwrite)
             change(entries)
             self._publish({"version": VERSION, "entries": dict(sorted(entries.items()))})
         reload()
 
-    def _keep_unless_ours(self, overwrite: bool) -> None:
+    def _entries_to_change(self, overwrite: bool) -> dict:
+        """The entries a writer starts from, read once (under the lock)."""
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return
+            return {}
         except (OSError, ValueError) as e:
             aside = self.path.with_name(self.path.name + ".unreadable")
             warnings.warn(f"tile_ops: ignoring the autotune table {self.path} ({e}); kept as {aside.name}")
             os.replace(self.path, aside)
-            return
+            return {}
         version = data.get("version") if isinstance(data, dict) else None
         if version != VERSION and not overwrite:
             raise RuntimeError(f"tile_ops: the autotune table {self.path} is version {version!r}, not {VERSION} "
                                f"(another tile_ops shares this cache directory?); not writing over it. Use another "
                                f"TILE_OPS_CACHE_DIR, or `python -m tile_ops tune --clear` to start a version "
                                f"{VERSION} table there")
+        return self._ours(data)
 
     def _publish(self, data: dict) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
