@@ -12,8 +12,6 @@ from ..jit import build
 from . import table, targets
 from .progress import progress
 
-# Opt-in dynamic shared memory per block when no GPU can be asked (CUDA occupancy tables).
-
 
 @dataclasses.dataclass
 class Candidate:

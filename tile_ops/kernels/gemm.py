@@ -259,8 +259,8 @@ def split_k_tiles(K: int, cfg: GemmConfig) -> int:
 def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
          dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), a_cols=None, b_cols=None,
          bias_dtype=None):
-    """C = A @ B (+ Bias, in ``bias_dtype``: the input dtype unless given).  With ``cfg.split_k > 1`` the split-K partial kernel instead: grid z is
-    (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n = ``split_k_tiles``; the last splits
+    """C = A @ B (+ Bias, in ``bias_dtype``: the input dtype unless given).  With ``cfg.split_k > 1`` the
+    split-K partial kernel instead: grid z is (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n = ``split_k_tiles``; the last splits
     may get fewer, or none: zeros) into W[s] in fp32, without the bias; ``gemm_splitk_reduce`` adds up.
     ``a_cols``/``b_cols``: A's/B's stored row length when padded past the logical one (``PaddedGemm``)."""
     bM, bN, bK, splits = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split_k

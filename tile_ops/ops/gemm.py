@@ -285,12 +285,13 @@ def gemm(
     tensors): that one launches the kernel recorded for its signature directly.
     """
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
-    if eager and not checks.autocasting(a) and not forward_ad.plain_operands_may_be_dual():
+    casting = checks.autocasting(a)
+    if eager and not casting and not forward_ad.plain_operands_may_be_dual():
         out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, True)
         if out is not None:
             return out
     checks.check_argument_types(OP, a, b, bias, out_dtype)
-    if checks.autocasting(a):
+    if casting:
         a, b, bias = checks.autocast(a, b, bias)
     if eager:  # (neither a registration nor dual numbers are ops to trace)
         sharding.register_if_in_use()

@@ -245,13 +245,14 @@ def gemm_softmax(
     tensors): that one launches the kernel recorded for its signature directly.
     """
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
-    if eager and not checks.autocasting(a) and not forward_ad.plain_operands_may_be_dual():
+    casting = checks.autocasting(a)
+    if eager and not casting and not forward_ad.plain_operands_may_be_dual():
         out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, True)
         if out is not None:
             return out
     checks.check_argument_types(OP, a, b, out_dtype=out_dtype)
     checks.check_scale(OP, scale)
-    if checks.autocasting(a):  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
+    if casting:  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
         a, b = checks.autocast(a, b)
     if eager and forward_ad.active():
