@@ -124,3 +124,40 @@ def test_compile_inductor_dynamic_matches_eager():
         y.sum().backward()
         y_ref.sum().backward()
         torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def _jvp_operands():
+    torch.manual_seed(3)
+    a, b, bias = (torch.randn(*s, dtype=F64) for s in ((2, 6, 5), (5, 4), (4,)))
+    return (a, b, bias), tuple(torch.randn_like(x) for x in (a, b, bias))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_forward_mode_inside_compile_has_the_real_tangents(backend):
+    """func.jvp and jacfwd traced by dynamo: the wrappers' tangent formulas trace with them (the op alone would
+    give a zero tangent, silently)."""
+    torch._dynamo.reset()
+    (a, b, bias), (ta, tb, tbias) = _jvp_operands()
+
+    def tangents(gemm, gemm_softmax):
+        return (torch.func.jvp(lambda x, y, z: gemm(x, y, z), (a, b, bias), (ta, tb, tbias))[1],
+                torch.func.jvp(lambda y: gemm_softmax(a, y, -0.5), (b,), (tb,))[1],
+                torch.func.jacfwd(lambda x: gemm(x, b))(a[0, :2]))
+
+    def reference(x, y, z=None):
+        return x @ y + (0 if z is None else z)
+
+    compiled = torch.compile(lambda: tangents(tile_ops.gemm, tile_ops.gemm_softmax), backend=backend, fullgraph=True)
+    want = tangents(reference, lambda x, y, s: torch.softmax(s * (x @ y), -1))
+    for got, expected in zip(compiled(), want):
+        torch.testing.assert_close(got, expected)
+
+
+def test_nested_forward_mode_inside_compile_is_refused():
+    torch._dynamo.reset()
+    (a, b, _), (ta, tb, _) = _jvp_operands()
+    nested = torch.compile(
+        lambda: torch.func.jvp(lambda y: torch.func.jvp(lambda x: tile_ops.gemm(x, y), (a,), (ta,))[1], (b,), (tb,)),
+        backend="aot_eager")
+    with pytest.raises(NotImplementedError, match="nested forward-mode AD"):
+        nested()

@@ -4,12 +4,13 @@ A ``torch.library.custom_op`` has no forward-mode formula: its result would carr
 (``forward_ad``) tangent, silently.  So the wrappers take dual operands apart here and build the result's
 tangent from the ops themselves: ``d(a @ b + bias) = da @ b + a @ db + dbias`` and, for ``p = softmax(s * a@b)``,
 ``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``.  One forward level (nested ones are
-refused), eagerly: under ``torch.compile`` the op's tangent stays zero.
+refused), eagerly and under ``torch.compile`` (dynamo traces these wrappers).
 """
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch._C._functorch import peek_interpreter_stack
+from torch._functorch import eager_transforms
 
 
 def active() -> bool:
@@ -24,11 +25,9 @@ def plain_operands_may_be_dual() -> bool:
 
 
 def _forward_levels() -> int:
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    jvps = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
-    return jvps or fwAD._current_level + 1  # (a functorch jvp holds a forward_ad level of its own)
+    """How many forward levels are open.  Python globals only, so that dynamo traces it: functorch counts its
+    jvps in ``JVP_NESTING`` (the outermost holds forward_ad's one dual level), forward_ad its own level."""
+    return max(eager_transforms.JVP_NESTING, fwAD._current_level + 1)
 
 
 def _split(op: str, *tensors):

@@ -273,8 +273,8 @@ def gemm(
 
     Differentiable in ``a``, ``b`` and ``bias``; the backward runs two gemms.
     Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
-    one level, eagerly: the tangent is ``da @ b + a @ db + dbias``, from three gemms;
-    nested forward levels are refused; inside ``torch.compile`` it is not computed.
+    one level, also inside ``torch.compile``: the tangent is ``da @ b + a @ db + dbias``,
+    from three gemms; nested forward levels are refused.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``,
     floating point operands (not float64) are cast to the region's dtype first,
     as for ``torch.matmul``.  With DTensor operands (tensor parallelism) each
@@ -293,9 +293,10 @@ def gemm(
     checks.check_argument_types(OP, a, b, bias, out_dtype)
     if casting:
         a, b, bias = checks.autocast(a, b, bias)
-    if eager:  # (neither a registration nor dual numbers are ops to trace)
+    if eager:  # (a registration is not an op to trace)
         sharding.register_if_in_use()
-        dual = forward_ad.gemm_jvp(gemm, a, b, bias, out_dtype) if forward_ad.active() else None
+    if forward_ad.active():
+        dual = forward_ad.gemm_jvp(gemm, a, b, bias, out_dtype)
         if dual is not None:
             return dual
     return torch.ops.tile_ops.gemm(a, b, bias, out_dtype)

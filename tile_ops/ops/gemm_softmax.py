@@ -235,7 +235,7 @@ def gemm_softmax(
 
     Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
     Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
-    one level, eagerly (nested levels are refused; not inside ``torch.compile``).
+    one level, also inside ``torch.compile`` (nested levels are refused).
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``
     the operands are cast to the region's dtype, and on CUDA the result is
     float32 unless ``out_dtype`` says otherwise: what ``softmax(a @ b)`` gives.
@@ -255,7 +255,7 @@ def gemm_softmax(
     if casting:  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
         a, b = checks.autocast(a, b)
-    if eager and forward_ad.active():
+    if forward_ad.active():
         dual = forward_ad.gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype)
         if dual is not None:
             return dual
