@@ -168,3 +168,56 @@ def test_persistent_grid_follows_the_sm_count(monkeypatch):
     assert _persistent().grid_on(0) == (132, 1, 1)
     plain = Kernel(_meta(), "", b"")
     assert plain.grid_on(0) == (2, 1, 1)  # not persistent: the program's grid
+
+
+class _LaunchRecorder:
+    """Stands in for a Kernel's CudaFunction: ``bind`` hands out a launch that records (handle, stream, args)."""
+
+    smem_bytes, name = 0, "k_kernel"
+
+    def __init__(self):
+        self.launches = []
+
+    def bind(self, index):
+        return (lambda handle, grid, block, smem, stream, args, name: self.launches.append((handle, stream, args)),
+                100 + index)
+
+
+def _cuda_like(shape, dtype="float16"):
+    """A CPU tensor that says it is on cuda:0: what Kernel.launch reads of a CUDA tensor, on a CPU-only torch."""
+    import torch
+
+    class CudaLike(torch.Tensor):
+        device = torch.device("cuda", 0)
+
+    return torch.zeros(shape, dtype=getattr(torch, dtype)).as_subclass(CudaLike)
+
+
+@pytest.fixture
+def launching_kernel(monkeypatch):
+    """A kernel of gemm's three parameters (no tensormaps) launching into a recorder, on a fake stream per device."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("tile_ops.jit.kernel"), "_current_stream_getter",
+                        lambda: lambda index: 1000 + index)
+    k = Kernel(_meta(kept=("A", "B", "C"), tensormaps={}), "", b"")
+    k._function = _LaunchRecorder()
+    return k
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_launch_takes_one_tensor_per_parameter(launching_kernel, count):
+    """Missing tensors were a bare IndexError (or, with none, an AttributeError); an extra one (here on the CPU)
+    was ignored unchecked."""
+    import torch
+
+    tensors = [_cuda_like(shape, dtype) for _, shape, dtype in launching_kernel.meta.params]
+    with pytest.raises(TypeError, match=r"gemm.launch takes 3 tensors, one per parameter \(A, B, C\), got " + str(count)):
+        launching_kernel.launch(*(tensors + [torch.zeros(3)])[:count])
+    launching_kernel.launch(*tensors)
+    assert launching_kernel._function.launches == [(100, 1000, [t.data_ptr() for t in tensors])]
+
+
+def test_call_with_a_non_tensor_says_which(launching_kernel):
+    with pytest.raises(TypeError, match="gemm: parameter A must be a torch.Tensor, got list"):
+        launching_kernel([[1.0]], _cuda_like((64, 128)))

@@ -222,7 +222,10 @@ class Kernel:
         args = [None] * len(m.params)
         for pos, t in zip(self._in_pos, inputs):
             args[pos] = t
-        device = inputs[0].device if inputs else torch.device("cuda", torch.cuda.current_device())
+        if not inputs:
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:  # a non-tensor has no device: launch refuses it by name
+            device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else None
         for pos in m.out_idx:
             _, shape, dtype = m.params[pos]
             args[pos] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device)
@@ -320,6 +323,10 @@ class Kernel:
         import torch
 
         m = self.meta
+        if len(tensors) != len(m.params):  # zip below would drop the extra ones, or the launch the missing ones
+            names = [name for name, _, _ in m.params]
+            raise TypeError(f"{m.name}.launch takes {len(names)} tensors, one per parameter ({', '.join(names)}), "
+                            f"got {len(tensors)}")
         device = None
         for (name, shape, dtype), t in zip(m.params, tensors):
             if not isinstance(t, torch.Tensor):
