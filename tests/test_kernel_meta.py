@@ -221,3 +221,18 @@ def test_launch_takes_one_tensor_per_parameter(launching_kernel, count):
 def test_call_with_a_non_tensor_says_which(launching_kernel):
     with pytest.raises(TypeError, match="gemm: parameter A must be a torch.Tensor, got list"):
         launching_kernel([[1.0]], _cuda_like((64, 128)))
+
+
+def test_launcher_of_the_current_device_follows_it(launching_kernel, monkeypatch):
+    """torch.device("cuda") means the current device: bound once under that name, every later launch went to the
+    device current at the first one (its function and stream, with another device's pointers)."""
+    import torch
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    launching_kernel.launch_ptrs([0x10, 0x20, 0x30], torch.device("cuda"))
+    current[0] = 1
+    launching_kernel.launch_ptrs([0x40, 0x50, 0x60], torch.device("cuda"))
+    launching_kernel.launch_ptrs([0x70, 0x80, 0x90], torch.device("cuda", 0))
+    assert launching_kernel._function.launches == [(100, 1000, [0x10, 0x20, 0x30]), (101, 1001, [0x40, 0x50, 0x60]),
+                                                   (100, 1000, [0x70, 0x80, 0x90])]
