@@ -286,18 +286,43 @@ int max_active_clusters(uint64_t function, unsigned cluster, unsigned block_thre
   return clusters;
 }
 
-// Reads exactly 3 non-negative ints from a tuple/list into out[3].
+// A tuple or list's items: a str, bytes or dict would iterate into something the caller did not mean.
+PyObject** sequence_items(PyObject* seq, Py_ssize_t* size, const char* what, const char* accepted) {
+  if (PyList_Check(seq) || PyTuple_Check(seq)) {
+    *size = PySequence_Fast_GET_SIZE(seq);
+    return PySequence_Fast_ITEMS(seq);
+  }
+  throw py::type_error(std::string("tile_ops: launch: ") + what + " must be a tuple or list of " + accepted + ", got " +
+                       Py_TYPE(seq)->tp_name);
+}
+
+// `item` as an int in 0..max; false (no Python error set) when it is not one.
+bool as_uint(PyObject* item, uint64_t max, uint64_t* out) {
+  if (!PyLong_Check(item)) return false;
+  *out = PyLong_AsUnsignedLongLong(item);
+  if (*out == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();  // an OverflowError that names nothing: negative or too large
+    return false;
+  }
+  return *out <= max;
+}
+
+// What as_uint refused, as a Python error naming `what` and what is accepted.
+[[noreturn]] void refuse_uint(PyObject* item, uint64_t max, const std::string& what) {
+  if (!PyLong_Check(item))
+    throw py::type_error("tile_ops: launch: " + what + " must be an int, got " + Py_TYPE(item)->tp_name);
+  throw py::value_error("tile_ops: launch: " + what + " = " + py::str(item).cast<std::string>() +
+                        " is out of range 0.." + std::to_string(max));
+}
+
+// Reads exactly 3 ints in 0..2^32-1 (x, y, z) from a tuple or list into out[3].
 void read_dim3(PyObject* seq, const char* what, unsigned out[3]) {
-  PyObject* fast = PySequence_Fast(seq, what);  // no copy for tuple/list
-  if (fast == nullptr) throw py::error_already_set();
-  py::object guard = py::reinterpret_steal<py::object>(fast);
-  if (PySequence_Fast_GET_SIZE(fast) != 3)
-    throw py::value_error(std::string("tile_ops: launch: ") + what + " must have exactly 3 entries");
-  PyObject** items = PySequence_Fast_ITEMS(fast);
+  Py_ssize_t size = 0;
+  PyObject** items = sequence_items(seq, &size, what, "3 ints (x, y, z)");
+  if (size != 3) throw py::value_error(std::string("tile_ops: launch: ") + what + " must have exactly 3 entries");
   for (int i = 0; i < 3; ++i) {
-    unsigned long v = PyLong_AsUnsignedLong(items[i]);
-    if (v == static_cast<unsigned long>(-1) && PyErr_Occurred()) throw py::error_already_set();
-    if (v > 0xffffffffUL) throw py::value_error(std::string("tile_ops: launch: ") + what + " entry too large");
+    uint64_t v = 0;
+    if (!as_uint(items[i], UINT32_MAX, &v)) refuse_uint(items[i], UINT32_MAX, std::string(what) + "[" + std::to_string(i) + "]");
     out[i] = static_cast<unsigned>(v);
   }
 }
@@ -308,11 +333,7 @@ void read_dim3(PyObject* seq, const char* what, unsigned out[3]) {
 class KernelParams {
  public:
   KernelParams(PyObject* args, const char* kernel) {
-    PyObject* fast = PySequence_Fast(args, "tile_ops: launch: args must be a list of ints and bytes");
-    if (fast == nullptr) throw py::error_already_set();
-    seq_ = py::reinterpret_steal<py::object>(fast);
-    n_ = PySequence_Fast_GET_SIZE(fast);
-    PyObject** items = PySequence_Fast_ITEMS(fast);
+    PyObject** items = sequence_items(args, &n_, "args", "ints and bytes");
     if (n_ > kStackArgs) {
       heap_vals_.resize(n_);
       heap_params_.resize(n_);
@@ -323,9 +344,8 @@ class KernelParams {
     for (Py_ssize_t i = 0; i < n_; ++i) {
       PyObject* item = items[i];
       if (PyLong_Check(item)) {
-        unsigned long long v = PyLong_AsUnsignedLongLong(item);
-        if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
-        vals_[i] = v;
+        if (!as_uint(item, UINT64_MAX, &vals_[i]))
+          refuse_uint(item, UINT64_MAX, "argument " + std::to_string(i) + " of kernel '" + kernel + "'");
         params_[i] = &vals_[i];
       } else if (PyBytes_Check(item) && PyBytes_GET_SIZE(item) > 0) {
         by_value_.push_back(i);  // copied below, once the total size is known
@@ -360,7 +380,6 @@ class KernelParams {
     }
   }
 
-  py::object seq_;  // keeps the args alive until the launch
   Py_ssize_t n_ = 0;
   uint64_t stack_vals_[kStackArgs];
   void* stack_params_[kStackArgs];

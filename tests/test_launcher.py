@@ -107,10 +107,27 @@ def test_encode_tensor_map_rejects_bad_specs_before_the_driver(lib, change, mess
                "(passed by value, e.g. a CUtensorMap), got str"),
     ([b"", 1], "argument 0 of kernel 'k' must be an int"),
     ([bytearray(8)], "got bytearray"),
+    # a descriptor passed as the whole list iterated into one int argument per byte (the fake kernel crashed)
+    pytest.param(bytes(128), "args must be a tuple or list of ints and bytes, got bytes", id="a descriptor"),
+    ({0: 1}, "args must be a tuple or list of ints and bytes, got dict"),
 ])
 def test_launch_rejects_args_that_are_not_ints_or_bytes(lib, args, message):
     with pytest.raises(TypeError, match=re.escape(message)):
         lib.launch(1, (1, 1, 1), (1, 1, 1), 0, 0, args, "k")
+
+
+@pytest.mark.parametrize("grid, args, error, message", [  # were bare OverflowErrors and TypeErrors naming nothing
+    ((1, 1, 1), [1, -1], ValueError, "argument 1 of kernel 'k' = -1 is out of range 0..18446744073709551615"),
+    ((1, 1, 1), [2**64], ValueError, "argument 0 of kernel 'k' = 18446744073709551616 is out of range"),
+    ((1, -1, 1), [1], ValueError, "grid[1] = -1 is out of range 0..4294967295"),
+    ((2**32, 1, 1), [1], ValueError, "grid[0] = 4294967296 is out of range 0..4294967295"),
+    ((1, 1, 4.0), [1], TypeError, "grid[2] must be an int, got float"),
+    (5, [1], TypeError, "grid must be a tuple or list of 3 ints (x, y, z), got int"),
+    ("abc", [1], TypeError, "grid must be a tuple or list of 3 ints (x, y, z), got str"),
+])
+def test_launch_names_a_bad_grid_or_int_argument(lib, grid, args, error, message):
+    with pytest.raises(error, match=re.escape("tile_ops: launch: " + message)):
+        lib.launch(1, grid, (1, 1, 1), 0, 0, args, "k")
 
 
 # -- CudaFunction bookkeeping, with a pure-Python stand-in for the extension -----------------
@@ -383,7 +400,8 @@ assert out[0] == 6 and current() == 0x1001
 # bad Python arguments are Python errors, not crashes
 raises(ValueError, "grid must have exactly 3 entries", C.launch, f0, (1, 1), (1, 1, 1), 0, 0, [addr, 0], "k")
 raises(TypeError, "", C.launch, f0, 5, (1, 1, 1), 0, 0, [addr, 0], "k")
-raises(OverflowError, "", C.launch, f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, -1], "k")
+raises(ValueError, "argument 1 of kernel 'k' = -1 is out of range", C.launch, f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, -1], "k")
+raises(TypeError, "args must be a tuple or list", C.launch, f0, (1, 1, 1), (1, 1, 1), 0, 0, desc, "k")
 raises(TypeError, "", C.launch, f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, "x"], "k")
 raises(TypeError, "kernel_name must be a str", C.launch, f0, (1, 1, 1), (1, 1, 1), 0, 0, [addr, 0], None)
 raises(ValueError, "unknown function handle for kernel 'k'", C.launch, 12345, (1, 1, 1), (1, 1, 1), 0, 0, [], "k")
