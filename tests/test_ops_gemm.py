@@ -393,6 +393,7 @@ def test_cuda_launch_passes_the_bias_in_its_own_dtype(bias_dtype, out_dtype):
     (lambda a, b: tile_ops.gemm_softmax(a, b, None), TypeError, "scale must be a Python float, got NoneType"),
     (lambda a, b: tile_ops.gemm_softmax(a, b, True), TypeError, "scale must be a Python float, got bool"),
     (lambda a, b: tile_ops.gemm_softmax(a, b, 10**400), ValueError, "scale must be a finite float"),
+    (lambda a, b: tile_ops.gemm_softmax(a, b, 2**1024 - 2**969), ValueError, "scale must be a finite float"),
     (lambda a, b: tile_ops.gemm_softmax(a, "b"), TypeError, "b must be a torch.Tensor, got str"),
 ])
 def test_arguments_of_the_wrong_type_are_refused_in_the_ops_words(call, error, message):

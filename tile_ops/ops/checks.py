@@ -212,7 +212,10 @@ def check_scale(op: str, scale) -> float:
         return scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
-    scale = float(scale) if isinstance(scale, float) or abs(scale) < 2**1024 else math.inf
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int past the largest float (which is below 2**1024)
+        scale = math.inf
     if not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float, got {scale} (accepted: any finite float)")
     return scale
