@@ -310,6 +310,22 @@ def test_the_key_sees_the_globals_and_closure_a_factory_reads():
     assert "0x" not in json.dumps([_stable(v) for v in gemm.environment()])
 
 
+def test_equal_arguments_of_other_types_are_other_kernels(monkeypatch):
+    """1 == 1.0 == True share a hash: the per-call table must not hand one's kernel to another (a factory may
+    divide by it, or branch on it), as the full key does not."""
+    import tile_ops
+
+    jit = sys.modules["tile_ops.jit"]
+    monkeypatch.setattr(jit, "_load_or_build", lambda key, trace, arch, out_idx: key)
+
+    @tile_ops.jit(out_idx=[1])
+    def f(x, flag=0):
+        return x
+
+    assert len({f(1), f(1.0), f(True), f(1, flag=False), f(1, flag=0.0)}) == 5
+    assert f(1.0) == f(1.0)
+
+
 FACTORY = """
 import tile_ops
 

@@ -116,12 +116,16 @@ def _cell(c):
         return _EMPTY
 
 
+def _types(values) -> tuple:
+    return tuple(map(type, values))
+
+
 class JITFunction:
     def __init__(self, fn, out_idx, target):
         self.fn, self.target = fn, target
         self.out_idx = [out_idx] if isinstance(out_idx, int) else list(out_idx or [])
         self._mem: dict = {}  # full key -> Kernel
-        self._fast: dict = {}  # (args, kwargs, arch, environment) -> Kernel: the per-call path skips hashing
+        self._fast: dict = {}  # (args, kwargs, arch, environment, types) -> Kernel: the per-call path skips hashing
         self._source = textwrap.dedent(inspect.getsource(fn))
         self._read = _names_read(fn.__code__)  # global names (or attributes) it may read
         self._globals = None  # those that are module globals and not modules (the language): set at first use
@@ -154,7 +158,8 @@ class JITFunction:
 
     def __call__(self, *args, target: str | None = None, **kwargs) -> Kernel:
         arch = check_arch(target) if target else self.target or default_arch()
-        fast = (args, tuple(sorted(kwargs.items())), arch, self.environment())
+        env = self.environment()  # with the types: 1 == 1.0 == True, but the full key (and the program) differ
+        fast = (args, tuple(sorted(kwargs.items())), arch, env, _types(args), _types(kwargs.values()), _types(env))
         try:
             kernel = self._fast.get(fast)
         except TypeError:  # unhashable arguments: always take the full key
