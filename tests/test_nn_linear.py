@@ -1,5 +1,7 @@
 """tile_ops.nn.Linear as a drop-in for torch.nn.Linear (CPU path)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -172,21 +174,39 @@ def _hooked():
     return m
 
 
+def _forward_on_the_instance():
+    """How accelerate's add_hook_to_module (device_map offloading) wraps a module's forward."""
+    m = torch.nn.Linear(4, 3)
+    m._old_forward = m.forward
+    m.forward = functools.partial(lambda mod, x: mod._old_forward(x) * 2, m)
+    return m
+
+
+def _with_buffer():
+    m = torch.nn.Linear(4, 3)
+    m.register_buffer("scale", torch.ones(3))
+    return m
+
+
 @pytest.mark.parametrize("make, why", [
     (lambda: _Doubled(4, 3), "has a forward of its own"),
+    (_forward_on_the_instance, "has a forward of its own"),
     (_hooked, "has hooks"),
     (lambda: torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3)), "has parametrizations"),
+    (_with_buffer, "has buffers or submodules of its own"),
 ])
 def test_a_linear_that_does_more_is_not_converted(make, why):
-    """Converting these would silently drop what they add (doubling, a hook, weight_norm's training)."""
+    """Converting these would silently drop what they add (doubling, a hook, weight_norm's training, a
+    buffer in the state_dict)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), make())
     x = torch.randn(2, 4)
-    expected = model(x)
+    expected, state_keys = model(x), model.state_dict().keys()
     with pytest.warns(UserWarning, match=rf"left as they are.*: 1 \({type(model[1]).__name__}\) {why}"):
         convert_linears(model)
     assert isinstance(model[0], tile_ops.nn.Linear) and not isinstance(model[1], tile_ops.nn.Linear)
     torch.testing.assert_close(model(x), expected)
+    assert model.state_dict().keys() == state_keys
     with pytest.raises(TypeError, match=why):
         tile_ops.nn.Linear.from_linear(make())
 

@@ -51,7 +51,8 @@ class Linear(torch.nn.Linear):
         if why:
             raise TypeError(f"tile_ops.nn.Linear.from_linear: {type(module).__name__} {why}; a converted module would "
                             f"compute x @ weight^T + bias without it (accepted: a torch.nn.Linear without hooks, "
-                            f"parametrizations or a forward of its own, with initialized parameters)")
+                            f"parametrizations, buffers, submodules or a forward of its own, with initialized "
+                            f"parameters)")
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)  # not Linear.__init__: it would allocate and initialize new parameters
         new.in_features = module.in_features
@@ -86,13 +87,15 @@ def _not_plain(module: torch.nn.Linear) -> str | None:
     or None."""
     if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in (module.weight, module.bias)):
         return "is not initialized yet (a lazy module before its first call)"
-    if type(module).forward is not torch.nn.Linear.forward:
-        return "has a forward of its own"
+    if type(module).forward is not torch.nn.Linear.forward or "forward" in vars(module):
+        return "has a forward of its own"  # the instance's too: accelerate's hooks wrap forward that way
     if any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
             module._backward_pre_hooks)):
         return "has hooks"
     if torch.nn.utils.parametrize.is_parametrized(module):
         return "has parametrizations (e.g. weight_norm)"
+    if module._buffers or module._modules:  # from_linear keeps only weight and bias: its state_dict would lose them
+        return "has buffers or submodules of its own"
     return None
 
 
@@ -101,9 +104,10 @@ def convert_linears(module: torch.nn.Module, copy: bool = False) -> torch.nn.Mod
 
     Returns ``module`` (or the converted module when ``module`` itself is a
     ``torch.nn.Linear``).  Parameters are shared unless ``copy=True``.  A
-    Linear that does more than ``x @ weight^T + bias`` (a subclass with its
-    own forward, hooks, parametrizations, a lazy module not yet initialized)
-    is left as it is, with a warning naming it.
+    Linear that does more than ``x @ weight^T + bias`` (its own forward, on
+    a subclass or the instance, hooks, parametrizations, buffers or
+    submodules, a lazy module not yet initialized) is left as it is, with a
+    warning naming it.
     """
     skipped = []
     converted = _convert(module, "", copy, skipped)
