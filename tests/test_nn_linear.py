@@ -87,6 +87,20 @@ def test_convert_linears():
     torch.testing.assert_close(model(x), ref)
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_convert_keeps_shared_modules_and_tied_parameters(copy):
+    """A Linear used twice stays one (converted) module, and Linears sharing a weight keep sharing it, copied
+    or not: otherwise the second use stays a torch Linear, or gets parameters of its own that train apart."""
+    shared, tied = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    tied.weight = shared.weight
+    model = torch.nn.Sequential(shared, torch.nn.Tanh(), torch.nn.ModuleList([shared]), tied)
+    n_params = len(list(model.parameters()))
+    convert_linears(model, copy=copy)
+    assert type(model[0]) is tile_ops.nn.Linear and model[2][0] is model[0]
+    assert model[3].weight is model[0].weight and (model[0].weight is shared.weight) == (not copy)
+    assert len(list(model.parameters())) == n_params
+
+
 @pytest.mark.parametrize("shape", [(6,), (3, 6), (2, 3, 6), (2, 1, 3, 6), (0, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_forward_backward_match_torch(shape, dtype):

@@ -1,6 +1,7 @@
 """``tile_ops.nn.Linear``: a drop-in replacement for ``torch.nn.Linear`` running on ``tile_ops.gemm``."""
 
 import warnings
+from copy import deepcopy
 
 import torch
 import torch.nn.utils.parametrize
@@ -103,21 +104,31 @@ def convert_linears(module: torch.nn.Module, copy: bool = False) -> torch.nn.Mod
     """Replace every plain ``torch.nn.Linear`` inside ``module`` by a ``tile_ops.nn.Linear`` (in place).
 
     Returns ``module`` (or the converted module when ``module`` itself is a
-    ``torch.nn.Linear``).  Parameters are shared unless ``copy=True``.  A
-    Linear that does more than ``x @ weight^T + bias`` (its own forward, on
+    ``torch.nn.Linear``).  Parameters are shared unless ``copy=True`` (then
+    Linears that shared a parameter share its copy; a Linear used twice stays
+    one module either way).  A Linear that does more than ``x @ weight^T + bias`` (its own forward, on
     a subclass or the instance, hooks, parametrizations, buffers or
     submodules, a lazy module not yet initialized) is left as it is, with a
     warning naming it.
     """
     skipped = []
-    converted = _convert(module, "", copy, skipped)
+    converted = _convert(module, "", copy, skipped, {}, {})
     if skipped:
         warnings.warn("tile_ops.convert_linears: left as they are, converting them would change what they "
                       "compute: " + "; ".join(skipped))
     return converted
 
 
-def _convert(module: torch.nn.Module, name: str, copy: bool, skipped: list) -> torch.nn.Module:
+def _convert(module: torch.nn.Module, name: str, copy: bool, skipped: list, done: dict,
+             copies: dict) -> torch.nn.Module:
+    """``done`` maps a module already seen to what replaced it, so a module used twice stays one module;
+    ``copies`` is deepcopy's memo, so Linears that shared a parameter share its copy."""
+    if id(module) not in done:
+        done[id(module)] = _convert_one(module, name, copy, skipped, done, copies)
+    return done[id(module)]
+
+
+def _convert_one(module, name, copy, skipped, done, copies):
     if isinstance(module, Linear):  # already converted (and itself a torch.nn.Linear)
         return module
     if isinstance(module, torch.nn.Linear):
@@ -125,9 +136,11 @@ def _convert(module: torch.nn.Module, name: str, copy: bool, skipped: list) -> t
         if why:
             skipped.append(f"{name or 'the module'} ({type(module).__name__}) {why}")
             return module
-        return Linear.from_linear(module, copy=copy)
-    for child_name, child in module.named_children():
-        converted = _convert(child, f"{name}.{child_name}" if name else child_name, copy, skipped)
+        return Linear.from_linear(deepcopy(module, copies) if copy else module)
+    for child_name, child in module._modules.items():  # not named_children(): it skips a repeated module
+        if child is None:
+            continue
+        converted = _convert(child, f"{name}.{child_name}" if name else child_name, copy, skipped, done, copies)
         if converted is not child:
             setattr(module, child_name, converted)
     return module
