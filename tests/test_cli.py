@@ -121,6 +121,20 @@ def test_show_skips_a_malformed_entry(tmp_path, monkeypatch, capsys):
     assert "1 entry" in capsys.readouterr().out
 
 
+def test_show_and_clear_refuse_an_op_or_shape(tmp_path, monkeypatch, capsys):
+    """They cover the whole table: `tune --clear gemm` must not clear gemm_softmax's entries."""
+    from tile_ops import autotune
+
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
+    autotune.TuneTable().update({"gpu|gemm_softmax|8x8x8|float16": {"op": "gemm_softmax", "config": {}}})
+    for bad in (["tune", "--clear", "gemm"], ["tune", "--show", "--shape", "8x8x8"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2
+        assert f"{bad[1]} covers the whole tuned table: it takes no op or --shape" in capsys.readouterr().err
+    assert len(autotune.TuneTable().entries()) == 1
+
+
 @pytest.mark.skipif(shutil.which("tile_ops") is None, reason="console script not installed")
 def test_console_script(tmp_path):
     proc = subprocess.run(["tile_ops", "cache", "info"], capture_output=True, text=True, timeout=120,

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
 
 
 def cmd_tune(args) -> int:
+    whole = "--show" if args.show else "--clear" if args.clear else None
+    if whole and (args.op or args.shape):  # ignored, `tune --clear gemm` cleared every op's entries
+        args.tune_parser.error(f"{whole} covers the whole tuned table: it takes no op or --shape")
     if args.show:
         return show()
     if args.clear:
