@@ -105,7 +105,8 @@ def test_argument_errors():
                 ["cache", "list"], [], ["precompile", "--arch", "hopper", "--gemm", "8x8x8"],
                 ["precompile", "--arch", "sm_75", "--gemm", "8x8x8"], ["precompile", "--arch", "sm_90a", "-j", "-1"],
                 ["tune", "gemm", "--shape", "64x64x64", "--arch", "sm_"], ["tune", "--list", "gemm", "-j", "0"],
-                ["demo", "--arch", "90"]):
+                ["demo", "--arch", "90"], ["precompile", "--arch", "sm_80", "--scale", "nan"],
+                ["precompile", "--arch", "sm_80", "--scale", "inf"]):
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2, bad

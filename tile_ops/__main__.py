@@ -165,6 +165,16 @@ def parse_arch(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("tile_ops: ")) from None
 
 
+def parse_scale(text: str) -> float:
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not math.isfinite(scale):  # the op refuses such a scale: its kernel could never launch
+        raise argparse.ArgumentTypeError(f"expected a finite float, got {text!r}")
+    return scale
+
+
 def parse_jobs(text: str) -> int:
     try:
         n = int(text)
@@ -379,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gemm_softmax shapes (default, when neither is given: "
                     + " ".join("x".join(map(str, s)) for s in PRECOMPILE_GEMM_SOFTMAX) + ")")
     pc.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
-    pc.add_argument("--scale", nargs="+", type=float, default=PRECOMPILE_SCALES,
+    pc.add_argument("--scale", nargs="+", type=parse_scale, default=PRECOMPILE_SCALES,
                     help="gemm_softmax scales (compile-time constants; default: 1.0 = the op's default, "
                     "0.125 = the benchmark's)")
     pc.add_argument("--jobs", "-j", type=parse_jobs, default=None, help="compile threads (default: one per kernel, "
