@@ -122,6 +122,13 @@ def test_show_skips_a_malformed_entry(tmp_path, monkeypatch, capsys):
     assert "1 entry" in capsys.readouterr().out
 
 
+def test_list_shows_every_dtype_asked_for(capsys):
+    assert main(["tune", "--list", "gemm", "--shape", "64x64x64", "--dtype", "float16", "bfloat16",
+                 "--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "candidates for 64x64x64 float16 on sm_80" in out and "candidates for 64x64x64 bfloat16 on sm_80" in out
+
+
 def test_show_and_clear_refuse_an_op_or_shape(tmp_path, monkeypatch, capsys):
     """They cover the whole table: `tune --clear gemm` must not clear gemm_softmax's entries."""
     from tile_ops import autotune

@@ -139,8 +139,7 @@ def list_spaces(args) -> int:
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
         print(f"{op}: {cls.__module__}.{cls.__name__}({fields})")
         arch = args.arch or default_arch()
-        for shape in args.shape or []:
-            dtype = args.dtype[0]
+        for shape, dtype in ((s, d) for s in args.shape or [] for d in args.dtype):
             cands = make_candidates(target, shape, dtype, arch)
             limit = smem_limit(arch)
             prune(target, cands, shape, dtype, limit)
