@@ -188,6 +188,12 @@ def _hooked():
     return m
 
 
+def _state_dict_hooked():
+    m = torch.nn.Linear(4, 3)
+    m._register_state_dict_hook(lambda mod, state, prefix, local: state.pop(prefix + "bias"))
+    return m
+
+
 def _forward_on_the_instance():
     """How accelerate's add_hook_to_module (device_map offloading) wraps a module's forward."""
     m = torch.nn.Linear(4, 3)
@@ -206,12 +212,13 @@ def _with_buffer():
     (lambda: _Doubled(4, 3), "has a forward of its own"),
     (_forward_on_the_instance, "has a forward of its own"),
     (_hooked, "has hooks"),
+    (_state_dict_hooked, "has hooks"),
     (lambda: torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3)), "has parametrizations"),
     (_with_buffer, "has buffers or submodules of its own"),
 ])
 def test_a_linear_that_does_more_is_not_converted(make, why):
-    """Converting these would silently drop what they add (doubling, a hook, weight_norm's training, a
-    buffer in the state_dict)."""
+    """Converting these would silently drop what they add (doubling, a forward or state_dict hook,
+    weight_norm's training, a buffer in the state_dict)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), make())
     x = torch.randn(2, 4)

@@ -90,11 +90,12 @@ def _not_plain(module: torch.nn.Linear) -> str | None:
         return "is not initialized yet (a lazy module before its first call)"
     if type(module).forward is not torch.nn.Linear.forward or "forward" in vars(module):
         return "has a forward of its own"  # the instance's too: accelerate's hooks wrap forward that way
-    if any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-            module._backward_pre_hooks)):
-        return "has hooks"
     if torch.nn.utils.parametrize.is_parametrized(module):
-        return "has parametrizations (e.g. weight_norm)"
+        return "has parametrizations (e.g. weight_norm)"  # before hooks: weight_norm adds a load_state_dict hook
+    if any((module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
+            module._state_dict_hooks, module._state_dict_pre_hooks, module._load_state_dict_pre_hooks,
+            module._load_state_dict_post_hooks)):  # the state_dict ones change what checkpoints hold or load
+        return "has hooks"
     if module._buffers or module._modules:  # from_linear keeps only weight and bias: its state_dict would lose them
         return "has buffers or submodules of its own"
     return None
