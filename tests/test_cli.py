@@ -47,9 +47,9 @@ def test_cache_info_and_clear_on_empty_cache(tmp_path):
 def test_precompile_fills_cache_then_hits_it(tmp_path):
     cache = tmp_path / "cache"
     assert entries(cache) == 0
-    out = run_cli(cache, "precompile", "--arch", "sm_80", "--gemm", "128x128x64", "--dtype", "float16")
+    out = run_cli(cache, "precompile", "--arch", "sm_80", "--gemm", "128x128x64", "128x128x64", "--dtype", "float16")
     assert "gemm 128x128x64 float16" in out and "built" in out, out
-    assert "1 built, 0 already cached, 0 failed" in out
+    assert "1 built, 0 already cached, 0 failed" in out  # a shape given twice is one kernel
     key = re.search(r"\b([0-9a-f]{32})\b", out).group(1)
     assert (cache / key[:2] / key / "kernel.cubin").is_file()
     assert entries(cache) == 1

@@ -347,6 +347,7 @@ def cmd_precompile(args) -> int:
         gemm_shapes, sm_shapes = args.gemm or [], args.gemm_softmax or []
     jobs = [Job("gemm", s, dt, args.arch) for s in gemm_shapes for dt in args.dtype]
     jobs += [Job("gemm_softmax", s, dt, args.arch, sc) for s in sm_shapes for dt in args.dtype for sc in args.scale]
+    jobs = list({dataclasses.astuple(j): j for j in jobs}.values())  # a repeat would count as built twice
     print(f"Precompiling {len(jobs)} kernel{'s' if len(jobs) != 1 else ''} for {args.arch} into {cache_dir()} ({args.jobs or 'auto'} threads)")
     t0 = time.perf_counter()
     built = build_all(jobs, args.jobs)
