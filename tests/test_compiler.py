@@ -1107,3 +1107,19 @@ def test_bool_and_numpy_indices_and_numpy_floats_still_compile():
                 F[i, j] = A[bx > 3, np.int32(7)] + T.exp(np.float32(0.5))
             T.copy(F, C[0, 0])
     assert compile_program(k, "sm_80").source
+
+
+def test_a_huge_operand_no_tma_copies_is_refused_before_tvm_builds_it():
+    """sm_80 (no TMA) indexes every operand: at K = 2^31 TVM's build aborted the process (std::bad_alloc after
+    ~24 GB) before the 32-bit offset check ran. Refused up front, in a memory-capped child process."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+            "from tile_ops.compiler import compile_program\n"
+            "from tile_ops.kernels.gemm import gemm, launch_config\n"
+            "M, N, K = 8, 8, 2**31\n"
+            "try:\n"
+            "    compile_program(gemm.fn(M, N, K, cfg=launch_config(M, N, K, 'float16', arch='sm_80')), 'sm_80')\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "gemm_kernel: A (1, 8, 2147483648) (17,179,869,184 elements), B" in out.stdout

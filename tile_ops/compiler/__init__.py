@@ -50,6 +50,9 @@ def compile_program(prog: Program, arch: str = "sm_80") -> CompiledProgram:
                          f"2^31, y and z at most 65535; for the library's gemm on {arch}, y counts M's row tiles and "
                          f"z the batch). Split the problem into launches within them")
     huge = {name: shape for name, shape, _ in lowered.params if math.prod(shape) >= 2**31}
+    by_tma = {spec["tensor"] for spec in lowered.tensormaps.values()}
+    if any(name not in by_tma for name in huge):  # indexed for sure; TVM can abort (bad_alloc) building it
+        raise _indexed_too_far(prog.name, {n: s for n, s in huge.items() if n not in by_tma})
     try:
         source, entry, kept = emit_cuda(lowered, arch)
     except Exception as e:  # a flattened offset past int32 is a literal TVM refuses
