@@ -142,6 +142,25 @@ def test_error_fragment_used_inconsistently():
     assert "different layouts" in msg and "T.Parallel" in msg
 
 
+def test_error_reduce_of_a_fragment_no_gemm_laid_out():
+    """A row reduction needs the accumulator layout; a fragment only copied from memory gets a blocked
+    one, which was neither refused at the reduction (an AttributeError in lowering) nor named there."""
+    def prog(rows):
+        @T.prim_func
+        def bad(A: T.Tensor((rows, 64), "float32"), O: T.Tensor((rows,), "float32")):
+            with T.Kernel(1, threads=128) as bx:
+                F = T.alloc_fragment((rows, 64), "float32")
+                r = T.alloc_fragment((rows,), "float32")
+                T.copy(A[0, 0], F)
+                T.reduce_max(F, r, dim=1)
+                T.copy(r, O[0])
+        return bad
+
+    for rows in (64, 128):  # r: one value a thread or none
+        msg = _lower_error(lambda: prog(rows))
+        assert "T.reduce_max(F, r, dim=1)" in msg and "gemm accumulator layout" in msg
+
+
 def test_error_string_annotations_explained():
     src = textwrap.dedent('''
         from __future__ import annotations

@@ -41,6 +41,9 @@ class LayoutInference:
                 changed |= self.propagate(node)
             if not changed:
                 break
+        for node in nodes:  # a source no gemm laid out would get a blocked layout: rows spread over threads
+            if isinstance(node, Reduce) and node.src not in self.layouts:
+                raise _not_accumulator(node)
         for buf in self.kernel.allocs:
             if buf.scope == "fragment" and buf not in self.layouts:
                 lay = BlockedLayout.make(buf.shape, self.kernel.threads, dtype_bits(buf.dtype))
@@ -116,8 +119,7 @@ class LayoutInference:
                 if len(node.src.shape) != 2 or node.dim not in (1, -1):
                     raise error(node.loc, "T.reduce_*: only row reductions (dim=1) of 2-D fragments are supported")
                 if not isinstance(src_l, MmaAccumLayout):
-                    raise error(node.loc, f"T.reduce_*: {node.src.name} must have a gemm accumulator layout "
-                                          f"(reduce a fragment produced by T.gemm or copied from one)")
+                    raise _not_accumulator(node)
                 changed |= self.assign(node.dst, src_l.row_layout(), node)
         elif isinstance(node, Copy):
             s, d = node.src.buffer, node.dst.buffer
@@ -183,6 +185,11 @@ class LayoutInference:
 
 
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}  # what mma.sync and wgmma multiply (accumulating in fp32)
+
+
+def _not_accumulator(node: Reduce):
+    return error(node.loc, f"T.reduce_*: {node.src.name} must have a gemm accumulator layout "
+                           f"(reduce a fragment produced by T.gemm or copied from one)")
 
 
 def check_gemm_operands(g: Gemm) -> None:
