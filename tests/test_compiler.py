@@ -161,6 +161,23 @@ def test_error_reduce_of_a_fragment_no_gemm_laid_out():
         assert "T.reduce_max(F, r, dim=1)" in msg and "gemm accumulator layout" in msg
 
 
+def test_error_copy_region_past_a_shared_tile():
+    """Only global accesses are predicated: a window past a shared tile's end wrote other tiles' bytes."""
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((32, 32), "float32"), C: T.Tensor((32, 32), "float32")):
+            with T.Kernel(1, threads=128) as bx:
+                S1 = T.alloc_shared((32, 32), "float32")
+                S2 = T.alloc_shared((32, 32), "float32")
+                T.copy(A[0, 0], S1)
+                T.copy(S1, S2[16, 0])
+                T.copy(S2, C[0, 0])
+        return bad
+
+    msg = _lower_error(prog)
+    assert "T.copy(S1, S2[16, 0])" in msg and "S2[32, 32]" in msg and "16:48" in msg
+
+
 def test_error_string_annotations_explained():
     src = textwrap.dedent('''
         from __future__ import annotations

@@ -554,7 +554,23 @@ class Lowerer:
         ext = _squeeze(ext) or [1]
         if None not in other and _squeeze(other) != _squeeze(ext):
             raise error(node.loc, f"T.copy: region shapes differ: {list(se)} vs {list(de)}")
+        for side in (node.src, node.dst):
+            self._check_inside(node, side, ext)
         return list(ext)
+
+    def _check_inside(self, node: Copy, side, ext):
+        """A shared or local window of a copy lies inside its buffer: only global accesses are predicated,
+        so one reaching past the end would write (or read) the neighbouring tiles' bytes."""
+        buf = side.buffer
+        if buf.scope == "global":
+            return
+        ext = side.extents if None not in side.extents else [1] * (len(side.starts) - len(ext)) + list(ext)
+        for s, e, dim in zip(side.starts, ext, buf.shape):
+            s = tirx.const(s, "int32") if isinstance(s, int) else s
+            if self.ana.can_prove(tirx.Or(s + e > dim, s < 0)):
+                window = ", ".join(f"{a}:{a + b}" for a, b in zip(side.starts, ext))
+                raise error(node.loc, f"T.copy: the window [{window}] of {buf.name}{list(buf.shape)} reaches past "
+                                      f"it (shared and local tiles are not predicated, only global tensors are)")
 
     def _in_bounds(self, buf, start, idx):
         idx = _pad(idx, start)
