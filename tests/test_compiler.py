@@ -178,6 +178,23 @@ def test_error_copy_region_past_a_shared_tile():
     assert "T.copy(S1, S2[16, 0])" in msg and "S2[32, 32]" in msg and "16:48" in msg
 
 
+@pytest.mark.parametrize("cond", ["bx == 0", "bx != 0", "bx < 1"])
+def test_error_python_if_on_a_traced_value(cond):
+    """TVM answers bool() of == and != by object identity (bx == 0 is False: one branch traced for every
+    block, silently) and of other expressions with a bare ValueError; both are refused at the user's line."""
+    src = textwrap.dedent(f'''
+        import tile_ops.lang as T
+        @T.prim_func
+        def f(A: T.Tensor((64,), "float32")):
+            with T.Kernel(2, threads=32) as bx:
+                if {cond}:
+                    A[bx] = 1.0
+    ''')
+    with pytest.raises(tile_ops.lang.TileLangError) as e:
+        exec(compile(src, "user_kernel.py", "exec"), {})
+    assert f"user_kernel.py:6: " in str(e.value) and "T.if_then_else" in str(e.value)
+
+
 def test_error_string_annotations_explained():
     src = textwrap.dedent('''
         from __future__ import annotations

@@ -16,8 +16,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import tvm
 from tvm import tirx
-from tvm.ir.expr import TensorLoad
+from tvm.ir._overload_prim_expr import EqualOp, NotEqualOp
+from tvm.ir.expr import ExprOperand, TensorLoad
 
 from .errors import TileLangError
 
@@ -37,14 +39,18 @@ class Loc:
         return f"{self.filename}:{self.lineno}: {self.line}"
 
 
+def _ours(frame) -> bool:
+    """Whether ``frame`` runs tile_ops.lang: its files, or generated code (a dataclass's ``__init__``, filed as
+    ``<string>``) in its modules' globals."""
+    return (frame.f_globals.get("__name__", "").startswith("tile_ops.lang")
+            or os.path.abspath(frame.f_code.co_filename).startswith(_LANG_DIR))
+
+
 def user_loc() -> Loc | None:
-    """The innermost stack frame outside tile_ops.lang, whose files and generated code (a dataclass's
-    ``__init__``, filed as ``<string>`` in the module's globals) it skips: the line of the user's kernel."""
+    """The innermost stack frame outside tile_ops.lang: the line of the user's kernel."""
     frame = sys._getframe(1)
     while frame is not None:
-        name = frame.f_code.co_filename
-        ours = frame.f_globals.get("__name__", "").startswith("tile_ops.lang")
-        if not ours and not os.path.abspath(name).startswith(_LANG_DIR):
+        if not _ours(frame):
             return Loc(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
@@ -65,6 +71,34 @@ def error(loc: Loc | None, reason: str) -> TileLangError:
     err = TileLangError(f"{where}: {reason}{src}")
     err.located = loc is not None
     return err
+
+
+# ----------------------------------------------------------------------------- truth values
+
+_TVM_DIR = os.path.dirname(os.path.abspath(tvm.__file__))
+
+
+def _refuse_traced_truth(cls):
+    """While this thread traces a kernel, bool() of an expression asked by the kernel's code (``if``,
+    ``and``/``or``/``not``, min()/max()) is an error at its line: TVM raises a bare ValueError for most
+    expressions, and answers == and != by object identity (``bx == 0`` is False), which would silently
+    trace one branch for every block."""
+    original = cls.__bool__
+
+    def __bool__(self):
+        frame = sys._getframe(1)
+        if tracers() and not _ours(frame) and not os.path.abspath(frame.f_code.co_filename).startswith(_TVM_DIR):
+            raise error(Loc(frame.f_code.co_filename, frame.f_lineno),
+                        f"`{self}` is a value of the running kernel, which Python cannot branch on while tracing "
+                        f"(if/while, and/or/not, min()/max() are decided once, at trace time, on compile-time "
+                        f"constants); for values use T.if_then_else(cond, a, b) and T.min/T.max")
+        return original(self)
+
+    cls.__bool__ = __bool__
+
+
+for _cls in (ExprOperand, EqualOp, NotEqualOp):
+    _refuse_traced_truth(_cls)
 
 
 # ----------------------------------------------------------------------------- buffers
