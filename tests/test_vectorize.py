@@ -55,6 +55,22 @@ def test_parallel_copy_and_clear_compute_correctly(M, N):
     np.testing.assert_array_equal(B, A * np.float16(2))
 
 
+def test_scalar_statements_outside_parallel_are_predicated():
+    """An element assignment in a serial loop (not in T.Parallel) read and wrote past a global tensor's end
+    where the last block's window is ragged; it is predicated like T.Parallel's."""
+    n, per = 5, 2
+
+    @T.prim_func
+    def main(A: T.Tensor((n,), "float32"), O: T.Tensor((n,), "float32")):
+        with T.Kernel(T.ceildiv(n, per), threads=32) as bx:
+            for t in T.serial(per):
+                O[bx * per + t] = A[bx * per + t] * 2
+
+    A, O = np.arange(n, dtype=np.float32), np.zeros(n, np.float32)
+    emulate(main, A=A, O=O)  # the emulator raises on an index past the end
+    np.testing.assert_array_equal(O, A * 2)
+
+
 def test_aligned_rows_use_16_byte_accesses():
     src = compile_program(scale(64, 256), "sm_80").source
     assert vector_accesses(src, "A") == {"uint4"} and vector_accesses(src, "B") == {"uint4"}

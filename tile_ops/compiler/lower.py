@@ -447,7 +447,9 @@ class Lowerer:
         elif isinstance(node, Store):
             if node.buffer.scope == "fragment":
                 raise error(node.loc, f"fragment {node.buffer.name} can only be written inside T.Parallel or by tile ops")
-            self.store(node.buffer, [self.expr(i, vm) for i in node.indices], self.expr(node.value, vm))
+            # predicated as in T.Parallel: global indices past the end read 0 and write nothing
+            self._guarded_store(node.buffer, [self.expr(i, vm) for i in node.indices],
+                                self.expr(node.value, vm, guard=True))
         else:
             raise error(node.loc, f"cannot lower {type(node).__name__}")
 
