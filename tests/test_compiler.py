@@ -195,6 +195,23 @@ def test_error_python_if_on_a_traced_value(cond):
     assert f"user_kernel.py:6: " in str(e.value) and "T.if_then_else" in str(e.value)
 
 
+def test_error_copy_with_a_local_buffer():
+    """A copy is spread over the block's threads, and a local buffer is each thread's own array: thread t
+    filled element t of its copy (none for t >= 4 here) and read the others uninitialized."""
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((4,), "float32"), O: T.Tensor((128,), "float32")):
+            with T.Kernel(1, threads=128) as bx:
+                L = T.alloc_local((4,), "float32")
+                T.copy(A[0:4], L)
+                for i in T.Parallel(128):
+                    O[i] = L[i % 4]
+        return bad
+
+    msg = _lower_error(prog)
+    assert "T.copy(A[0:4], L)" in msg and "local" in msg and "T.fill" in msg
+
+
 def test_error_string_annotations_explained():
     src = textwrap.dedent('''
         from __future__ import annotations

@@ -537,6 +537,11 @@ class Lowerer:
             return self.hopper.tma_store(node, vm)
         src, dst = node.src, node.dst
         s_scope, d_scope = src.buffer.scope, dst.buffer.scope
+        if "local" in (s_scope, d_scope):  # each thread would move only its share of the window, in its own array
+            local = src.buffer if s_scope == "local" else dst.buffer
+            raise error(node.loc, f"T.copy: {local.name} is a local (per-thread) buffer, and a copy is spread over the "
+                                  f"block's threads; accepted: global, shared and fragment tiles (a local buffer is "
+                                  f"filled by T.fill or element assignments, which every thread runs whole)")
         extents = self._copy_extents(node)
         s_start = [self.expr(x, vm) for x in src.starts]
         d_start = [self.expr(x, vm) for x in dst.starts]
