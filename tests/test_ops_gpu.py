@@ -188,6 +188,21 @@ def test_gemm_softmax_out_dtype_f32(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_func_on_cuda_vs_float64(dtype):
+    """Per-sample gradients (vmap of grad) and a vmapped gemm_softmax: the batching rules' one launch and the
+    autograd Functions, on the kernels."""
+    from torch.func import grad, vmap
+
+    w, x = rnd(255, 129, dtype=dtype), rnd(6, 127, 255, dtype=dtype)
+    got = vmap(grad(lambda w, xi: tile_ops.gemm(xi, w, out_dtype=F32).square().sum()), in_dims=(None, 0))(w, x)
+    want = vmap(grad(lambda w, xi: (xi @ w).square().sum()), in_dims=(None, 0))(w.double(), x.double())
+    assert rel_err(got, want) < TOL[dtype]
+    scale = 255 ** -0.5
+    got = vmap(lambda xi: tile_ops.gemm_softmax(xi, w, scale))(x)
+    assert rel_err(got, ref_gemm_softmax(x, w, scale)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_softmax_grads_vs_float64(dtype):
     M, K, N = 127, 255, 129
     a = rnd(2, M, K, dtype=dtype).requires_grad_()

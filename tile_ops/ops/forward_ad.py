@@ -1,10 +1,11 @@
-"""Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) for the ops' Python wrappers.
+"""Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) for the ops: the tangent formulas, and
+the wrappers' forward mode under ``torch.compile`` (eagerly the ops' autograd Functions use the same formulas,
+``functorch.py``).
 
 A ``torch.library.custom_op`` has no forward-mode formula: its result would carry a zero (``func.jvp``) or no
 (``forward_ad``) tangent, silently.  So the wrappers take dual operands apart here and build the result's
 tangent from the ops themselves: ``d(a @ b + bias) = da @ b + a @ db + dbias`` and, for ``p = softmax(s * a@b)``,
-``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``.  One forward level (nested ones are
-refused), eagerly and under ``torch.compile`` (dynamo traces these wrappers).
+``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``.  One forward level: nested ones are refused.
 """
 
 import torch
@@ -30,14 +31,20 @@ def _forward_levels() -> int:
     return max(eager_transforms.JVP_NESTING, fwAD._current_level + 1)
 
 
+def refuse_nested_levels(op: str) -> None:
+    """A tangent built here, or by the ops' autograd Functions (from tensors saved at the inner level), is the
+    innermost level's only: an outer level would miss the mixed terms.  Refused, not wrong."""
+    if _forward_levels() > 1:
+        raise NotImplementedError(f"{op}: nested forward-mode AD (jvp of jvp, jacfwd of jacfwd) is not supported; "
+                                  f"supported: one forward level (torch.func.jvp, jacfwd, hessian, forward_ad)")
+
+
 def _split(op: str, *tensors):
     """(primals, tangents) of ``tensors`` (None passes through), or None when none of them has a tangent."""
     duals = [fwAD.unpack_dual(t) if isinstance(t, torch.Tensor) else None for t in tensors]
     if all(d is None or d.tangent is None for d in duals):
         return None
-    if _forward_levels() > 1:  # the tangent built here would be the innermost level's only: refuse, not zeros
-        raise NotImplementedError(f"{op}: nested forward-mode AD (jvp of jvp, jacfwd of jacfwd) is not supported; "
-                                  f"supported: one forward level (torch.func.jvp, jacfwd, forward_ad)")
+    refuse_nested_levels(op)
     return ([t if d is None else d.primal for t, d in zip(tensors, duals)],
             [None if d is None else d.tangent for d in duals])
 
@@ -47,6 +54,23 @@ def _sum(terms):
     return terms[0] if len(terms) == 1 else torch.stack(torch.broadcast_tensors(*terms)).sum(0)
 
 
+def gemm_tangent(gemm, a, b, ta, tb, tbias, out_dtype, y):
+    """The tangent of ``y = gemm(a, b, bias, out_dtype)``: ``ta @ b + a @ tb + tbias`` (None: no tangent)."""
+    tangent = _sum([gemm(ta, b, None, out_dtype) if ta is not None else None,
+                    gemm(a, tb, None, out_dtype) if tb is not None else None,
+                    tbias.to(y.dtype) if tbias is not None else None])
+    return tangent.expand_as(y).to(y.dtype)
+
+
+def gemm_softmax_tangent(gemm, a, b, ta, tb, scale, p):
+    """The tangent of ``p = gemm_softmax(a, b, scale)``, computed in the scores' precision."""
+    wide = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+    dz = scale * _sum([gemm(ta, b, None, wide) if ta is not None else None,
+                       gemm(a, tb, None, wide) if tb is not None else None])
+    pw = p.to(wide)
+    return (pw * (dz - (pw * dz).sum(-1, keepdim=True))).to(p.dtype)
+
+
 def gemm_jvp(gemm, a, b, bias, out_dtype):
     """``gemm(a, b, bias, out_dtype)`` with its tangent, or None when no operand has one."""
     split = _split("tile_ops.gemm", a, b, bias)
@@ -54,10 +78,7 @@ def gemm_jvp(gemm, a, b, bias, out_dtype):
         return None
     (pa, pb, pbias), (ta, tb, tbias) = split
     y = gemm(pa, pb, pbias, out_dtype)
-    tangent = _sum([gemm(ta, pb, None, out_dtype) if ta is not None else None,
-                    gemm(pa, tb, None, out_dtype) if tb is not None else None,
-                    tbias.to(y.dtype) if tbias is not None else None])
-    return fwAD.make_dual(y, tangent.expand_as(y).to(y.dtype))
+    return fwAD.make_dual(y, gemm_tangent(gemm, pa, pb, ta, tb, tbias, out_dtype, y))
 
 
 def gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype):
@@ -67,8 +88,4 @@ def gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype):
         return None
     (pa, pb), (ta, tb) = split
     p = gemm_softmax(pa, pb, scale, out_dtype)
-    wide = torch.float32 if pa.dtype in (torch.float16, torch.bfloat16) else pa.dtype  # the scores' precision
-    dz = scale * _sum([gemm(ta, pb, None, wide) if ta is not None else None,
-                       gemm(pa, tb, None, wide) if tb is not None else None])
-    pw = p.to(wide)
-    return fwAD.make_dual(p, (pw * (dz - (pw * dz).sum(-1, keepdim=True))).to(p.dtype))
+    return fwAD.make_dual(p, gemm_softmax_tangent(gemm, pa, pb, ta, tb, scale, p))

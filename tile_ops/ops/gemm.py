@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, fastpath, forward_ad, sharding
+from . import checks, fastpath, forward_ad, functorch, sharding
 
 OP = "tile_ops.gemm"
 
@@ -224,7 +224,7 @@ def _gemm_setup_context(ctx, inputs, output):
 
 
 def _gemm_backward(ctx, grad):
-    b, a = ctx.saved_tensors
+    b, a = ctx.saved_tensors[:2]
     need_a, need_b, need_bias = needs_input_grad(ctx, 3)
     g = grad.to(ctx.in_dtype)
     da, db = matmul_input_grads(g, a, b, need_a, need_b, ctx.a_dim, ctx.b_dim)
@@ -235,6 +235,17 @@ def _gemm_backward(ctx, grad):
 
 
 gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+
+
+def _gemm_jvp(ctx, ta, tb, tbias, _):
+    b, a, y = ctx.saved_tensors
+    return forward_ad.gemm_tangent(gemm, a, b, ta, tb, tbias, y.dtype, y)
+
+
+gemm_op.register_vmap(functorch.gemm_vmap_rule(gemm_op, _compute_dtype))
+_GemmFunction = functorch.autograd_function(  # torch.func and forward mode, eagerly: the same formulas
+    "GemmFunction", gemm_op, _gemm_setup_context, _gemm_backward,
+    lambda inputs, y: (inputs[1], inputs[0], y), _gemm_jvp)  # (b, a) as the op's backward reads them, then y
 
 
 # --------------------------------------------------------------------------- public API
@@ -274,7 +285,9 @@ def gemm(
     Differentiable in ``a``, ``b`` and ``bias``; the backward runs two gemms.
     Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
     one level, also inside ``torch.compile``: the tangent is ``da @ b + a @ db + dbias``,
-    from three gemms; nested forward levels are refused.
+    from three gemms; nested forward levels are refused.  ``torch.func`` eagerly: ``grad``,
+    ``vjp``, ``jacrev``, ``hessian`` and ``vmap`` (one launch over the mapped dim), composed
+    (per-sample gradients); inside ``torch.compile``, ``vmap`` and ``jvp``.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``,
     floating point operands (not float64) are cast to the region's dtype first,
     as for ``torch.matmul``.  With DTensor operands (tensor parallelism) each
@@ -295,7 +308,11 @@ def gemm(
         a, b, bias = checks.autocast(a, b, bias)
     if eager:  # (a registration is not an op to trace)
         sharding.register_if_in_use()
-    if forward_ad.active():
+    if forward_ad.active():  # a forward level or a torch.func transform
+        if eager:  # (under torch.compile, dynamo traces the tangent below instead)
+            forward_ad.refuse_nested_levels(OP)
+            return _GemmFunction.apply(a, b, bias, out_dtype)
+        functorch.refuse_traced_grad(OP)
         dual = forward_ad.gemm_jvp(gemm, a, b, bias, out_dtype)
         if dual is not None:
             return dual

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, fastpath, forward_ad
+from . import checks, fastpath, forward_ad, functorch
 from .gemm import _compute_dtype, gemm, load_kernel_module, matmul_input_grads, needs_input_grad
 
 OP = "tile_ops.gemm_softmax"
@@ -201,6 +201,17 @@ def _gemm_softmax_backward(ctx, grad):
 gemm_softmax_op.register_autograd(_gemm_softmax_backward, setup_context=_gemm_softmax_setup_context)
 
 
+def _gemm_softmax_jvp(ctx, ta, tb, *_):
+    p, b, a = ctx.saved_tensors
+    return forward_ad.gemm_softmax_tangent(gemm, a, b, ta, tb, ctx.scale, p)
+
+
+gemm_softmax_op.register_vmap(functorch.gemm_softmax_vmap_rule(gemm_softmax_op))
+_GemmSoftmaxFunction = functorch.autograd_function(  # torch.func and forward mode, eagerly: the same formulas
+    "GemmSoftmaxFunction", gemm_softmax_op, _gemm_softmax_setup_context, _gemm_softmax_backward,
+    lambda inputs, p: (p, inputs[1], inputs[0]), _gemm_softmax_jvp)  # as the op's backward reads them
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -235,7 +246,8 @@ def gemm_softmax(
 
     Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
     Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
-    one level, also inside ``torch.compile`` (nested levels are refused).
+    one level, also inside ``torch.compile`` (nested levels are refused).  ``torch.func``
+    eagerly, as for ``tile_ops.gemm``: ``grad``, ``vjp``, ``jacrev``, ``hessian``, ``vmap``.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``
     the operands are cast to the region's dtype, and on CUDA the result is
     float32 unless ``out_dtype`` says otherwise: what ``softmax(a @ b)`` gives.
@@ -255,7 +267,11 @@ def gemm_softmax(
     if casting:  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
         a, b = checks.autocast(a, b)
-    if forward_ad.active():
+    if forward_ad.active():  # a forward level or a torch.func transform
+        if eager:  # (under torch.compile, dynamo traces the tangent below instead)
+            forward_ad.refuse_nested_levels(OP)
+            return _GemmSoftmaxFunction.apply(a, b, scale, out_dtype)
+        functorch.refuse_traced_grad(OP)
         dual = forward_ad.gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype)
         if dual is not None:
             return dual
