@@ -44,6 +44,18 @@ def test_cache_info_and_clear_on_empty_cache(tmp_path):
     assert "removed 0 entries" in run_cli(cache, "cache", "clear")
 
 
+@pytest.mark.parametrize("action", ["info", "clear"])
+def test_a_cache_path_that_is_a_file_is_an_error(tmp_path, monkeypatch, capsys, action):
+    """It read as an empty cache (and `clear` "removed 0 entries"); a build then failed on <file>/locks."""
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(not_a_dir))
+    assert main(["cache", action]) == 2
+    assert f"the kernel cache {not_a_dir} (TILE_OPS_CACHE_DIR) is not a directory" in capsys.readouterr().err
+    with pytest.raises(NotADirectoryError, match="accepted: a directory"):
+        DiskCache()
+
+
 def test_precompile_fills_cache_then_hits_it(tmp_path):
     cache = tmp_path / "cache"
     assert entries(cache) == 0

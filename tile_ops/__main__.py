@@ -422,8 +422,14 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv=None) -> int:
+    from .jit.cache import CacheDirError
+
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except CacheDirError as e:  # a setting to correct, not a crash: no traceback
+        print(f"error: {str(e).removeprefix('tile_ops: ')}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -36,10 +36,18 @@ _TEMP = re.compile(r"[0-9a-f]+\.[A-Za-z0-9_]{8}")  # a store's temp dir: tempfil
 _STALE_TMP_S = 3600  # a store's temp dir lives for seconds; one an hour old was left by a killed process
 
 
+class CacheDirError(NotADirectoryError):
+    """The cache path names something other than a directory."""
+
+
 def cache_dir() -> pathlib.Path:
     """``$TILE_OPS_CACHE_DIR`` if set (read at each call), else ``~/.tile_ops/cache``."""
     env = os.environ.get("TILE_OPS_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".tile_ops" / "cache"
+    root = pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".tile_ops" / "cache"
+    if root.exists() and not root.is_dir():  # `cache info` read it as empty, a build failed on <root>/locks
+        raise CacheDirError(f"tile_ops: the kernel cache {root} ({'TILE_OPS_CACHE_DIR' if env else 'the default'})"
+                            f" is not a directory; accepted: a directory, or a path that does not exist yet")
+    return root
 
 
 @dataclasses.dataclass
