@@ -67,6 +67,15 @@ def test_from_linear_shares_or_copies(bias):
         tile_ops.nn.Linear.from_linear(torch.nn.Conv1d(1, 1, 1))
 
 
+def test_from_linear_keeps_the_instance_attributes():
+    """Attributes set on the module (HF marks loaded ones _is_hf_initialized, to skip re-initializing them)."""
+    ref = torch.nn.Linear(6, 4).eval()
+    ref._is_hf_initialized, ref.tag = True, ["lm_head"]
+    new = tile_ops.nn.Linear.from_linear(ref)
+    assert new._is_hf_initialized and new.tag is ref.tag and not new.training
+    assert new._parameters is not ref._parameters and new.weight is ref.weight
+
+
 def test_is_a_torch_linear_and_converts_once():
     """A torch.nn.Linear subclass (torch's tensor-parallel styles and the like accept it); converting
     a model twice leaves the converted layers as they are."""

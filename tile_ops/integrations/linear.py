@@ -69,6 +69,8 @@ class Linear(torch.nn.Linear):
         else:
             new.register_parameter("bias", None)
         new.train(module.training)
+        for name, value in vars(module).items():  # plain attributes set on the instance (HF's _is_hf_initialized)
+            vars(new).setdefault(name, value)
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
