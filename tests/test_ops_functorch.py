@@ -67,6 +67,11 @@ TRANSFORMS = {
     "vmap_b": lambda mm, sm: (vmap(lambda y: mm(a, y, bias))(_r(6, 3, 5)), vmap(lambda y: sm(a, y))(_r(6, 3, 5))),
     "vmap_batched_a_and_b": lambda mm, sm: vmap(mm, in_dims=(0, None))(_r(6, 2, 4, 3), _r(2, 3, 5)),
     "vmap_ensemble": lambda mm, sm: vmap(mm)(_r(6, 4, 3), _r(6, 3, 5), _r(6, 5)),  # a model per slice
+    "vmap_bias_only": lambda mm, sm: vmap(lambda z: mm(a, b, z), in_dims=1)(_r(5, 6)),
+    "vmap_2d_mapped_over_3d": lambda mm, sm: (vmap(mm, in_dims=(None, 0))(_r(2, 4, 3), _r(6, 3, 5)),
+                                              vmap(sm, in_dims=(0, None))(_r(6, 4, 3), _r(2, 3, 5))),
+    "vmap_k_0": lambda mm, sm: vmap(mm, in_dims=(0, None, None))(_r(6, 4, 0), _r(0, 5), bias),
+    "vmap_jvp_bias": lambda mm, sm: vmap(lambda z, t: jvp(lambda q: mm(a, b, q), (z,), (t,)))(_r(6, 5), _r(6, 5)),
     "vmap_vmap": lambda mm, sm: vmap(vmap(lambda x, y: mm(x, y)), in_dims=(0, None))(_r(2, 6, 4, 3), _r(6, 3, 5)),
     "per_sample_grad": lambda mm, sm: vmap(grad(lambda w, x: (mm(x, w) ** 2).sum()), in_dims=(None, 0))(b, _r(6, 4, 3)),
     "grad_of_vmap": lambda mm, sm: grad(lambda w: (vmap(lambda x: sm(x, w))(_r(6, 4, 3)) ** 2).sum())(b),

@@ -53,13 +53,17 @@ def batched_matmul(op, a, b, a_dim, b_dim):
     (a ``(..., M, K) x (..., K, N)`` matmul-like op with a 2-D operand broadcast over the other's batch);
     the result has the mapped dim first."""
     a, b = _front(a, a_dim), _front(b, b_dim)
-    if b_dim is None and b.dim() == 2:  # every slice's rows: one taller problem
-        return op(a.reshape(-1, a.shape[-1]), b).unflatten(0, a.shape[:-1])
+    if a_dim is None and b_dim is None:  # only a bias is mapped: a mapped dim of 1 that it broadcasts over
+        return op(a, b).unsqueeze(0)
+    if b_dim is None and b.dim() == 2:  # every slice's rows: one taller problem (flatten: K may be 0)
+        return op(a.flatten(0, -2), b).unflatten(0, a.shape[:-1])
     if a_dim is None and a.dim() == 2:  # the op broadcasts a over b's batch
         return op(a, b.flatten(0, -3)).unflatten(0, b.shape[:-2])
     size = (a if a_dim is not None else b).shape[0]
     a = a if a_dim is not None else a.expand(size, *a.shape)
     b = b if b_dim is not None else b.expand(size, *b.shape)
+    rank = max(a.dim(), b.dim())  # a 2-D slice broadcast over the other's batch: a batch of 1 after the mapped dim
+    a, b = (x if x.dim() == rank else x.unsqueeze(1) for x in (a, b))
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a, b = a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])
     return op(a.flatten(0, -3), b.flatten(0, -3)).unflatten(0, batch)
