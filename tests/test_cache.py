@@ -323,6 +323,7 @@ def test_equal_arguments_of_other_types_are_other_kernels(monkeypatch):
         return x
 
     assert len({f(1), f(1.0), f(True), f(1, flag=False), f(1, flag=0.0)}) == 5
+    assert len({f((1, 2)), f((1.0, 2)), f(1, flag=((0,),)), f(1, flag=((0.0,),))}) == 4  # inside tuples too
     assert f(1.0) == f(1.0)
 
 

@@ -117,7 +117,8 @@ def _cell(c):
 
 
 def _types(values) -> tuple:
-    return tuple(map(type, values))
+    """The values' types, a tuple's item by item: (1,) == (1.0,) and hash alike too (a list is unhashable)."""
+    return tuple(_types(v) if type(v) is tuple else type(v) for v in values)
 
 
 class JITFunction:
