@@ -265,7 +265,7 @@ class Kernel:
         builds the argument list and enters the extension's launch: the ops' per-call path."""
         bound = self._bound.get(device)
         if bound is None:
-            if device.index is None:  # the current device, which may change: never bound under "cuda" alone
+            if device.index is None and device.type == "cuda":  # the current device, which may change
                 import torch
 
                 return self.launcher(torch.device(device.type, _device_index(device)))
