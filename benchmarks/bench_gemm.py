@@ -141,8 +141,10 @@ def target_lines(rows) -> list:
         got = [ratio[k] for k in ("x".join(map(str, s)) for s in shapes) if k in ratio]
         if not got:
             continue
-        value = statistics.geometric_mean(got) if how == "geomean" else min(got)
+        # a shape where no config was correct has ratio 0 (geometric_mean refuses it): the target is not met
+        value = statistics.geometric_mean(got) if how == "geomean" and min(got) > 0 else min(got)
         partial = "" if len(got) == len(shapes) else f" (only {len(got)} of its {len(shapes)} shapes ran)"
+        partial += "" if min(got) > 0 else " (a shape had no correct kernel)"
         lines.append(f"{what}: {value:.3f}, target >= {bar:.2f}: {'met' if value >= bar else 'NOT met'}{partial}")
     return lines
 
@@ -166,17 +168,24 @@ def kernels_for(M, N, K, dtype, trans_B, configs, arch):
     return out
 
 
+def checked_tflops(fn, ref, tolerance, tflops, name):
+    """TFLOP/s of an anchor's ``fn()`` (which returns its output), timed only after that output is checked
+    against the float64 ``ref``: "WRONG" (said on stderr, with the error) when it is not within ``tolerance``."""
+    e = ((fn().double() - ref).norm() / ref.norm()).item()
+    if not e < tolerance:
+        print(f"WRONG {name}: relative error {e:.1e}", file=sys.stderr)
+        return "WRONG"
+    return round(tflops(bench_ms(fn)), 1)
+
+
 def tilelang_best(a, b, ref, dt, tflops):
     """TFLOP/s of TileLang's best correct config for this problem, or "-" when none builds or is correct."""
     M, K = a.shape
     best = "-"
     for cfg, kernel in tilelang_matmul.kernels(M, b.shape[1], K, dt).items():
-        e = ((kernel(a, b).double() - ref).norm() / ref.norm()).item()
-        if not e < TOLERANCE[dt]:
-            print(f"WRONG tilelang {dt} {M}x{b.shape[1]}x{K} {cfg}: relative error {e:.1e}", file=sys.stderr)
-            continue
-        t = round(tflops(bench_ms(lambda: kernel(a, b))), 1)
-        best = t if best == "-" else max(best, t)
+        t = checked_tflops(lambda: kernel(a, b), ref, TOLERANCE[dt], tflops, f"tilelang {dt} {M}x{b.shape[1]}x{K} {cfg}")
+        if t != "WRONG":
+            best = t if best == "-" else max(best, t)
     return best
 
 
@@ -248,7 +257,8 @@ def main():
         if not args.no_triton:  # the Triton and TileLang anchors take a row-major B only
             from triton_matmul import matmul as triton_matmul
 
-            row["triton"] = "-" if trans_B else round(tflops(bench_ms(lambda: triton_matmul(a, b))), 1)
+            row["triton"] = "-" if trans_B else checked_tflops(lambda: triton_matmul(a, b), ref, TOLERANCE[dt], tflops,
+                                                               f"triton {dt} {M}x{N}x{K}")
         if args.tilelang:
             row["tilelang"] = "-" if trans_B else tilelang_best(a, b, ref, dt, tflops)
         rows.append(row)

@@ -240,3 +240,37 @@ def test_bench_sustained_prints_each_variants_geomean():
             {"kernel": "default", "vs_cuBLAS": 1.018}, {"kernel": "raster8", "vs_cuBLAS": 1.012}]
     assert bench_sustained.geomean_lines(rows) == ["default: geomean 1.006 of cuBLAS over 2 shape(s)",
                                                    "raster8: geomean 1.005 of cuBLAS over 2 shape(s)"]
+
+
+def test_bench_gemm_checks_an_anchor_before_timing_it(monkeypatch, capsys):
+    """The Triton and TileLang anchors are checked against the float64 reference like ours: a wrong anchor
+    is reported WRONG (and not timed), a right one timed; a Triton column was timed unchecked."""
+    import torch
+
+    import bench_gemm
+
+    timed = []
+    monkeypatch.setattr(bench_gemm, "bench_ms", lambda fn: timed.append(fn) or 2.0)
+    a, b = torch.randn(64, 32, dtype=torch.float64), torch.randn(32, 48, dtype=torch.float64)
+    ref = a @ b
+    tflops = lambda ms: 2 * 64 * 48 * 32 / ms / 1e9  # noqa: E731
+    right = bench_gemm.checked_tflops(lambda: (a @ b).half(), ref, 5e-3, tflops, "triton float16 64x48x32")
+    assert right == round(tflops(2.0), 1) and len(timed) == 1
+    wrong = bench_gemm.checked_tflops(lambda: (a @ b.flip(1)).half(), ref, 5e-3, tflops, "triton float16 64x48x32")
+    assert wrong == "WRONG" and len(timed) == 1
+    assert "WRONG triton float16 64x48x32: relative error" in capsys.readouterr().err
+    nan = bench_gemm.checked_tflops(lambda: torch.full((64, 48), float("nan")), ref, 5e-3, tflops, "x")
+    assert nan == "WRONG" and len(timed) == 1
+
+
+def test_bench_gemm_targets_with_a_shape_no_config_got_right():
+    """A shape whose configs were all WRONG has ratio 0: its targets read NOT met (the geomean used to raise
+    StatisticsError after the table, losing the --json)."""
+    import bench_gemm
+
+    rows = [{"dtype": "float16", "shape": s, "vs_cuBLAS": r}
+            for s, r in (("4096x4096x4096", 0.0), ("8192x8192x8192", 1.02), ("2048x2048x2048", 0.97))]
+    lines = bench_gemm.target_lines(rows)
+    assert lines[0].startswith("geomean of 4096^3") and "0.000, target >= 1.00: NOT met" in lines[0]
+    assert "no correct kernel" in lines[0] and "NOT met" in lines[1]
+    assert lines[2] == "2048^3: 0.970, target >= 0.95: met"
