@@ -41,7 +41,7 @@ What each tool covers:
 Any result other than "clean" (errors, racecheck warnings, a wrong result, a crash, a timeout, a run skipped
 for --budget) makes the exit status 1.  The table printed last has one row per (kernel, path, shape) and
 one column per tool, "result (seconds)"; OUT/sanitize/summary.json has one record per run and
-OUT/sanitize/<kernel>_<path>_<shape>_<tool>.log each run's command line and full sanitizer output.
+OUT/sanitize/<kernel>_<path>_<label>_<shape>_<tool>.log each run's command line and full sanitizer output.
 --budget caps the whole script (compiling included), so that under an outer `timeout` the table is still
 printed: a run is not started with less than 20 s left, and a started run's timeout is cut to what is left.
 """
@@ -233,7 +233,8 @@ def parse(text, rc, timed_out):
 def run_one(sanitizer, run, port, out_dir, timeout, env):
     kern, arch, label, shape, tool = run
     cmd = sanitizer_cmd(sanitizer, run, port)
-    log = os.path.join(out_dir, f"{kern}_{arch}_{shape_str(shape)}_{tool}.log")
+    # the label too: two labels can share a shape (gemm's ragged and padded runs are both 127x255x129)
+    log = os.path.join(out_dir, f"{kern}_{arch}_{label}_{shape_str(shape)}_{tool}.log")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, cwd=ROOT)

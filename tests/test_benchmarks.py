@@ -274,3 +274,20 @@ def test_bench_gemm_targets_with_a_shape_no_config_got_right():
     assert lines[0].startswith("geomean of 4096^3") and "0.000, target >= 1.00: NOT met" in lines[0]
     assert "no correct kernel" in lines[0] and "NOT met" in lines[1]
     assert lines[2] == "2048^3: 0.970, target >= 0.95: met"
+
+
+def test_sanitize_runs_of_one_shape_under_two_labels_keep_their_own_logs(tmp_path):
+    """gemm's "ragged" and "padded" runs share the shape 127x255x129: each run's log is its own (they were
+    one file, written by both runs, and both summary records pointed at it)."""
+    san = _sanitize()
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text("#!/bin/bash\necho \"run of label ${@: -1}\"; echo '========= ERROR SUMMARY: 0 errors'\n")
+    fake.chmod(0o755)
+    shape = dict(san.SHAPES["gemm"])["ragged"]
+    assert dict(san.SHAPES["gemm"])["padded"] == shape
+    results = [san.run_one(str(fake), ("gemm", "sm_90a", label, shape, "memcheck"), 30000, str(tmp_path), 30,
+                           dict(os.environ)) for label in ("ragged", "padded")]
+    assert [r["result"] for r in results] == ["clean", "clean"]
+    assert results[0]["log"] != results[1]["log"]
+    for r, label in zip(results, ("ragged", "padded")):
+        assert f"run of label {label}" in pathlib.Path(r["log"]).read_text()
