@@ -11,28 +11,43 @@
 #   TileLang beside us: ../shared/device/make-tilelang-kit.sh, then (no GPU needed)
 #     TILE_OPS_CACHE_DIR=.tile_ops_cache python benchmarks/bench_gemm.py --compile-only;  carry .tlkit
 #     and .tile_ops_cache (not .tvmkit: both do not fit) and run TESTS=none BENCHES=gemm BENCH_ARGS=--tilelang.
+# A step that fails (exit status, or killed by its timeout) says so at once with "FAILED:", and the script
+# goes on to the next step, then exits 1 listing them (also in $OUT/failures.txt); 0 only if every step passed.
 set -uo pipefail
 OUT=${OUT:-/tmp/tile_ops_out}; mkdir -p "$OUT"
+failed=""
+note() {  # note STEP STATUS [LIMIT_S]: record a failed step (STATUS 124: killed by `timeout LIMIT_S`)
+  [ "$2" = 0 ] && return 0
+  local why="exit status $2"
+  [ "$2" = 124 ] && why="timed out after ${3:-?} s (its output is cut short)"
+  [[ "$2" =~ ^[0-9]+$ ]] || why=$2
+  echo "FAILED: $1: $why; log under $OUT" | tee -a "$OUT/failures.txt"
+  failed="$failed $1"
+}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TILE_OPS_CACHE_DIR=${TILE_OPS_CACHE_DIR:-/tmp/tile_ops_cache}
 [ -d .tvmkit ] && source .tvmkit/install.sh
 [ -d .tlkit ] && source .tlkit/install.sh  # TileLang, beside a precompiled cache instead of TVM (GPU.md)
 [ -d .tile_ops_cache ] && export TILE_OPS_CACHE_DIR=$PWD/.tile_ops_cache  # bench_gemm.py --compile-only
 # python -m pip: the extension builds against the torch of the python that runs everything below
-python -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+python -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; echo "FAILED: install; log $OUT/install.log"; exit 1; }
 # which launcher a process gets: tile_ops._C (built by the install) or tile_ops_C (JIT-built on first use, ~40 s)
 python -c "from tile_ops.jit.launcher import get_launcher as g; print('launcher:', g().__name__)" 2>&1 | tail -1
 grep -A3 "WARNING: building the tile_ops._C" "$OUT/install.log" | head -4
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-[ "${TESTS:-}" = none ] || python -m pytest ${TESTS:-tests} -m gpu -q -n 8 ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+[ "${TESTS:-}" = none ] || { python -m pytest ${TESTS:-tests} -m gpu -q -n 8 ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4; note tests ${PIPESTATUS[0]}; }
+T=${BENCH_TIMEOUT:-400}
 for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
   case $b in
-    gemm) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py ${BENCH_ARGS:---configs} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" | tail -14 ;;
-    gemm80) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm.py --arch sm_90 --no-triton ${BENCH_ARGS:---configs} --json "$OUT/gemm80.json" 2>&1 | tee "$OUT/bench_gemm80.log" | tail -14 ;;
-    softmax) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_gemm_softmax.py ${SOFTMAX_ARGS:-} --json "$OUT/gemm_softmax.json" 2>&1 | tee "$OUT/bench_softmax.log" | tail -8 ;;
-    sustained) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_sustained.py ${SUSTAINED_ARGS:---variants default,raster8} --json "$OUT/sustained.json" 2>&1 | tee "$OUT/bench_sustained.log" | tail -14 ;;
-    overhead) timeout ${BENCH_TIMEOUT:-400} python benchmarks/bench_overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/bench_overhead.log" | tail -24 ;;
-    sanitize) timeout ${BENCH_TIMEOUT:-400} python benchmarks/sanitize.py --out "$OUT" --budget $(( ${BENCH_TIMEOUT:-400} - 20 )) ${SANITIZE_ARGS:-} 2>&1 | tee "$OUT/sanitize.log" | tail -24 ;;
-    profile) for s in ${PROFILE_SHAPES:-4096x4096x4096}; do timeout 120 python benchmarks/profile_gemm.py --shape $s 2>&1 | tee -a "$OUT/profile.log" | tail -4; done ;;
-    compile) python benchmarks/compile_time.py --json "$OUT/compile_time.json" 2>&1 | tee "$OUT/compile_time.log" | tail -6 ;;
+    gemm) timeout $T python benchmarks/bench_gemm.py ${BENCH_ARGS:---configs} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/bench_gemm.log" | tail -14; note $b ${PIPESTATUS[0]} $T ;;
+    gemm80) timeout $T python benchmarks/bench_gemm.py --arch sm_90 --no-triton ${BENCH_ARGS:---configs} --json "$OUT/gemm80.json" 2>&1 | tee "$OUT/bench_gemm80.log" | tail -14; note $b ${PIPESTATUS[0]} $T ;;
+    softmax) timeout $T python benchmarks/bench_gemm_softmax.py ${SOFTMAX_ARGS:-} --json "$OUT/gemm_softmax.json" 2>&1 | tee "$OUT/bench_softmax.log" | tail -8; note $b ${PIPESTATUS[0]} $T ;;
+    sustained) timeout $T python benchmarks/bench_sustained.py ${SUSTAINED_ARGS:---variants default,raster8} --json "$OUT/sustained.json" 2>&1 | tee "$OUT/bench_sustained.log" | tail -14; note $b ${PIPESTATUS[0]} $T ;;
+    overhead) timeout $T python benchmarks/bench_overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/bench_overhead.log" | tail -24; note $b ${PIPESTATUS[0]} $T ;;
+    sanitize) timeout $T python benchmarks/sanitize.py --out "$OUT" --budget $(( T - 20 )) ${SANITIZE_ARGS:-} 2>&1 | tee "$OUT/sanitize.log" | tail -24; note $b ${PIPESTATUS[0]} $T ;;
+    profile) for s in ${PROFILE_SHAPES:-4096x4096x4096}; do timeout 120 python benchmarks/profile_gemm.py --shape $s 2>&1 | tee -a "$OUT/profile.log" | tail -4; note "profile $s" ${PIPESTATUS[0]} 120; done ;;
+    compile) python benchmarks/compile_time.py --json "$OUT/compile_time.json" 2>&1 | tee "$OUT/compile_time.log" | tail -6; note $b ${PIPESTATUS[0]} ;;
+    *) note "$b" "unknown benchmark (BENCHES takes gemm gemm80 softmax overhead compile sanitize profile sustained)" ;;
   esac
 done
+if [ -n "$failed" ]; then echo "gpu_session.sh: FAILED:$failed"; exit 1; fi
+echo "gpu_session.sh: every step passed"

@@ -291,3 +291,33 @@ def test_sanitize_runs_of_one_shape_under_two_labels_keep_their_own_logs(tmp_pat
     assert results[0]["log"] != results[1]["log"]
     for r, label in zip(results, ("ragged", "padded")):
         assert f"run of label {label}" in pathlib.Path(r["log"]).read_text()
+
+
+def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
+    """benchmarks/gpu_session.sh with a stand-in python (and nvidia-smi): a benchmark that fails, one killed
+    by BENCH_TIMEOUT, failing GPU tests and an unknown BENCHES name are each said ("FAILED: ..."), listed
+    in $OUT/failures.txt, and make the exit status 1; the steps after them still run. (The script used to
+    exit with the last step's status, and a timed-out benchmark's log just stopped.)"""
+    bin_dir, out, cwd = tmp_path / "bin", tmp_path / "out", tmp_path / "checkout"
+    bin_dir.mkdir(), cwd.mkdir()
+    (bin_dir / "python").write_text(
+        "#!/bin/bash\n"
+        'case "$1 ${2:-}" in "-m pip") exit 0;; "-c "*) echo "launcher: tile_ops._C"; exit 0;;\n'
+        '  "-m pytest") echo "1 failed, 2 passed"; exit 1;; esac\n'
+        'case "$1" in benchmarks/bench_gemm.py) echo "Traceback: boom"; exit 1;;\n'
+        '  benchmarks/bench_gemm_softmax.py) exec sleep 30;; *) echo "ran $1"; exit 0;; esac\n')
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'name, clocks.sm'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), TESTS="tests/x.py",
+               BENCHES="gemm softmax overhead sofmax", BENCH_TIMEOUT="2")
+    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh")], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=60)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "FAILED: tests: exit status 1" in text and "FAILED: gemm: exit status 1" in text
+    assert "FAILED: softmax: timed out after 2 s" in text and "FAILED: sofmax: unknown benchmark" in text
+    assert "ran benchmarks/bench_overhead.py" in text and "FAILED: overhead" not in text
+    assert text.rstrip().endswith("gpu_session.sh: FAILED: tests gemm softmax sofmax")
+    assert len((out / "failures.txt").read_text().splitlines()) == 4
+    assert "Traceback: boom" in (out / "bench_gemm.log").read_text()
