@@ -3,9 +3,9 @@
     python benchmarks/profile_gemm.py [--shape 4096x4096x4096] [--dtype float16] [--config NAME] [--stalls N]
                                       [--op gemm_softmax]
 
-Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling the second
-launch of each kernel, and prints per kernel: time, SM clock, tensor-pipe (wgmma) utilization, SM and
-memory throughput, L2 and DRAM bytes, warp instructions.  A clock below the other kernel's means power
+Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling every kernel of
+the second call of ours and of cuBLAS (a cudaProfilerStart/Stop range), and prints per kernel: time, SM
+clock, tensor-pipe (wgmma) utilization, SM and memory throughput, L2 and DRAM bytes, warp instructions.  A clock below the other kernel's means power
 throttling; more L2 bytes for the same FLOPs means less operand reuse; more instructions, spinning or
 index arithmetic.  ``--config`` takes bench_gemm.py's config names
 (``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
@@ -94,6 +94,25 @@ def our_launch(op, shape, dtype, config):
     return lambda a, b, c: k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()], a.device)
 
 
+def profiled_calls(ours, theirs, torch):
+    """``ours()`` and ``theirs()`` once each, then once more each between ``torch.cuda.profiler.start()`` and
+    ``stop()``: under ``ncu --profile-from-start off`` exactly the kernels of the second calls are profiled,
+    however many each launches (a split-K or padded gemm of ours, cuBLAS's splitKreduce_kernel at decode)."""
+    ours()
+    theirs()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    ours()
+    theirs()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def ncu_cmd(metrics, child):
+    """ncu over ``child`` (which runs ``profiled_calls``): the listed metrics of the kernels in its profiled range."""
+    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--csv", "--metrics", ",".join(metrics)] + child
+
+
 def run_kernels(op, shape, dtype, config):
     import torch
 
@@ -102,10 +121,7 @@ def run_kernels(op, shape, dtype, config):
     dt = getattr(torch, dtype)
     a, b = torch.randn(M, K, dtype=dt, device="cuda"), torch.randn(K, N, dtype=dt, device="cuda")
     c = torch.empty(M, N, dtype=dt, device="cuda")
-    for _ in range(2):
-        launch(a, b, c)
-        torch.matmul(a, b)
-    torch.cuda.synchronize()
+    profiled_calls(lambda: launch(a, b, c), lambda: torch.matmul(a, b), torch)
 
 
 def main():
@@ -124,10 +140,9 @@ def main():
              "--op", args.op]
     child += ["--config", args.config] if args.config else []
     for metrics in (list(METRICS), [m for m in METRICS if "gmma" not in m]):  # the gmma counter is newest
-        # skip the two randn kernels and the first launch of each GEMM; profile the second of each
-        cmd = ["ncu", "--clock-control", "none", "--launch-skip", "4", "--launch-count", "2", "--csv",
-               "--metrics", ",".join(metrics)] + child
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # the second call of ours and of cuBLAS, every kernel of each (a fixed launch window, "skip 4, count 2",
+        # caught cuBLAS's splitKreduce_kernel instead of its GEMM at decode, and half of a split-K gemm of ours)
+        proc = subprocess.run(ncu_cmd(metrics, child), capture_output=True, text=True)
         lines = proc.stdout[proc.stdout.find('"ID"'):] if '"ID"' in proc.stdout else ""
         if proc.returncode == 0 and lines:
             break
@@ -144,7 +159,7 @@ def main():
             value = r["Metric Value"]
         rows.setdefault((r["ID"], name), {})[col] = value
     cols = list(METRICS.values())
-    print(f"ncu, {args.shape} {args.dtype}, launches after the first two")
+    print(f"ncu, {args.shape} {args.dtype}, every kernel of the second call of ours and of cuBLAS")
     print("kernel".ljust(42) + "  ".join(c.rjust(max(8, len(c))) for c in cols))
     for (_, name), vals in rows.items():
         print(name.ljust(42) + "  ".join(f"{vals.get(c, '')}".rjust(max(8, len(c))) for c in cols))

@@ -321,3 +321,25 @@ def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
     assert text.rstrip().endswith("gpu_session.sh: FAILED: tests gemm softmax sofmax")
     assert len((out / "failures.txt").read_text().splitlines()) == 4
     assert "Traceback: boom" in (out / "bench_gemm.log").read_text()
+
+
+def test_profile_gemm_profiles_every_kernel_of_the_second_calls():
+    """profile_gemm.py profiles the second call of ours and of cuBLAS whatever number of kernels each launches:
+    a profiler range around them, not a fixed launch window ("skip 4, count 2" after the two randn kernels,
+    which at decode, where cuBLAS launches its GEMM and a splitKreduce_kernel, profiled the reduce and ours)."""
+    import types
+
+    import profile_gemm
+
+    log = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        synchronize=lambda: None,
+        profiler=types.SimpleNamespace(start=lambda: log.append("start"), stop=lambda: log.append("stop"))))
+    ours = lambda: log.extend(["splitk_partial", "splitk_reduce"])  # noqa: E731
+    cublas = lambda: log.extend(["nvjet_gemm", "splitKreduce_kernel"])  # noqa: E731
+    profile_gemm.profiled_calls(ours, cublas, fake)
+    profiled = log[log.index("start") + 1:log.index("stop")]
+    assert profiled == ["splitk_partial", "splitk_reduce", "nvjet_gemm", "splitKreduce_kernel"]
+    assert log[:log.index("start")] == profiled  # one warm-up call of each before
+    cmd = profile_gemm.ncu_cmd(["gpu__time_duration.sum"], ["python", "child"])
+    assert cmd[cmd.index("--profile-from-start") + 1] == "off" and "--launch-skip" not in cmd
