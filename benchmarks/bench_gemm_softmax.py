@@ -9,7 +9,8 @@ the kernel without its normalization (the final rescale pass, or the cluster exc
 softmax math too (``gemm_softmax(parts=...)``): where the fused kernel's time goes beyond its GEMM.
 ``--parts-filter S`` also prints (stderr) the parts of every other timed config whose name contains S.
 ``vs_anchor_torch`` is ../shared/ANCHORS.md's torch time for the shape over ours (issue 4 asks for 2.5x);
-``speedup_vs_torch`` is against torch timed in the same run.
+``speedup_vs_torch`` is against torch timed in the same run: the reported fused config and torch's
+``softmax(scale * (a @ b))`` are timed alternately, ``PAIRED_ROUNDS`` rounds, medians (``fused_us``, ``torch_us``).
 """
 
 import argparse
@@ -20,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import bench_ms, fastest_correct, pick_shapes, png_path_or_none, print_table, save  # noqa: E402
+from common import bench_ms, fastest_correct, paired_medians, pick_shapes, png_path_or_none, print_table, save  # noqa: E402
 
 from tile_ops.kernels.gemm import default_config as gemm_config, gemm  # noqa: E402
 from tile_ops.kernels.gemm_softmax import LOG2E, SoftmaxConfig, default_config, gemm_softmax  # noqa: E402
@@ -30,6 +31,7 @@ SHAPES = [(4096, 4096, 4096), (8192, 2048, 1024), (16384, 1024, 512), (4096, 64,
 ANCHOR_TORCH_US = {(4096, 4096, 4096): 285, (8192, 2048, 1024): 192, (16384, 1024, 512): 153}
 SCALE = 0.125
 TOLERANCE = 5e-3
+PAIRED_ROUNDS = 3
 EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper or longer K steps
     SoftmaxConfig(64, 256, 64, 3, 128), SoftmaxConfig(64, 256, 64, 2, 128), SoftmaxConfig(128, 128, 64, 3, 256),
     SoftmaxConfig(128, 256, 64, 2, 256), SoftmaxConfig(64, 128, 64, 6, 128), SoftmaxConfig(64, 128, 128, 3, 128),
@@ -120,9 +122,13 @@ def main():
 
         ms, err, best = fastest_correct(kernels, check, lambda kf: kf.launch(a, b, out), TOLERANCE,
                                         lambda cfg: f"{M}x{N}x{K} {config_name(cfg)}", lambda ms: f"{ms * 1e3:.1f} us")
-        t_fused = ms * 1e3
+        torch_fn = lambda: torch.softmax(SCALE * (a @ b), -1)  # noqa: E731
+        if best is not None:  # the winner and torch alternately, medians (common.paired_medians)
+            paired = paired_medians({"fused": lambda: kernels[best].launch(a, b, out), "torch": torch_fn}, PAIRED_ROUNDS)
+            t_fused, t_torch = paired["fused"] * 1e3, paired["torch"] * 1e3
+        else:
+            t_fused, t_torch = ms * 1e3, bench_ms(torch_fn) * 1e3
         t_gemm = bench_ms(lambda: kg.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)) * 1e3
-        t_torch = bench_ms(lambda: torch.softmax(SCALE * (a @ b), -1)) * 1e3
         t_torch32 = bench_ms(lambda: torch.softmax(SCALE * (a @ b).float(), -1).half()) * 1e3
         t_mm = bench_ms(lambda: a @ b) * 1e3
         if args.parts and best is not None:

@@ -1,6 +1,7 @@
 """Shared helpers for the benchmark scripts: timing, tables, JSON and plots."""
 
 import json
+import statistics
 import sys
 
 import torch
@@ -15,6 +16,17 @@ def bench_ms(fn, rep_ms=200):
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def paired_medians(fns, rounds):
+    """{name: median ms} of ``fns`` ({name: fn}) timed in turn, ``rounds`` times over: clock and heat drift hit
+    each alike, and a winner picked from a sweep's single timings (the luckiest of many) is timed again beside
+    its anchor instead of being compared with the anchor's one timing on a GPU the sweep heated."""
+    ms = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            ms[name].append(bench_ms(fn))
+    return {name: statistics.median(v) for name, v in ms.items()}
 
 
 def fastest_correct(kernels, check, run, tolerance, name, unit):

@@ -343,3 +343,18 @@ def test_profile_gemm_profiles_every_kernel_of_the_second_calls():
     assert log[:log.index("start")] == profiled  # one warm-up call of each before
     cmd = profile_gemm.ncu_cmd(["gpu__time_duration.sum"], ["python", "child"])
     assert cmd[cmd.index("--profile-from-start") + 1] == "off" and "--launch-skip" not in cmd
+
+
+def test_paired_medians_alternate_and_take_each_ones_median(monkeypatch):
+    """bench_gemm_softmax.py times its reported fused config and torch alternately (common.paired_medians), as
+    bench_gemm.py does ours and cuBLAS: before, the fused time was the fastest single timing of a --configs
+    sweep and torch's one timing came after it, on the GPU the sweep heated."""
+    import bench_gemm_softmax
+
+    order = []
+    times = iter([1.0, 2.0, 1.2, 2.4, 0.9, 2.2])
+    monkeypatch.setattr(common, "bench_ms", lambda fn: fn() or next(times))
+    got = common.paired_medians({"fused": lambda: order.append("fused"), "torch": lambda: order.append("torch")}, 3)
+    assert order == ["fused", "torch"] * 3
+    assert got == {"fused": 1.0, "torch": 2.2}
+    assert bench_gemm_softmax.PAIRED_ROUNDS >= 3 and bench_gemm_softmax.paired_medians is common.paired_medians
