@@ -132,9 +132,11 @@ def main():
         fn()
     check_fast_path_taken(a, b, scale)
     ref = torch.matmul(a.double(), b.double())
-    err = ((tile_ops.gemm(a, b).double() - ref).norm() / ref.norm()).item()
-    if not err < 1e-2:
-        raise SystemExit(f"bench_overhead: tile_ops.gemm is wrong here (relative error {err:.1e})")
+    for name, got, want in (("tile_ops.gemm", tile_ops.gemm(a, b), ref),
+                            ("tile_ops.gemm_softmax", tile_ops.gemm_softmax(a, b, scale), torch.softmax(scale * ref, -1))):
+        err = ((got.double() - want).norm() / want.norm()).item()
+        if not err < 1e-2:
+            raise SystemExit(f"bench_overhead: {name} is wrong here (relative error {err:.1e})")
     rows = []
     for name, fn in cases.items():
         w, k = wall_us(fn, args.iters), kernel_us(fn)
