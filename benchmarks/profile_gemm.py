@@ -5,9 +5,9 @@
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling every kernel of
 the second call of ours and of cuBLAS (a cudaProfilerStart/Stop range), and prints per kernel: time, SM
-clock, tensor-pipe (wgmma) utilization, SM and memory throughput, L2 and DRAM bytes, warp instructions.  A clock below the other kernel's means power
-throttling; more L2 bytes for the same FLOPs means less operand reuse; more instructions, spinning or
-index arithmetic.  ``--config`` takes bench_gemm.py's config names
+clock, tensor-pipe (wgmma) utilization, SM and memory throughput, L2 and DRAM bytes, warp instructions.
+A clock below the other kernel's means power throttling; more L2 bytes for the same FLOPs means less
+operand reuse; more instructions, spinning or index arithmetic.  ``--config`` takes bench_gemm.py's config names
 (``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
 instructions with the most warp-stall samples (ncu's source view), and where the warps' time goes.
 """
