@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -358,3 +359,16 @@ def test_paired_medians_alternate_and_take_each_ones_median(monkeypatch):
     assert order == ["fused", "torch"] * 3
     assert got == {"fused": 1.0, "torch": 2.2}
     assert bench_gemm_softmax.PAIRED_ROUNDS >= 3 and bench_gemm_softmax.paired_medians is common.paired_medians
+
+
+def test_bench_gemm_softmax_checks_the_gemm_it_holds_the_fused_kernel_to():
+    """The our_gemm column (the fused kernel's 1.3x bar) was timed unchecked, from the bare gemm kernel rather
+    than what build_gemm launches (split-K, padding)."""
+    import bench_gemm_softmax
+
+    a, b = torch.randn(8, 16, dtype=torch.float64), torch.randn(16, 4, dtype=torch.float64)
+    out = torch.empty(8, 4, dtype=torch.float64)
+    bench_gemm_softmax.check_gemm_alone(lambda: out.copy_(a @ b), out, a, b)
+    with pytest.raises(SystemExit, match=r"our gemm alone is wrong at \(8, 4\)x16"):
+        bench_gemm_softmax.check_gemm_alone(lambda: out[:4].copy_((a @ b)[:4]), out, a, b)  # half the rows
+    assert bench_gemm_softmax.build_gemm.__module__ == "tile_ops.kernels.gemm"
