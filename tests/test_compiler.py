@@ -616,6 +616,19 @@ def test_softmax_scale_folds_into_exp2_only_when_it_commutes_with_max(scale, N):
     assert len(folded) == len(args) if scale == 0.125 else not folded, args[:4]
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("scale, literal", [(3e38, "0x1.c363ccp+127f"), (-3e38, "-0x1.c363ccp+127f"),
+                                            (1e300, "CUDART_INF_F")])
+def test_softmax_scale_past_float32_range_scales_the_scores(arch, scale, literal):
+    """A finite scale whose scale * log2 e is past float32's range (TVM refused it as a literal) multiplies the
+    scores, as the reference's float32 product does (inf past float32's own range), and log2 e goes into exp2."""
+    M, N, K = 256, 1000, 64
+    src = compile_program(gemm_softmax.fn(M, N, K, scale, cfg=gemm_softmax_config(M, N, K, arch)), arch).source
+    assert re.search(rf"S_ptr\[0\] \* {re.escape(literal)}", src)
+    scores = [a for a in re.findall(r"tile_ops_exp2\(\(([^;]*?)\)\);", src) if a.startswith("(S_ptr[")]
+    assert scores and all("* 0x1.71547652b82fep+0f" in a for a in scores), scores[:4]
+
+
 def _cluster_puts(source):
     """The values each tile_ops_cluster_put call sends (1, or 2 for a pair), call by call."""
     calls = re.findall(r"tile_ops_cluster_put\(\(&[^;]*\(uint\)\d+, ([^;]*)\);", source)

@@ -188,8 +188,13 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     # softmax(scale*s) == 2^(c*s - c*max) / sum.  With c > 0, c * max(s) == max(c * s): the scores stay
     # unscaled and c goes into exp2's argument (one FFMA a score); otherwise it scales them first.  The
     # test is on c as the kernel's float32 sees it: a c that rounds to 0 would make a masked -inf score NaN.
+    # A c past float32's range (|scale| > 2.3e38) is no literal: the scores are scaled (as the reference scales
+    # them in float32, inf past its range) and log2 e goes into exp2's argument.
     c = scale * LOG2E
-    pre, post = (1.0, c) if _as_float32(c) > 0 else (c, 1.0)
+    if math.isinf(_as_float32(c)):
+        pre, post = _as_float32(scale), LOG2E
+    else:
+        pre, post = (1.0, c) if _as_float32(c) > 0 else (c, 1.0)
 
     def scores(A, B, A_s, B_s, S, row0, col0):
         """S = the (bM, bN) score tile at (row0, col0) times ``pre``; columns past N are -inf."""
