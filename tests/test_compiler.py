@@ -1015,6 +1015,28 @@ def test_row_softmax_store_errors_say_what_is_accepted():
         compile_program(clustered(), "sm_90a")
 
 
+def test_a_float32_output_falls_back_from_deferred_to_a_cluster_split(monkeypatch):
+    """The deferred default stages a 128x256 output tile, which does not fit in float32 (e.g. under autocast):
+    the op launches the row split over the widest cluster instead (it raised: the split was sized on the
+    deferred config, which takes none)."""
+    import torch
+
+    from tile_ops.compiler.lower import smem_limit
+    from tile_ops.kernels import gemm_softmax as softmax_kernels
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    monkeypatch.setattr(softmax_kernels, "default_arch", lambda: "sm_90a")
+    built = []
+    monkeypatch.setattr(softmax_kernels, "gemm_softmax", lambda *args: built.append(args))
+    M, N, K = 1000, 4096, 1000
+    assert softmax_kernels.default_config(M, N, K, "sm_90a").deferred
+    a, b = torch.empty(M, K, dtype=torch.float16), torch.empty(K, N, dtype=torch.float16)
+    softmax_kernels.get_gemm_softmax_kernel(a, b, torch.empty(M, N, dtype=torch.float32), 0.125)
+    cfg = built[0][-1]
+    assert cfg == SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8)
+    assert compile_program(gemm_softmax.fn(*built[0]), "sm_90a").smem_bytes <= smem_limit("sm_90a")
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])  # (the Ampere-class path: 65536 columns fit sm_90's smem)
 def test_tensors_past_int32_offsets_are_refused_unless_only_tma_touches_them(arch):
     """An lm-head sized output (16384 x 152064 = 2.49e9 elements) overflows a 32-bit offset wherever the kernel

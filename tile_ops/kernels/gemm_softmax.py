@@ -418,7 +418,8 @@ def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
         cfg = config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
         if cfg.deferred and not _output_tile_fits(shared_memory_bytes(cfg, M, N, K, _DT[a.dtype]), cfg,
                                                   _DT[a.dtype], _DT[out.dtype]):  # a float32 output
-            cfg = replace(cfg, deferred=False, split=_widest_split(N, cfg))
+            cfg = replace(cfg, deferred=False)  # first: _widest_split tries splits, which a deferred config refuses
+            cfg = replace(cfg, split=_widest_split(N, cfg))
     _note_scale((M, N, K, a.dtype, out.dtype), float(scale))
     return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
 
