@@ -180,11 +180,17 @@ def test_gemm_softmax_vs_float64(dtype, shape, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm_softmax_out_dtype_f32(dtype):
-    a, b = rnd(127, 255, dtype=dtype), rnd(255, 129, dtype=dtype)
+@pytest.mark.parametrize("shape", [(127, 255, 129), (1000, 1000, 4096)], ids=["small", "deferred_default"])
+def test_gemm_softmax_out_dtype_f32(dtype, shape):
+    """(1000, 1000, 4096) defaults to the deferred config, whose float32 output falls back to a cluster split
+    (it raised before 55127d1); autocast asks for a float32 result too."""
+    M, K, N = shape
+    a, b = rnd(M, K, dtype=dtype), rnd(K, N, dtype=dtype)
     out = tile_ops.gemm_softmax(a, b, 0.1, out_dtype=F32)
     assert out.dtype == F32
     assert rel_err(out, ref_gemm_softmax(a, b, 0.1)) < 2e-3
+    with torch.autocast("cuda", dtype=dtype):
+        assert rel_err(tile_ops.gemm_softmax(a, b, 0.1), ref_gemm_softmax(a, b, 0.1)) < 2e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
