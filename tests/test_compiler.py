@@ -1228,3 +1228,19 @@ def test_a_huge_operand_no_tma_copies_is_refused_before_tvm_builds_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "gemm_kernel: A (1, 8, 2147483648) (17,179,869,184 elements), B" in out.stdout
+
+
+def test_gemm_softmax_rows_too_wide_for_shared_memory_say_so_in_the_ops_words(monkeypatch):
+    """On sm_80 rows of 65537 scores need more shared memory than the GPU has: the compiler's error named the
+    library's kernel line and asked to reduce block sizes, nothing an op caller can change."""
+    import torch
+
+    from tile_ops.kernels import gemm_softmax as softmax_kernels
+
+    monkeypatch.setattr(softmax_kernels, "default_arch", lambda: "sm_80")
+    monkeypatch.setattr(sys.modules["tile_ops.jit"], "default_arch", lambda: "sm_80")
+    M, N, K = 256, 65537, 64
+    a, b, out = torch.empty(M, K, dtype=torch.float16), torch.empty(K, N, dtype=torch.float16), torch.empty(M, N)
+    with pytest.raises(ValueError, match=r"rows of N = 65537 scores are too wide for its kernel on sm_80: .*"
+                                         r"\(\d+ bytes of shared memory needed, 166912 available\).*torch.softmax"):
+        softmax_kernels.get_gemm_softmax_kernel(a, b, out.half(), 1.0)

@@ -23,6 +23,7 @@ from tvm.tirx.script import builder as T
 from ..jit.build import smem_limit
 from ..jit.kernel import FLAG_SLOTS, WORKSPACE
 from ..lang import ir
+from ..lang.errors import SharedMemoryError
 from ..lang.ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, RowSoftmaxStore, Store, TileLangError,
                       error)
 from .exprs import collect_loads, rewrite, uses
@@ -249,8 +250,11 @@ class Lowerer:
             if self.hopper:
                 self.hopper.bind_barriers(arena, plan.barrier_offset)
         if total > smem_limit(self.arch):
-            raise error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit on {self.arch} "
-                                         f"is {smem_limit(self.arch)} (reduce block sizes or num_stages)")
+            err = error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit on {self.arch} "
+                                         f"is {smem_limit(self.arch)} (reduce block sizes or num_stages)",
+                        SharedMemoryError)
+            err.needed, err.limit, err.arch = total, smem_limit(self.arch), self.arch
+            raise err
         return total
 
     def _copy_offset(self, offset: int, copy_bytes: int):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import tile_ops
 import tile_ops.lang as T
+from tile_ops.lang import SharedMemoryError
 from tile_ops.jit import default_arch
 from tile_ops.autotune import config_for
 
@@ -421,7 +422,13 @@ def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
             cfg = replace(cfg, deferred=False)  # first: _widest_split tries splits, which a deferred config refuses
             cfg = replace(cfg, split=_widest_split(N, cfg))
     _note_scale((M, N, K, a.dtype, out.dtype), float(scale))
-    return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
+    try:
+        return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
+    except SharedMemoryError as e:  # the kernel's line and "reduce block sizes": nothing an op caller can change
+        raise ValueError(f"tile_ops.gemm_softmax: rows of N = {N} scores are too wide for its kernel on {e.arch}: "
+                         f"the per-row state it keeps on chip grows with N ({e.needed} bytes of shared memory "
+                         f"needed, {e.limit} available); accepted: narrower rows; for these, compute "
+                         f"torch.softmax(scale * tile_ops.gemm(a, b), -1)") from e
 
 
 def _note_scale(problem, scale: float) -> None:

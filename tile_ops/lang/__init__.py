@@ -8,7 +8,7 @@ Importing this module does not import TVM: TVM is loaded when a program is first
 so a process whose kernels all come from the disk cache never loads the compiler.
 """
 
-from .errors import TileLangError  # noqa: F401
+from .errors import SharedMemoryError, TileLangError  # noqa: F401
 
 float16, bfloat16, float32, float64, int32 = "float16", "bfloat16", "float32", "float64", "int32"
 MAX_CLUSTER = 8  # blocks in a thread-block cluster: the portable maximum (T.Kernel(..., cluster=n))

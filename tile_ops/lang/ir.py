@@ -65,10 +65,10 @@ def expr_dtype(x) -> str:
     return str(getattr(x, "ty", None) or getattr(x, "dtype", ""))
 
 
-def error(loc: Loc | None, reason: str) -> TileLangError:
+def error(loc: Loc | None, reason: str, kind: type = TileLangError) -> TileLangError:
     where = f"{loc.filename}:{loc.lineno}" if loc else "<unknown location>"
     src = f"\n    {loc.line}" if loc and loc.line else ""
-    err = TileLangError(f"{where}: {reason}{src}")
+    err = kind(f"{where}: {reason}{src}")
     err.located = loc is not None
     return err
 
