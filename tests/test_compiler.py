@@ -14,7 +14,7 @@ from programs import matmul
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
 from tile_ops.kernels.gemm import GemmConfig, build_gemm, gemm
-from tile_ops.kernels.gemm_softmax import default_config as gemm_softmax_config, gemm_softmax
+from tile_ops.kernels.gemm_softmax import SoftmaxConfig, default_config as gemm_softmax_config, gemm_softmax
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
 needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
@@ -1132,6 +1132,7 @@ def test_shared_memory_is_held_to_the_targets_limit():
     (lambda: GemmConfig(block_M=0), ValueError, "block sizes, stages and threads must be at least 1"),
     (lambda: GemmConfig(block_K=-64), ValueError, "block sizes, stages and threads must be at least 1"),
     (lambda: GemmConfig(swizzle=-1), ValueError, "swizzle 0 .off. or more"),
+    (lambda: SoftmaxConfig(64, 0, 64, 3, 128), ValueError, r"SoftmaxConfig\(.*block_N=0.*\): block sizes, stages and"),
     (lambda: gemm.fn(0, 256, 256), ValueError, "sizes must be at least 1"),
     (lambda: gemm.fn(64, 64, 64, 2, 3, 5), ValueError, "each operand's batch 1 .broadcast. or the batch"),
     (lambda: gemm.fn(64, 64, 64, dtype="int8", out_dtype="int32"), ValueError, "dtype='int8'; accepted"),

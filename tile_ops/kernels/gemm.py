@@ -13,6 +13,14 @@ from tile_ops.jit import default_arch
 from tile_ops.autotune import config_for
 
 
+def check_config_sizes(cfg) -> None:
+    """A gemm or softmax config's block sizes, stages and threads: at least 1 (0 divides by zero, tiles nothing)."""
+    sizes = {f: getattr(cfg, f) for f in ("block_M", "block_N", "block_K", "num_stages", "threads")}
+    if any(v < 1 for v in sizes.values()):
+        raise ValueError(f"{type(cfg).__name__}({', '.join(f'{k}={v}' for k, v in sizes.items())}): block sizes, "
+                         f"stages and threads must be at least 1")
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_M: int = 128
@@ -32,11 +40,9 @@ class GemmConfig:
     # along its n (block_M of 16-256), so no tensor work is spent on rows A does not have
 
     def __post_init__(self):
-        sizes = {"block_M": self.block_M, "block_N": self.block_N, "block_K": self.block_K,
-                 "num_stages": self.num_stages, "threads": self.threads}
-        if any(v < 1 for v in sizes.values()) or self.swizzle < 0:
-            raise ValueError(f"GemmConfig({', '.join(f'{k}={v}' for k, v in sizes.items())}, swizzle={self.swizzle}): "
-                             f"block sizes, stages and threads must be at least 1, swizzle 0 (off) or more")
+        check_config_sizes(self)
+        if self.swizzle < 0:
+            raise ValueError(f"GemmConfig.swizzle={self.swizzle}: accepted: swizzle 0 (off) or more grid rows")
         if min(self.cluster, self.cluster_n) < 1 or self.cluster * self.cluster_n > T.MAX_CLUSTER:
             raise ValueError(f"GemmConfig.cluster={self.cluster}, cluster_n={self.cluster_n}: each >= 1, a cluster of "
                              f"at most {T.MAX_CLUSTER} blocks in all")

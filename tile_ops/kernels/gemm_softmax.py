@@ -26,7 +26,7 @@ from tile_ops.lang import SharedMemoryError
 from tile_ops.jit import default_arch
 from tile_ops.autotune import config_for
 
-from .gemm import _DT, _kib, _ESIZE, _output_tile_fits, _pow2
+from .gemm import _DT, _kib, _ESIZE, _output_tile_fits, _pow2, check_config_sizes
 
 LOG2E = 1.4426950408889634
 # the deferred store's exchange takes a few microseconds per tile (NOTES v10): a main loop of 8 K steps
@@ -51,11 +51,7 @@ class SoftmaxConfig:
     deferred: bool = False
 
     def __post_init__(self):
-        sizes = {"block_M": self.block_M, "block_N": self.block_N, "block_K": self.block_K,
-                 "num_stages": self.num_stages, "threads": self.threads}
-        if any(v < 1 for v in sizes.values()):
-            raise ValueError(f"SoftmaxConfig({', '.join(f'{k}={v}' for k, v in sizes.items())}): block sizes, "
-                             f"stages and threads must be at least 1")
+        check_config_sizes(self)
         if not 1 <= self.split <= T.MAX_CLUSTER:
             raise ValueError(f"SoftmaxConfig.split={self.split}: must be in [1, {T.MAX_CLUSTER}] (a cluster's blocks)")
         if self.deferred and (self.split > 1 or self.pingpong or self.stream_k or not self.persistent):
