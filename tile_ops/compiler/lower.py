@@ -249,11 +249,11 @@ class Lowerer:
                 IRBuilder.name(f"{node.buffers[0].name}_cluster", self.exchange[id(node)])
             if self.hopper:
                 self.hopper.bind_barriers(arena, plan.barrier_offset)
-        if total > smem_limit(self.arch):
+        limit = smem_limit(self.arch)
+        if total > limit:
             err = error(self.kernel.loc, f"the kernel needs {total} bytes of shared memory; the limit on {self.arch} "
-                                         f"is {smem_limit(self.arch)} (reduce block sizes or num_stages)",
-                        SharedMemoryError)
-            err.needed, err.limit, err.arch = total, smem_limit(self.arch), self.arch
+                                         f"is {limit} (reduce block sizes or num_stages)", SharedMemoryError)
+            err.needed, err.limit, err.arch = total, limit, self.arch
             raise err
         return total
 
