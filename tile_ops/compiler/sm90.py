@@ -74,6 +74,7 @@ class WarpSpecialization:
 class Hopper:
     def __init__(self, lw):
         self.lw = lw
+        self.wgmma_warpgroup = None  # a cooperative kernel's consumer warpgroup, bound warp-uniform
         self.tensormaps: dict = {}  # (global buffer, box) -> TensorMap
         self.persistent = None  # (tiles, program grid) once persistent_grid chose a tile loop
         self.ws = self._plan()
@@ -231,13 +232,14 @@ class Hopper:
         budget = REGISTERS // per_sm - PRODUCER_REGISTERS * PRODUCER_THREADS
         return min(240, budget // (128 * n_wg) // 8 * 8)
 
-    def warpgroup_index(self, tid):
-        """tid // threads bound once at entry from lane 0's value (``__shfl_sync``, all threads converged),
-        so nvcc knows it is warp-uniform: the pipeline counts that start from it, and the wgmma
-        descriptors computed from those, stay in uniform registers (what CUTLASS's
-        canonical_warp_group_idx does)."""
-        var = T.Var("warpgroup", "int32")
-        T.Bind(_call("tile_ops_warp_uniform", tirx.floordiv(tid, self.lw.threads), return_type="int32"), var=var)
+    def warpgroup_index(self, tid, threads=None, name="warpgroup"):
+        """tid // threads (the program's threads unless given) bound once from lane 0's value
+        (``__shfl_sync``, all threads converged), so nvcc knows it is warp-uniform: the pipeline counts that
+        start from it, and the wgmma descriptors computed from those, stay in uniform registers (what
+        CUTLASS's canonical_warp_group_idx does)."""
+        var = T.Var(name, "int32")
+        T.Bind(_call("tile_ops_warp_uniform", tirx.floordiv(tid, threads or self.lw.threads), return_type="int32"),
+               var=var)
         return var
 
     def _pipeline_barriers(self) -> int:
@@ -471,6 +473,8 @@ class Hopper:
                 if lw.consumers > 1:  # the program sees its own warpgroup's thread index
                     lw.tid = tirx.floormod(lw.tid, lw.threads)
                     T.buffer_store(self.consumer_steps, lw.consumer * self.steps_per_tile, [0])
+                if lw.threads > 128:  # A's wgmma descriptors then stay in uniform registers (NOTES v19)
+                    self.wgmma_warpgroup = self.warpgroup_index(lw.tid, 128, "wgmma_warpgroup")
                 if self.row_softmax is not None:
                     self.pending = T.alloc_local([3], "int32")  # a staged tile to store, and its block (x, y)
                     IRBuilder.name("pending_tile", self.pending)
@@ -863,7 +867,8 @@ class Hopper:
         lw = self.lw
         lay: MmaAccumLayout = lw.infer.layouts[g.C]
         K = g.A.shape[0] if g.transpose_A else g.A.shape[1]
-        wr, wc = lay.warp_rc(tirx.floordiv(lw.tid, 128) * 128)  # this warpgroup's first warp
+        wg = self.wgmma_warpgroup if self.wgmma_warpgroup is not None else tirx.floordiv(lw.tid, 128)
+        wr, wc = lay.warp_rc(wg * 128)  # this warpgroup's first warp
         N, n0 = lay.w.WN, wc * lay.w.WN  # the warpgroup's columns
         el = {"float16": "f16", "bfloat16": "bf16"}[g.A.dtype]
         acc, tb = lw.frags[g.C], lw.shared[g.B]
