@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LARGE_SHAPES, bench_ms, fastest_correct, pick_shapes, png_path_or_none, print_table, save  # noqa: E402
+from common import LARGE_SHAPES, bench_ms, fastest_correct, paired_medians, pick_shapes, png_path_or_none, print_table, save  # noqa: E402
 import tilelang_matmul  # noqa: E402
 
 from tile_ops.jit import default_arch  # noqa: E402
@@ -118,7 +118,6 @@ TARGETS = [("geomean of 4096^3, 8192^3, 8192x1024x8192, 4096x14336x4096", LARGE_
            ("lowest of 1000^3 and the ragged shapes",
             [(1000, 1000, 1000), (1500, 2000, 2000), (3000, 1000, 1500), (777, 3001, 1234)], "min", 0.90),
            ("decode 16x8192x8192", [(16, 8192, 8192)], "min", 1.00)]
-PAIRED_ROUNDS = 3
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}  # relative Frobenius error vs float64
 PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.async + mma.sync"}
 
@@ -242,15 +241,12 @@ def main():
         ms, err, best_cfg = fastest_correct(built[job], check, lambda k: k.launch_ptrs(ptrs, a.device),
                                             TOLERANCE[dt], lambda cfg: f"{dt} {M}x{N}x{K} {config_name(cfg)}",
                                             lambda ms: f"{tflops(ms):.1f} TFLOP/s")
-        best = tflops(ms) if best_cfg is not None else 0.0
-        cublas = tflops(bench_ms(lambda: torch.matmul(a, b)))
-        if best_cfg is not None:  # the winner and cuBLAS alternately, medians: clock and heat drift hit both alike
+        if best_cfg is None:
+            best, cublas = 0.0, tflops(bench_ms(lambda: torch.matmul(a, b)))
+        else:  # the winner and cuBLAS call by call in turn (common.paired_medians): drift hits both alike
             k = built[job][best_cfg]
-            ours_ms, cublas_ms = [], []
-            for _ in range(PAIRED_ROUNDS):
-                ours_ms.append(bench_ms(lambda: k.launch_ptrs(ptrs, a.device)))
-                cublas_ms.append(bench_ms(lambda: torch.matmul(a, b)))
-            best, cublas = tflops(statistics.median(ours_ms)), tflops(statistics.median(cublas_ms))
+            paired = paired_medians({"ours": lambda: k.launch_ptrs(ptrs, a.device), "cuBLAS": lambda: torch.matmul(a, b)})
+            best, cublas = tflops(paired["ours"]), tflops(paired["cuBLAS"])
         row = {"dtype": dt, "shape": f"{M}x{N}x{K}" + (" B^T" if trans_B else ""), "tile_ops": round(best, 1),
                "cuBLAS": round(cublas, 1), "vs_cuBLAS": round(best / cublas, 3), "rel_err": "-" if err is None else f"{err:.1e}",
                "config": "NONE CORRECT" if best_cfg is None else config_name(best_cfg)}

@@ -10,7 +10,7 @@ softmax math too (``gemm_softmax(parts=...)``): where the fused kernel's time go
 ``--parts-filter S`` also prints (stderr) the parts of every other timed config whose name contains S.
 ``vs_anchor_torch`` is ../shared/ANCHORS.md's torch time for the shape over ours (issue 4 asks for 2.5x);
 ``speedup_vs_torch`` is against torch timed in the same run: the reported fused config and torch's
-``softmax(scale * (a @ b))`` are timed alternately, ``PAIRED_ROUNDS`` rounds, medians (``fused_us``, ``torch_us``).
+``softmax(scale * (a @ b))`` are timed call by call in turn, medians (``fused_us``, ``torch_us``).
 """
 
 import argparse
@@ -31,7 +31,6 @@ SHAPES = [(4096, 4096, 4096), (8192, 2048, 1024), (16384, 1024, 512), (4096, 64,
 ANCHOR_TORCH_US = {(4096, 4096, 4096): 285, (8192, 2048, 1024): 192, (16384, 1024, 512): 153}
 SCALE = 0.125
 TOLERANCE = 5e-3
-PAIRED_ROUNDS = 3
 EXTRA_CONFIGS = [  # wider column tiles (m64n256 wgmma), 128-row tiles, deeper or longer K steps
     SoftmaxConfig(64, 256, 64, 3, 128), SoftmaxConfig(64, 256, 64, 2, 128), SoftmaxConfig(128, 128, 64, 3, 256),
     SoftmaxConfig(128, 256, 64, 2, 256), SoftmaxConfig(64, 128, 64, 6, 128), SoftmaxConfig(64, 128, 128, 3, 128),
@@ -133,8 +132,8 @@ def main():
         ms, err, best = fastest_correct(kernels, check, lambda kf: kf.launch(a, b, out), TOLERANCE,
                                         lambda cfg: f"{M}x{N}x{K} {config_name(cfg)}", lambda ms: f"{ms * 1e3:.1f} us")
         torch_fn = lambda: torch.softmax(SCALE * (a @ b), -1)  # noqa: E731
-        if best is not None:  # the winner and torch alternately, medians (common.paired_medians)
-            paired = paired_medians({"fused": lambda: kernels[best].launch(a, b, out), "torch": torch_fn}, PAIRED_ROUNDS)
+        if best is not None:  # the winner and torch call by call in turn, medians (common.paired_medians)
+            paired = paired_medians({"fused": lambda: kernels[best].launch(a, b, out), "torch": torch_fn})
             t_fused, t_torch = paired["fused"] * 1e3, paired["torch"] * 1e3
         else:
             t_fused, t_torch = ms * 1e3, bench_ms(torch_fn) * 1e3

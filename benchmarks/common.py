@@ -18,15 +18,55 @@ def bench_ms(fn, rep_ms=200):
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
 
 
-def paired_medians(fns, rounds):
-    """{name: median ms} of ``fns`` ({name: fn}) timed in turn, ``rounds`` times over: clock and heat drift hit
-    each alike, and a winner picked from a sweep's single timings (the luckiest of many) is timed again beside
-    its anchor instead of being compared with the anchor's one timing on a GPU the sweep heated."""
-    ms = {name: [] for name in fns}
+def paired_medians(fns, rep_ms=1200, warmup_ms=50):
+    """{name: median ms} of ``fns`` ({name: fn}) timed call by call in turn, each call after the same L2
+    flush and between CUDA events, for about ``rep_ms`` in all: clock, heat and power drift, and the
+    flush buffer's placement, hit each alike. (Blocks of 200 ms each, one function's at a time, took a
+    mode each: at 1000^3 one kernel's median sat 0.65 us above the other's for a whole block, NOTES v19.)"""
+    flush = l2_flusher()
+    one_round = _round_ms(fns, flush)
+    for _ in range(max(1, int(warmup_ms / one_round))):
+        for fn in fns.values():
+            flush()
+            fn()
+    calls = [(name, *timed_call(fn, flush)) for _ in range(max(5, int(rep_ms / one_round)))
+             for name, fn in fns.items()]
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for n, s, e in calls if n == name) for name in fns}
+
+
+def l2_flusher():
+    """A function that evicts the L2 (Triton's benchmark buffer, zeroed), as do_bench does before each call."""
+    from triton import runtime
+
+    driver = runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    return lambda: driver.clear_cache(cache)
+
+
+def timed_call(fn, flush):
+    """(start, end) CUDA events around one call of ``fn`` after ``flush()``; read them after a synchronize."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush()
+    start.record()
+    fn()
+    end.record()
+    return start, end
+
+
+def _round_ms(fns, flush, rounds=3):
+    """Milliseconds of one flushed call of each of ``fns``, from ``rounds`` rounds after a first call each."""
+    for fn in fns.values():
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(rounds):
-        for name, fn in fns.items():
-            ms[name].append(bench_ms(fn))
-    return {name: statistics.median(v) for name, v in ms.items()}
+        for fn in fns.values():
+            flush()
+            fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / rounds
 
 
 def fastest_correct(kernels, check, run, tolerance, name, unit):
