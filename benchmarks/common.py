@@ -20,9 +20,9 @@ def bench_ms(fn, rep_ms=200):
 
 def paired_medians(fns, rep_ms=1200, warmup_ms=50):
     """{name: median ms} of ``fns`` ({name: fn}) timed call by call in turn, each call after the same L2
-    flush and between CUDA events, for about ``rep_ms`` in all: clock, heat and power drift, and the
-    flush buffer's placement, hit each alike. (Blocks of 200 ms each, one function's at a time, took a
-    mode each: at 1000^3 one kernel's median sat 0.65 us above the other's for a whole block, NOTES v19.)"""
+    flush and between CUDA events, for about ``rep_ms`` in all: clock, heat and power drift hit each alike.
+    (Blocks of 200 ms, one function's at a time, each drew a mode of its own: at 1000^3 a kernel's median
+    moved by 0.65 us from block to block, NOTES v19.)"""
     flush = l2_flusher()
     one_round = _round_ms(fns, flush)
     for _ in range(max(1, int(warmup_ms / one_round))):
