@@ -788,6 +788,23 @@ def test_pingpong_runs_two_consumer_warpgroups_on_alternate_tiles():
 
 
 @needs_nvcc
+def test_cooperative_consumers_read_their_wgmma_descriptors_from_uniform_registers():
+    """Two consumer warpgroups on one tile (the 128x256 default): the warpgroup index that places A's
+    descriptor is bound from lane 0, so nvcc keeps the descriptors uniform; read as threadIdx.x >> 7 in the
+    loop it cost 8 R2UR moves between the HGMMAs of a k-step (+0.5 % at the power cap without them, NOTES v19)."""
+    from tile_ops.kernels.gemm import build_gemm, default_config
+
+    cfg = default_config(4096, 4096, 4096, "sm_90a")
+    assert cfg.threads == 256 and not cfg.pingpong
+    k = build_gemm(4096, 4096, 4096, cfg=cfg, target="sm_90a")
+    assert "int wgmma_warpgroup = tile_ops_warp_uniform((((int)threadIdx.x) >> 7));" in k.source
+    sass = k.sass().splitlines()
+    loop = sass[next(i for i, ln in enumerate(sass) if "TRYWAIT" in ln):]
+    loop = loop[: next(i for i, ln in enumerate(loop) if "DEPBAR.LE gsb0, 0x0" in ln)]
+    assert sum("HGMMA" in ln for ln in loop) == 4 and not any("R2UR" in ln for ln in loop)  # 4 k16 of m64n256
+
+
+@needs_nvcc
 def test_pingpong_softmax_exchanges_per_warpgroup():
     """The clustered softmax with ping-pong: each warpgroup has its own exchange slots and mbarriers (two
     parities each), so its peers' bytes land in its copy; one thread per warpgroup expects them."""
