@@ -25,10 +25,7 @@ def paired_medians(fns, rep_ms=1200, warmup_ms=50):
     moved by 0.65 us from block to block, NOTES v19.)"""
     flush = l2_flusher()
     one_round = _round_ms(fns, flush)
-    for _ in range(max(1, int(warmup_ms / one_round))):
-        for fn in fns.values():
-            flush()
-            fn()
+    _rounds(fns, flush, max(1, int(warmup_ms / one_round)))
     calls = [(name, *timed_call(fn, flush)) for _ in range(max(5, int(rep_ms / one_round)))
              for name, fn in fns.items()]
     torch.cuda.synchronize()
@@ -60,13 +57,18 @@ def _round_ms(fns, flush, rounds=3):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    _rounds(fns, flush, rounds)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / rounds
+
+
+def _rounds(fns, flush, rounds):
+    """``rounds`` untimed rounds of one flushed call of each of ``fns``."""
     for _ in range(rounds):
         for fn in fns.values():
             flush()
             fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / rounds
 
 
 def fastest_correct(kernels, check, run, tolerance, name, unit):
