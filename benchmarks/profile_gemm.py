@@ -54,7 +54,8 @@ def parse_config(name, GemmConfig):
     return GemmConfig(bm, bn, bk, int(stages[1:]), int(threads[1:]), **kw)
 
 
-KERNEL_REGEX = {"gemm": "regex:gemm_kernel", "gemm_softmax": "regex:gemm_softmax_kernel"}
+# our kernels' names: gemm_kernel, gemm_swapped_kernel (swap configs), gemm_splitk_kernel (split-K), gemm_softmax_kernel
+KERNEL_REGEX = {"gemm": "regex:^gemm_(swapped_|splitk_)?kernel", "gemm_softmax": "regex:^gemm_softmax_kernel"}
 
 
 def print_stalls(child, top, op):

@@ -215,6 +215,36 @@ def test_profile_gemm_reads_back_every_config_name_bench_gemm_prints():
         assert profile_gemm.parse_config(bench_gemm.config_name(cfg), GemmConfig) == cfg
 
 
+def test_profile_gemm_stall_view_finds_each_of_our_gemm_kernels():
+    """--stalls picks our kernel by name for ncu's source view: the plain, swapped and split-K gemm kernels all
+    match the gemm pattern (a swap config's gemm_swapped_kernel did not: "No kernels were profiled"), and
+    the fused softmax kernel matches only its own."""
+    import re
+
+    import profile_gemm
+
+    from tile_ops.kernels import gemm_softmax
+    from tile_ops.kernels.gemm import GemmConfig, default_config, gemm
+
+    def cuda_name(program):  # TVM's codegen names the __global__ function <program>_kernel
+        return program.name + "_kernel"
+
+    def pattern(op):
+        return profile_gemm.KERNEL_REGEX[op].removeprefix("regex:")
+
+    configs = [default_config(1000, 1000, 1000, "sm_90a"),
+               GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=2, swap_ab=True),
+               GemmConfig(128, 128, 64, 4, 128, split_k=2)]
+    names = {cuda_name(gemm.fn(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16", c))
+             for c in configs}
+    assert names == {"gemm_kernel_kernel", "gemm_swapped_kernel_kernel", "gemm_splitk_kernel_kernel"}
+    assert all(re.search(pattern("gemm"), n) for n in names)
+    fused = cuda_name(gemm_softmax.gemm_softmax.fn(256, 2048, 64, 0.125,
+                                                   cfg=gemm_softmax.default_config(256, 2048, 64, "sm_90a")))
+    assert re.search(pattern("gemm_softmax"), fused) and not re.search(pattern("gemm"), fused)
+    assert not any(re.search(pattern("gemm_softmax"), n) for n in names)
+
+
 def test_bench_gemm_says_where_issue_4s_targets_stand():
     """bench_gemm.py ends with issue 4's bars: a geomean and minimums over the fp16 rows it ran, met or not,
     and says when only some of a target's shapes ran; bf16 and B^T rows do not count."""
