@@ -77,6 +77,9 @@ SHAPES = {
     "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
                      # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles
                      ("cluster", (256, 2048, 64)), ("cluster-walk", (200, 2312, 72)),
+                     # the same walk over one k-step a tile: its 3-stage pipeline never wraps, which is
+                     # the walk racecheck finishes (15 s; cluster-walk's never has: NOTES v20)
+                     ("cluster-walk-1k", (200, 2312, 8)),
                      # sm_90a T.row_softmax_store: rows over the grid, statistics through the workspace
                      ("deferred", (512, 1024, 512)), ("deferred-ragged", (300, 776, 520))],
 }
