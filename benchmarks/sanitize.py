@@ -70,6 +70,7 @@ SHAPES = {
     "pad_rows": [("small", (16, 120, 128)), ("ragged", (1234, 3001, 3008))],
     "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72)),
              ("short-grid", (768, 1024, 136)),  # sm_90a: pairs of 64-row tiles in clusters (B multicast)
+             ("short-grid-wrap", (768, 1024, 1024)),  # the same pairs over 16 k-steps on 8 stages: the pipeline wraps
              ("wide", (1500, 1704, 72)),  # sm_90a: one wave of 128x192 tiles in pairs, ragged
              ("padded", (127, 255, 129)),  # sm_90a: the gemm build_gemm runs after pad_rows (rows of 136, 256)
              ("decode", (5, 4104, 200))],  # sm_90a: the swapped kernel (C^T = B^T A^T), 65 ragged column tiles
@@ -77,6 +78,7 @@ SHAPES = {
     "gemm_softmax": [("small", (128, 256, 64)), ("ragged", (127, 255, 129)), ("ragged-tma", (1000, 200, 96)),
                      # sm_90a clusters: 8 blocks a row with a tile each; 5 blocks walking ragged tiles
                      ("cluster", (256, 2048, 64)), ("cluster-walk", (200, 2312, 72)),
+                     ("cluster-wrap", (128, 2048, 200)),  # one tile a block, 4 k-steps on 3 stages
                      # the same walk over one k-step a tile: its 3-stage pipeline never wraps, which is
                      # the walk racecheck finishes (15 s; cluster-walk's never has: NOTES v20)
                      ("cluster-walk-1k", (200, 2312, 8)),
