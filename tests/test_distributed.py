@@ -83,6 +83,37 @@ def test_gloo_cpu_bfloat16_tp(tmp_path):
     assert "tolerance 0.02" in out
 
 
+COMPILED_FIRST_CALL = """
+import os, sys, torch
+import tile_ops
+assert "torch.distributed.tensor" not in sys.modules  # so the import registered nothing
+f = torch.compile(lambda x, y: tile_ops.gemm(x, y), fullgraph=True)
+x, y = torch.randn(8, 16), torch.randn(16, 4)
+torch.testing.assert_close(f(x, y), x @ y)
+import torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = DeviceMesh("cpu", [0])
+a, b = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Replicate()])
+torch._dynamo.reset()
+out = f(a, b)  # the first tile_ops.gemm on DTensors is a compiled one
+assert out.placements == (Shard(0),), out.placements
+torch.testing.assert_close(out.full_tensor(), x @ y)
+dist.destroy_process_group()
+print("OK compiled first call")
+"""
+
+
+def test_dtensor_sharding_rules_register_on_a_compiled_first_call():
+    """A process that imports tile_ops before DTensor and first calls tile_ops.gemm under torch.compile: the
+    sharding rules are registered while dynamo traces (DTensor raised 'does not have a sharding strategy
+    registered' when only an eager call registered them)."""
+    proc = subprocess.run([sys.executable, "-c", COMPILED_FIRST_CALL, str(free_port())], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert "OK compiled first call" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
 # --------------------------------------------------------------------------- CUDA / nccl
 
 

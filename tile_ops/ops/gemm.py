@@ -306,8 +306,10 @@ def gemm(
     checks.check_argument_types(OP, a, b, bias, out_dtype)
     if casting:
         a, b, bias = checks.autocast(a, b, bias)
-    if eager:  # (a registration is not an op to trace)
+    if eager:
         sharding.register_if_in_use()
+    else:  # run by dynamo while it traces, not put in the graph
+        sharding.register_when_traced()
     if forward_ad.active():  # a forward level or a torch.func transform
         if eager:  # (under torch.compile, dynamo traces the tangent below instead)
             forward_ad.refuse_nested_levels(OP)

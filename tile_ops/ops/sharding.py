@@ -6,8 +6,8 @@ all replicated; the rows of ``a`` sharded (M); the columns of ``b`` sharded (N, 
 contraction dimension sharded (K), giving a Partial (summed) output and a Partial bias.
 
 Registered on ``import tile_ops`` where ``torch.distributed.tensor`` is already loaded, else by the first
-eager ``tile_ops.gemm`` call after it is (importing it costs about half a second, which a process without
-DTensor should not pay).
+``tile_ops.gemm`` call after it is, eager or traced by torch.compile (importing it costs about half a second,
+which a process without DTensor should not pay).
 """
 
 import sys
@@ -22,6 +22,19 @@ def register_if_in_use() -> None:
         return
     _registered = True
     _register()
+
+
+def register_when_traced() -> bool:
+    """``register_if_in_use`` for ``tile_ops.gemm`` under torch.compile: dynamo runs it while tracing (a
+    registration is not an op to put in the graph), before DTensor propagates the op's sharding on fake
+    shards.  A compiled first call would otherwise find no strategy."""
+    register_if_in_use()
+    return _registered
+
+
+# torch.compiler.assume_constant_result's mark, set as torch marks its own functions (justknobs_check): the
+# decorator imports dynamo, and DTensor with it, which `import tile_ops` should not
+register_when_traced._dynamo_marked_constant = True
 
 
 def _register() -> None:
