@@ -141,8 +141,8 @@ def make_tensors(k, seed):
     return out
 
 
-def reference(kernel, tensors, label):
-    """(output position, float64 reference) for the tensors of ``make_tensors``."""
+def reference(kernel, tensors, label, shape):
+    """(output position, float64 reference) for the tensors of ``make_tensors`` of the (M, N, K) ``shape``."""
     import torch
 
     if kernel == "pad_rows":  # the rows, then zeros
@@ -151,7 +151,7 @@ def reference(kernel, tensors, label):
         ref[..., :x.shape[-1]] = x.double()
         return 1, ref
     if kernel == "gemm":  # padded rows hold random values: only the logical M x K and K x N take part
-        M, N, K = dict(SHAPES["gemm"])[label]
+        M, N, K = shape
         a, b, bias, _ = (t.double() for t in tensors)
         ref = a[0, :, :K] @ b[0, :, :N] + (bias if label != "small" else 0)
         return 3, ref[None]
@@ -162,9 +162,9 @@ def reference(kernel, tensors, label):
     return 2, ref
 
 
-def check(kernel, tensors, out, label):
+def check(kernel, tensors, out, label, shape):
     """(ok, relative max error): ``out`` (on the CPU) against the float64 reference; NaN (unwritten) fails."""
-    _, ref = reference(kernel, tensors, label)
+    _, ref = reference(kernel, tensors, label, shape)
     out = out.double()
     if out.shape != ref.shape:
         return False, float("inf")
@@ -188,7 +188,7 @@ def child(kernel, arch, M, N, K, label):
     k.launch(*dev)
     torch.cuda.synchronize()
     out_pos = out_position(k)
-    ok, err = check(kernel, cpu, dev[out_pos].cpu(), label)
+    ok, err = check(kernel, cpu, dev[out_pos].cpu(), label, shape)
     print(f"sanitize child: {kernel} {arch} {shape_str(shape)} {k!r} max rel err {err:.2e}: "
           f"{'ok' if ok else 'WRONG RESULT'}", flush=True)
     sys.exit(0 if ok else 3)
@@ -326,12 +326,12 @@ def main():
                 continue
             shape = dict(SHAPES[kern])[label]
             tensors = make_tensors(k, seed=0)
-            pos, ref = reference(kern, tensors, label)
+            pos, ref = reference(kern, tensors, label, shape)
             assert pos == out_position(k) and tuple(ref.shape) == tuple(k.meta.params[pos][1]), (
                 kern, arch, label, ref.shape, k.meta.params)
-            ok, _ = check(kern, tensors, tensors[pos], label)  # the NaN-filled output must fail the check
+            ok, _ = check(kern, tensors, tensors[pos], label, shape)  # the NaN-filled output must fail the check
             assert not ok, (kern, arch, label)
-            ok, err = check(kern, tensors, ref.to(tensors[pos].dtype), label)  # the rounded reference passes
+            ok, err = check(kern, tensors, ref.to(tensors[pos].dtype), label, shape)  # the rounded reference passes
             assert ok, (kern, arch, label, err)
             print(f"  {kern:12} {arch:6} {label:10} {shape_str(shape):14} {k!r} "
                   f"tma={'yes' if k.meta.tensormaps else 'no'}")

@@ -57,6 +57,21 @@ def _sanitize():
     return importlib.import_module("sanitize")
 
 
+def test_sanitize_child_checks_a_shape_outside_its_table():
+    """``sanitize.py --child gemm ARCH M N K LABEL`` on a shape with no entry in SHAPES (a bisection by hand):
+    the reference comes from the shape it was given (it looked the label up, and a KeyError after the
+    launch left the run unchecked)."""
+    san = _sanitize()
+    shape = (72, 136, 40)
+    assert "bisect" not in dict(san.SHAPES["gemm"])
+    k = san.build("gemm", "sm_90a", shape, "bisect")
+    tensors = san.make_tensors(k, seed=0)
+    pos, ref = san.reference("gemm", tensors, "bisect", shape)
+    assert pos == san.out_position(k) and tuple(ref.shape) == (1, 72, 136)
+    assert san.check("gemm", tensors, ref.to(tensors[pos].dtype), "bisect", shape)[0]
+    assert not san.check("gemm", tensors, tensors[pos], "bisect", shape)[0]  # the NaN-filled output fails
+
+
 def test_sanitize_shapes_picks_runs_by_label():
     """--shapes cluster-walk: only that shape's runs (the one that needs a longer --timeout)."""
     san = _sanitize()
