@@ -72,6 +72,29 @@ def test_sanitize_child_checks_a_shape_outside_its_table():
     assert not san.check("gemm", tensors, tensors[pos], "bisect", shape)[0]  # the NaN-filled output fails
 
 
+def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_fewer():
+    """The labels say what the sanitizers cover, so they must stay true as defaults change: the clustered
+    ``*-wrap`` shapes wait on released stages (k-steps > stages), ``cluster-walk-1k`` never does."""
+    from tile_ops.kernels import gemm_softmax
+    from tile_ops.kernels.gemm import default_config
+
+    san = _sanitize()
+    shapes = {**{("gemm", lb): s for lb, s in san.SHAPES["gemm"]},
+              **{("gemm_softmax", lb): s for lb, s in san.SHAPES["gemm_softmax"]}}
+
+    def config(kernel, label):
+        cfg = (default_config if kernel == "gemm" else gemm_softmax.default_config)(*shapes[kernel, label], "sm_90a")
+        k_steps = -(-shapes[kernel, label][2] // cfg.block_K)
+        return cfg, k_steps
+
+    for kernel, label in (("gemm", "short-grid-wrap"), ("gemm_softmax", "cluster-wrap")):
+        cfg, k_steps = config(kernel, label)
+        assert (cfg.cluster if kernel == "gemm" else cfg.split) > 1 and k_steps > cfg.num_stages, (label, cfg)
+    cfg, k_steps = config("gemm_softmax", "cluster-walk-1k")
+    n_tiles = -(-shapes["gemm_softmax", "cluster-walk-1k"][1] // cfg.block_N)
+    assert n_tiles > cfg.split and k_steps * -(-n_tiles // cfg.split) <= cfg.num_stages, cfg  # walks, never wraps
+
+
 def test_sanitize_shapes_picks_runs_by_label():
     """--shapes cluster-walk: only that shape's runs (the one that needs a longer --timeout)."""
     san = _sanitize()
