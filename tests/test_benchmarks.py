@@ -91,8 +91,8 @@ def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_f
         cfg, k_steps = config(kernel, label)
         assert (cfg.cluster if kernel == "gemm" else cfg.split) > 1 and k_steps > cfg.num_stages, (label, cfg)
     cfg, k_steps = config("gemm_softmax", "cluster-walk-1k")
-    n_tiles = -(-shapes["gemm_softmax", "cluster-walk-1k"][1] // cfg.block_N)
-    assert n_tiles > cfg.split and k_steps * -(-n_tiles // cfg.split) <= cfg.num_stages, cfg  # walks, never wraps
+    tiles = gemm_softmax.block_columns(shapes["gemm_softmax", "cluster-walk-1k"][1], cfg) // cfg.block_N
+    assert tiles > 1 and k_steps * tiles <= cfg.num_stages, cfg  # each block walks, its pipeline never wraps
 
 
 def test_sanitize_shapes_picks_runs_by_label():
