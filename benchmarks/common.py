@@ -18,12 +18,12 @@ def bench_ms(fn, rep_ms=200):
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
 
 
-def paired_medians(fns, rep_ms=1200, warmup_ms=50):
+def paired_medians(fns, rep_ms=1200, warmup_ms=50, flush=None):
     """{name: median ms} of ``fns`` ({name: fn}) timed call by call in turn, each call after the same L2
-    flush and between CUDA events, for about ``rep_ms`` in all: clock, heat and power drift hit each alike.
-    (Blocks of 200 ms, one function's at a time, each drew a mode of its own: at 1000^3 a kernel's median
-    moved by 0.65 us from block to block, NOTES v19.)"""
-    flush = l2_flusher()
+    flush (``flush()``; default: ``l2_flusher()``'s) and between CUDA events, for about ``rep_ms`` in all:
+    clock, heat and power drift hit each alike.  (Blocks of 200 ms, one function's at a time, each drew a
+    mode of its own: at 1000^3 a kernel's median moved by 0.65 us from block to block, NOTES v19.)"""
+    flush = flush or l2_flusher()
     one_round = _round_ms(fns, flush)
     _rounds(fns, flush, max(1, int(warmup_ms / one_round)))
     calls = [(name, *timed_call(fn, flush)) for _ in range(max(5, int(rep_ms / one_round)))

@@ -439,6 +439,13 @@ def test_paired_medians_alternate_call_by_call_and_take_each_ones_median(monkeyp
     assert order == ["flush", "fused", "flush", "torch"] * 6  # one warm-up round, then five timed
     assert got == {"fused": 1.1, "torch": 2.2}
     assert bench_gemm_softmax.paired_medians is common.paired_medians is bench_gemm.paired_medians
+    # another flush (benchmarks/l2_state.py's clean or warm L2) runs before every call instead
+    order.clear()
+    times.update(fused=iter([1.0] * 5), torch=iter([2.0] * 5))
+    monkeypatch.setattr(common, "l2_flusher", lambda: pytest.fail("a given flush is used as it is"))
+    common.paired_medians({"fused": lambda: order.append("fused"), "torch": lambda: order.append("torch")},
+                          rep_ms=5, warmup_ms=0, flush=lambda: order.append("mine"))
+    assert order == ["mine", "fused", "mine", "torch"] * 6
 
 
 def test_bench_gemm_softmax_checks_the_gemm_it_holds_the_fused_kernel_to():
@@ -452,3 +459,73 @@ def test_bench_gemm_softmax_checks_the_gemm_it_holds_the_fused_kernel_to():
     with pytest.raises(SystemExit, match=r"our gemm alone is wrong at \(8, 4\)x16"):
         bench_gemm_softmax.check_gemm_alone(lambda: out[:4].copy_((a @ b)[:4]), out, a, b)  # half the rows
     assert bench_gemm_softmax.build_gemm.__module__ == "tile_ops.kernels.gemm"
+
+
+def test_l2_state_promotions_relaunch_the_same_cubin_with_other_l2_fills():
+    """benchmarks/l2_state.py times one cubin under several tensor-map L2 promotions: every map, or per
+    operand; bad names are refused with what is accepted; a composed gemm (padded, split K) takes none."""
+    import l2_state
+    from test_kernel_meta import A_TMAP, FakeEncoder, _meta
+
+    from tile_ops.jit.kernel import EntryArgs, Kernel
+
+    b_tmap = {**A_TMAP, "tensor": "B", "dims": [128, 64]}
+    base = Kernel(_meta(kept=("A_tmap", "B_tmap", "C"), tensormaps={"A_tmap": A_TMAP, "B_tmap": b_tmap}), "// src",
+                  b"cubin")
+    assert l2_state.with_l2_promotion(base, "compiled") is base
+
+    def promotions(kernel):
+        encode = FakeEncoder()
+        EntryArgs(kernel.meta, encode).build([0x1000, 0x2000, 0x3000], device=0)
+        return [call[7] for call in encode.calls]  # l2_promotion, A then B
+
+    assert promotions(base) == [2, 2]
+    for spec, want in (("none", [0, 0]), ("256", [3, 3]), ("A:64", [1, 2]), ("A:none+B:128", [0, 2]),
+                       ("B:256", [2, 3])):
+        k = l2_state.with_l2_promotion(base, spec)
+        assert k.cubin is base.cubin and k.meta.entry == base.meta.entry and promotions(k) == want, spec
+        assert {n: {**m, "l2_promotion": 2} for n, m in k.meta.tensormaps.items()} == base.meta.tensormaps
+    assert promotions(base) == [2, 2]  # the compiled kernel is untouched
+    with pytest.raises(ValueError, match=r"'32' is not an L2 fill size; accepted: none, 64, 128, 256"):
+        l2_state.with_l2_promotion(base, "32")
+    with pytest.raises(ValueError, match=r"'C' is no tensor this kernel loads through TMA; it has A, B"):
+        l2_state.with_l2_promotion(base, "C:none")
+
+    class Padded:  # what build_gemm returns around the gemm where rows need padding
+        pass
+
+    padded = Padded()
+    assert l2_state.with_l2_promotion(padded, "compiled") is padded
+    with pytest.raises(ValueError, match="only 'compiled' is accepted"):
+        l2_state.with_l2_promotion(padded, "none")
+
+
+def test_l2_state_arguments_and_summary():
+    import l2_state
+
+    args = l2_state.parse_args(["--shapes", "1000x1000x1000,64x128x256", "--states", "dirty,warm"])
+    assert args.shapes == [(1000, 1000, 1000), (64, 128, 256)] and args.states == ["dirty", "warm"]
+    assert args.promotions == ["compiled", "none", "64", "128", "256"] and (args.flushes, args.operand_sets) == (3, 2)
+    with pytest.raises(SystemExit):
+        l2_state.parse_args(["--states", "dirty,cold"])
+    rows = [{"shape": "1x1x1", "state": st, "r compiled": r, "r none": r + 0.1}
+            for st, r in (("dirty", 0.9), ("dirty", 1.0), ("dirty", 0.8), ("warm", 1.1))]
+    got = l2_state.summary(rows, ["compiled", "none"], ["dirty", "warm"])
+    assert got[0] == {"shape": "1x1x1", "state": "dirty", "promotion": "compiled", "rows": 3, "median": 0.9,
+                      "lowest": 0.8}
+    assert got[1]["median"] == 1.0 and got[3] == {"shape": "1x1x1", "state": "warm", "promotion": "none", "rows": 1,
+                                                   "median": 1.2, "lowest": 1.2}
+
+
+def test_l2_state_compile_only_builds_the_kernel_its_promotions_apply_to(tmp_path):
+    from tile_ops.jit.build import _find_tool
+
+    if _find_tool("nvcc", "TILE_OPS_NVCC") is None:
+        pytest.skip("no nvcc")
+    env = {**os.environ, "TILE_OPS_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, str(BENCHMARKS / "l2_state.py"), "--compile-only", "--shapes", "1000x1000x1000"]
+    out = subprocess.run(cmd + ["--promotions", "compiled,none,A:64+B:128"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "built 1 kernels for sm_90a" in out.stdout, out.stderr
+    assert any(p.suffix == ".cubin" for p in tmp_path.rglob("*"))
+    out = subprocess.run(cmd + ["--promotions", "D:none"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "'D' is no tensor this kernel loads through TMA; it has A, B, C" in out.stderr
