@@ -5,8 +5,8 @@
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling every kernel of
 the second call of ours and of cuBLAS (a cudaProfilerStart/Stop range), and prints per kernel: time, SM
-clock, tensor-pipe (wgmma) utilization, SM and memory throughput, L2 and DRAM bytes, warp instructions.
-A clock below the other kernel's means power throttling; more L2 bytes for the same FLOPs means less
+clock, tensor-pipe (wgmma) utilization, SM, L1/shared and L2 throughput (% of peak), L2 and DRAM bytes,
+warp instructions.  A loop that keeps neither the tensor pipe nor a memory unit busy waits on latency.  A clock below the other kernel's means power throttling; more L2 bytes for the same FLOPs means less
 operand reuse; more instructions, spinning or index arithmetic.  ``--config`` takes bench_gemm.py's config names
 (``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
 instructions with the most warp-stall samples (ncu's source view), and where the warps' time goes.
@@ -24,6 +24,8 @@ METRICS = {
     "sm__cycles_elapsed.avg.per_second": "sm_clock_ghz",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "gmma_active_%",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_%",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active": "l1_smem_%",  # the L1/shared unit's busiest part (SOL)
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2_%",
     "lts__t_bytes.sum": "l2_MB",
     "dram__bytes.sum": "dram_MB",
     "smsp__inst_executed.sum": "inst_M",  # warp instructions: spin loops show here (energy at the power cap)
@@ -140,7 +142,8 @@ def main():
     child = [sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape, "--dtype", args.dtype,
              "--op", args.op]
     child += ["--config", args.config] if args.config else []
-    for metrics in (list(METRICS), [m for m in METRICS if "gmma" not in m]):  # the gmma counter is newest
+    for metrics in (list(METRICS), [m for m in METRICS if not m.endswith("pct_of_peak_sustained_active")]):
+        # the second try without the counters an older ncu or driver may lack (gmma, l1tex)
         # the second call of ours and of cuBLAS, every kernel of each (a fixed launch window, "skip 4, count 2",
         # caught cuBLAS's splitKreduce_kernel instead of its GEMM at decode, and half of a split-K gemm of ours)
         proc = subprocess.run(ncu_cmd(metrics, child), capture_output=True, text=True)
