@@ -8,7 +8,7 @@ import tvm
 from ..lang import ir
 from ..lang.ir import Copy, For, Gemm, Parallel, Reduce, RowSoftmaxStore, Store, error
 from .exprs import collect_loads
-from .layout import BlockedLayout, MmaAccumLayout, MmaWarps, SharedLayout
+from .layout import BlockedLayout, MmaAccumLayout, MmaRowLayout, MmaWarps, SharedLayout
 
 
 def walk(body):
@@ -44,17 +44,70 @@ class LayoutInference:
         for node in nodes:  # a source no gemm laid out would get a blocked layout: rows spread over threads
             if isinstance(node, Reduce) and node.src not in self.layouts:
                 raise _not_accumulator(node)
-        for buf in self.kernel.allocs:
-            if buf.scope == "fragment" and buf not in self.layouts:
-                lay = BlockedLayout.make(buf.shape, self.kernel.threads, dtype_bits(buf.dtype))
-                if lay is None:
-                    raise error(buf.loc, f"fragment {buf.name}{list(buf.shape)} cannot be split evenly over "
-                                         f"{self.kernel.threads} threads")
-                self.layouts[buf] = lay
+        for group in self.unlaid_groups(nodes):  # one default per group: a copy or loop pairs their registers
+            first = group[0]
+            lay = BlockedLayout.make(first.shape, self.kernel.threads, max(dtype_bits(b.dtype) for b in group))
+            if lay is None:
+                raise error(first.loc, f"fragment {first.name}{list(first.shape)} cannot be split evenly over "
+                                       f"{self.kernel.threads} threads")
+            for buf in group:
+                self.assign(buf, lay, buf)
         for node in nodes:
-            if isinstance(node, Parallel) and id(node) not in self.parallel:
-                self.parallel[id(node)] = self.anchor(node)
+            if isinstance(node, Parallel):
+                if id(node) not in self.parallel:
+                    self.parallel[id(node)] = self.anchor(node)
+                self.check_rows(node, self.parallel[id(node)])
         return self
+
+    def unlaid_groups(self, nodes) -> list:
+        """The fragments no gemm laid out, in groups that must share a layout: those a T.copy joins or one
+        T.Parallel indexes in full.  A default per fragment would follow its own dtype (16 bytes a thread:
+        4 floats, 8 halves), and a cast copy between two would pair registers holding other elements."""
+        unlaid = [b for b in self.kernel.allocs if b.scope == "fragment" and b not in self.layouts]
+        parent = {b: b for b in unlaid}
+
+        def root(b):
+            while parent[b] is not b:
+                b = parent[b]
+            return b
+
+        for node in nodes:
+            if isinstance(node, Copy):
+                joined = [node.src.buffer, node.dst.buffer]
+            elif isinstance(node, Parallel):
+                joined = [b for b, kind in self.fragments_in(node) if kind == "full"]
+            else:
+                continue
+            joined = [b for b in joined if b in parent]
+            for b in joined[1:]:
+                parent[root(b)] = root(joined[0])
+        groups: dict = {}
+        for b in unlaid:
+            groups.setdefault(root(b), []).append(b)
+        return list(groups.values())
+
+    def check_rows(self, node: Parallel, anchor) -> None:
+        """A 1-D fragment read by row inside T.Parallel over an accumulator must hold each thread's rows of
+        that accumulator: a statistic of S may rescale O (another width, the same warp rows), not an
+        accumulator whose rows sit in other threads."""
+        if len(node.vars) != 2:
+            return
+        for buf, kind in self.fragments_in(node):
+            lay = self.layouts[buf]
+            if kind != "row" or isinstance(anchor, MmaAccumLayout) and isinstance(lay, MmaRowLayout) and (
+                    lay.holds_rows_of(anchor)):
+                continue
+            if not isinstance(anchor, MmaAccumLayout):
+                raise error(node.loc, f"fragment {buf.name} is read by row in a T.Parallel whose 2-D fragments "
+                                      f"{'no gemm laid out' if anchor else 'are none'}: a row value (what "
+                                      f"T.reduce_* writes) applies to a gemm's accumulator, or one copied from it")
+            w = anchor.w
+            held = (f"the rows of a {lay.accum.w.M}x{lay.accum.w.N} accumulator over {lay.accum.w.wm}x"
+                    f"{lay.accum.w.wn} warps" if isinstance(lay, MmaRowLayout) else f"a {lay.kind} layout")
+            raise error(node.loc, f"fragment {buf.name} holds {held}, but this T.Parallel's {w.M}x{w.N} "
+                                  f"accumulator is over {w.wm}x{w.wn} warps (along M x N): a row value can "
+                                  f"only scale an accumulator whose rows sit in the same threads; give both "
+                                  f'gemms policy="full_row" (every warp along M)')
 
     def assign(self, buf, layout, node) -> bool:
         old = self.layouts.get(buf)

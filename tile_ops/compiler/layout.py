@@ -169,10 +169,19 @@ class MmaRowLayout(FragmentLayout):
         lane0 = tid % 4 == 0  # the first lane of the quad
         return lane0 if self.accum.w.wn == 1 else tirx.And(lane0, wc == 0)
 
-    def row_of_accum_local(self, r_acc):
-        """Local index in this layout of the row that accumulator local ``r_acc`` lies in."""
+    def holds_rows_of(self, accum: "MmaAccumLayout") -> bool:
+        """Whether every thread holds here the rows it holds of ``accum``, in the same order: the rows of
+        an accumulator of another width (FlashAttention's O rescaled by a statistic of S) over the same
+        warp grid rows.  Rows follow M, the warps along it and, for mma.sync, how warps are numbered
+        (``warp // wn``); wgmma numbers warps down the columns (``warp % wm``)."""
+        a, b = self.accum, accum
+        return (a.wgmma, a.w.M, a.w.wm) == (b.wgmma, b.w.M, b.w.wm) and (a.wgmma or a.w.wn == b.w.wn)
+
+    def row_of_accum_local(self, r_acc, accum: "MmaAccumLayout | None" = None):
+        """Local index in this layout of the row that local ``r_acc`` of ``accum`` (default: the
+        accumulator reduced into this one; else one it ``holds_rows_of``) lies in."""
         e = r_acc % 4
-        mi = r_acc // (4 * self.accum.ni)
+        mi = r_acc // (4 * (accum or self.accum).ni)
         return mi * 2 + e // 2
 
 

@@ -743,8 +743,8 @@ class Lowerer:
                 lay = self.infer.layouts[buf]
                 if lay == anchor:
                     return _r
-                if isinstance(lay, MmaRowLayout) and isinstance(anchor, MmaAccumLayout):
-                    return lay.row_of_accum_local(_r)
+                if isinstance(lay, MmaRowLayout) and isinstance(anchor, MmaAccumLayout):  # checked in inference
+                    return lay.row_of_accum_local(_r, anchor)
                 raise TileLangError(f"fragment {buf.name} does not share the loop's layout")
 
             for st in node.body:

@@ -1,0 +1,118 @@
+"""Fragment programs run on the CPU emulator (tests/tir_emulator.py: registers, warp shuffles): row
+reductions, a row statistic of one accumulator applied to another (FlashAttention's rescale), casts
+between fragments.  A gemm in a loop of no iterations only fixes the fragments' layouts; their values
+come from global memory through T.copy."""
+
+import numpy as np
+import pytest
+
+import tile_ops.lang as T
+from tile_ops.compiler.lower import lower
+from tile_ops.lang.errors import TileLangError
+from tir_emulator import Emulator
+
+bM, bN, DIM = 64, 64, 128
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def emulate(prog, arch, **arrays):
+    lk = lower(prog, arch)
+    Emulator(lk.func, arrays).run(lk.grid)
+
+
+def rescale(policy_s, policy_o, threads=128):
+    """O - rowmax(S), S (bM, bN) and O (bM, DIM) laid out by two gemms of the given policies."""
+    @T.prim_func
+    def main(X: T.Tensor((bM, bN), "float32"), X2: T.Tensor((bM, DIM), "float32"), Y: T.Tensor((bM, DIM), "float32"),
+             Z: T.Tensor((bM,), "float32")):
+        with T.Kernel(1, threads=threads) as bx:
+            Q_s = T.alloc_shared((bM, 16), "float16")
+            K_s = T.alloc_shared((16, bN), "float16")
+            V_s = T.alloc_shared((16, DIM), "float16")
+            S = T.alloc_fragment((bM, bN), "float32")
+            O = T.alloc_fragment((bM, DIM), "float32")
+            m = T.alloc_fragment((bM,), "float32")
+            for _ in T.serial(0):
+                T.gemm(Q_s, K_s, S, policy=policy_s)
+                T.gemm(Q_s, V_s, O, policy=policy_o)
+            T.copy(X, S)
+            T.copy(X2, O)
+            T.reduce_max(S, m, dim=1)
+            for i, j in T.Parallel(bM, DIM):
+                O[i, j] = O[i, j] - m[i]
+            T.copy(O, Y)
+            T.copy(m, Z)
+    return main
+
+
+@pytest.mark.parametrize("arch, policy_s, policy_o", [("sm_80", "full_row", "full_row"), ("sm_90a", "full_row", "full_row"),
+                                                      ("sm_90a", "square", "square"), ("sm_90a", "full_row", "square")])
+def test_a_row_statistic_of_one_accumulator_rescales_another_of_the_same_rows(arch, policy_s, policy_o):
+    """FlashAttention's `O[i, j] *= f(m[i])` with m reduced from S (bM x bN) and O bM x DIM: the loop runs over
+    O's registers, so m's register is found from O's numbering (it read S's: wrong rows, past m's end)."""
+    rng = np.random.default_rng(0)
+    X, X2 = rng.standard_normal((bM, bN)).astype(np.float32), rng.standard_normal((bM, DIM)).astype(np.float32)
+    Y, Z = np.zeros((bM, DIM), np.float32), np.zeros(bM, np.float32)
+    emulate(rescale(policy_s, policy_o), arch, X=X, X2=X2, Y=Y, Z=Z)
+    np.testing.assert_array_equal(Z, X.max(1))
+    np.testing.assert_array_equal(Y, X2 - X.max(1)[:, None])
+
+
+@pytest.mark.parametrize("policy_s, policy_o", [("square", "square"), ("full_row", "square")])
+def test_a_row_statistic_of_an_accumulator_over_other_warps_is_refused_at_its_line(policy_s, policy_o):
+    """mma.sync: a square 64x64 accumulator is 2x2 warps, a 64x128 one 1x4, so S's rows sit in other threads
+    than O's; the error names both warp grids and what works."""
+    with pytest.raises(TileLangError, match=r"fragment m holds the rows of a 64x64 accumulator over \dx\d warps, but "
+                                            r"this T.Parallel's 64x128 accumulator is over 1x4 warps .* give both "
+                                            r'gemms policy="full_row"') as e:
+        lower(rescale(policy_s, policy_o), "sm_80")
+    assert "O[i, j] = O[i, j] - m[i]" in str(e.value) or "T.Parallel(bM, DIM)" in str(e.value)
+
+
+def cast_between_fragments(M, N, threads, in_loop):
+    """B = A cast to float16 through two fragments no gemm lays out: a T.copy, or a T.Parallel reading both."""
+    @T.prim_func
+    def main(A: T.Tensor((M, N), "float32"), B: T.Tensor((M, N), "float16")):
+        with T.Kernel(1, threads=threads) as bx:
+            F = T.alloc_fragment((M, N), "float32")
+            G = T.alloc_fragment((M, N), "float16")
+            T.copy(A, F)
+            if in_loop:
+                for i, j in T.Parallel(M, N):
+                    G[i, j] = T.cast(F[i, j] * 2.0, "float16")
+            else:
+                T.copy(F, G)
+            T.copy(G, B)
+    return main
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("in_loop", [False, True])
+def test_fragments_no_gemm_lays_out_share_one_layout_across_a_cast(arch, in_loop):
+    """Each got a default layout from its own dtype (4 floats or 8 halves a thread in a row), so the cast copy
+    paired registers holding other elements (1008 of 1024 wrong) and the loop was refused as mixing layouts."""
+    A = np.arange(32 * 32, dtype=np.float32).reshape(32, 32)
+    B = np.zeros((32, 32), np.float16)
+    emulate(cast_between_fragments(32, 32, 64, in_loop), arch, A=A, B=B)
+    np.testing.assert_array_equal(B, (A * (2 if in_loop else 1)).astype(np.float16))
+
+
+def test_a_row_value_in_a_loop_over_fragments_no_gemm_laid_out_is_refused_at_its_line():
+    @T.prim_func
+    def main(A: T.Tensor((32, 32), "float32")):
+        with T.Kernel(1, threads=32) as bx:
+            F = T.alloc_fragment((32, 32), "float32")
+            m = T.alloc_fragment((32,), "float32")
+            T.copy(A, F)
+            T.fill(m, 2.0)
+            for i, j in T.Parallel(32, 32):
+                F[i, j] = F[i, j] * m[i]
+            T.copy(F, A)
+
+    with pytest.raises(TileLangError, match=r"fragment m is read by row in a T.Parallel whose 2-D fragments no gemm "
+                                            r"laid out: a row value \(what T.reduce_\* writes\) applies to a gemm's"):
+        lower(main, "sm_80")
