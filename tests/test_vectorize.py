@@ -71,6 +71,51 @@ def test_scalar_statements_outside_parallel_are_predicated():
     np.testing.assert_array_equal(O, A * 2)
 
 
+def test_accesses_before_a_tensor_read_zero_and_write_nothing():
+    """Stencils and halo windows index row -1 or column -1: the predicates checked only the upper bound, so
+    loads read before the tensor (and stores wrote there); the README promises every access is predicated."""
+    n = 64
+
+    @T.prim_func
+    def shifted(A: T.Tensor((n, n), "float32"), B: T.Tensor((n, n), "float32"), C: T.Tensor((n, n), "float32")):
+        with T.Kernel(n // 16, threads=128) as bx:
+            for i, j in T.Parallel(16, n):
+                B[bx * 16 + i, j] = A[bx * 16 + i - 1, j]  # down a row: whole vectors, one row predicate
+                C[bx * 16 + i, j - 1] = A[bx * 16 + i, j]  # left a column: scalar, the store predicated
+
+    A = np.random.default_rng(2).uniform(1, 2, (n, n)).astype(np.float32)
+    B, C = np.zeros((n, n), np.float32), np.full((n, n), -7, np.float32)
+    emulate(shifted, A=A, B=B, C=C)  # numpy would wrap a negative index around: read the last row instead
+    np.testing.assert_array_equal(B, np.vstack([np.zeros((1, n), np.float32), A[:-1]]))
+    np.testing.assert_array_equal(C[:, :-1], A[:, 1:])
+    assert (C[:, -1] == -7).all()
+
+    @T.prim_func
+    def stencil(A: T.Tensor((n,), "float32"), B: T.Tensor((n,), "float32")):
+        with T.Kernel(n // 16, threads=32) as bx:
+            A_s = T.alloc_shared((18,), "float32")
+            T.copy(A[bx * 16 - 1], A_s)  # a halo window from one element before the block's
+            for i in T.Parallel(16):
+                B[bx * 16 + i] = A_s[i] + A_s[i + 1] + A_s[i + 2]
+
+    a, b = np.arange(1, n + 1, dtype=np.float32), np.zeros(n, np.float32)
+    emulate(stencil, A=a, B=b)
+    padded = np.concatenate([[0], a, [0]])
+    np.testing.assert_array_equal(b, padded[:-2] + padded[1:-1] + padded[2:])
+
+
+def test_a_cp_async_window_before_the_tensor_copies_no_bytes_from_there():
+    @T.prim_func
+    def halo(A: T.Tensor((64, 64), "float16"), B: T.Tensor((64, 64), "float16")):
+        with T.Kernel(4, threads=128) as bx:
+            A_s = T.alloc_shared((16, 64), "float16")
+            T.copy(A[bx * 16 - 1, 0], A_s)
+            T.copy(A_s, B[bx * 16, 0])
+
+    src = compile_program(halo, "sm_80").source
+    assert "cp.async" in src and re.search(r"\(1 <= \(*\(*\(\(int\)blockIdx.x\) \* 16\)", src), src[-3000:]
+
+
 def test_aligned_rows_use_16_byte_accesses():
     src = compile_program(scale(64, 256), "sm_80").source
     assert vector_accesses(src, "A") == {"uint4"} and vector_accesses(src, "B") == {"uint4"}

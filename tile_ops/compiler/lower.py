@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import tvm.ir.prim.expr as px
 from tvm import tirx
-from tvm.ir.expr import TensorLoad
+from tvm.ir.expr import Call, TensorLoad
 from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.sym.analyzer import Analyzer
@@ -589,9 +589,10 @@ class Lowerer:
         if buf.scope != "global":
             return None
         for s, i, dim in zip(start, idx, buf.shape):
-            c = s + i < dim
-            if not self.ana.can_prove(c):
-                conds.append(c)
+            if not _nonneg(s + i):  # a window or stencil may start before the tensor
+                conds.append(s + i >= 0)
+            if not self.ana.can_prove(s + i < dim):
+                conds.append(s + i < dim)
         if not conds:
             return None
         out = conds[0]
@@ -957,6 +958,39 @@ def _squeeze(extents) -> list:
     while len(ext) > 1 and ext[0] == 1:
         ext.pop(0)
     return ext
+
+
+_SUMS = (px.Add, px.Mul, px.FloorDiv, px.Div, px.Min, px.BitwiseAnd, px.BitwiseOr, px.RShift, px.LShift)
+
+
+def _nonneg(e) -> bool:
+    """Whether index ``e`` is >= 0 by its form.  Every integer variable of a lowered program is an index
+    (thread and block ids, loop counters from 0, counts the compiler binds), so only a subtraction or a
+    negative constant makes an index negative (the analyzer knows no variable's range)."""
+    if isinstance(e, int):
+        return e >= 0
+    if isinstance(e, px.IntImm):
+        return e.value >= 0
+    if isinstance(e, px.Var):
+        return True
+    if isinstance(e, _SUMS):
+        return _nonneg(e.a) and _nonneg(e.b)
+    if isinstance(e, px.FloorMod):  # floormod takes the divisor's sign
+        return _nonneg(e.b)
+    if isinstance(e, px.Max):
+        return _nonneg(e.a) or _nonneg(e.b)
+    if isinstance(e, px.Cast):
+        return _nonneg(e.value)
+    if isinstance(e, px.Select):
+        return _nonneg(e.true_value) and _nonneg(e.false_value)
+    if isinstance(e, Call):
+        op = getattr(e.op, "name", "")
+        if op.endswith("if_then_else"):
+            return _nonneg(e.args[1]) and _nonneg(e.args[2])
+        if op == "tirx.cuda.func_call":
+            name = e.args[0].value
+            return name == "tile_ops_grid_x" or name == "tile_ops_warp_uniform" and _nonneg(e.args[-1])
+    return False
 
 
 def _pad(idx, like) -> list:
