@@ -178,6 +178,129 @@ def test_error_copy_region_past_a_shared_tile():
     assert "T.copy(S1, S2[16, 0])" in msg and "S2[32, 32]" in msg and "16:48" in msg
 
 
+def test_error_copy_from_a_start_point_of_too_few_dims():
+    """A 1-D start point into a 4x16 tile dropped the column index: element (i, j) read A[i]."""
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((64,), "float32"), B: T.Tensor((4, 16), "float16")):
+            with T.Kernel(1, threads=32) as bx:
+                T.copy(A[0], B)
+        return bad
+
+    msg = _lower_error(prog)
+    assert "T.copy(A[0], B)" in msg and "A[64] has 1 dim(s), too few for the 4x16 region" in msg
+
+
+def test_error_shared_tile_of_three_dims():
+    """A 3-D shared tile was addressed by its first index alone (2048 elements on 2 addresses)."""
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.alloc_shared\(\(2, 16, 64\)\): shared tiles are 1-D "
+                                                          r"or 2-D; fold the leading dims into the rows, e.g. \(32, 64\)"):
+        @T.prim_func
+        def bad(A: T.Tensor((32, 64), "float32")):
+            with T.Kernel(1, threads=32) as bx:
+                T.alloc_shared((2, 16, 64), "float32")
+
+
+def test_error_a_pipelined_tile_used_after_its_loop():
+    """Outside the loop the tile resolved to stage 0: with an even trip count the last tile read was n-2's."""
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((64, 64), "float16"), Last: T.Tensor((16, 64), "float16")):
+            with T.Kernel(1, threads=128) as bx:
+                A_s = T.alloc_shared((16, 64), "float16")
+                C_f = T.alloc_fragment((16, 64), "float32")
+                for k in T.Pipelined(4, num_stages=2):
+                    T.copy(A[k * 16, 0], A_s)
+                    T.copy(A_s, C_f)
+                T.copy(A_s, Last)
+        return bad
+
+    msg = _lower_error(prog)
+    assert "T.copy(A_s, Last)" in msg and "A_s is filled by a T.Pipelined loop (2 stages" in msg
+
+
+def test_error_parallel_index_past_a_shared_tile():
+    """T.copy refused a window past a shared tile; a T.Parallel past it overwrote the next tile unchecked."""
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((64, 64), "float32"), C: T.Tensor((32, 64), "float32")):
+            with T.Kernel(1, threads=128) as bx:
+                S = T.alloc_shared((32, 64), "float32")
+                for i, j in T.Parallel(64, 64):
+                    S[i, j] = A[i, j]
+                for i, j in T.Parallel(32, 64):
+                    C[i, j] = S[i + 1, j]
+        return bad
+
+    msg = _lower_error(prog)
+    assert "S[i, j] = A[i, j]" in msg and "S[32, 64]: T.Parallel(64, 64) indexes dim 0 from 0 to 63, outside 0..31" in msg
+
+
+def test_error_parallel_read_past_a_shared_tile_by_an_offset():
+    def prog():
+        @T.prim_func
+        def bad(A: T.Tensor((32, 64), "float32"), C: T.Tensor((32, 64), "float32")):
+            with T.Kernel(1, threads=128) as bx:
+                S = T.alloc_shared((32, 64), "float32")
+                T.copy(A, S)
+                for i, j in T.Parallel(32, 64):
+                    C[i, j] = S[i + 1, j]
+        return bad
+
+    assert "indexes dim 0 from 1 to 32, outside 0..31" in _lower_error(prog)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+def test_8_bit_fills_and_scalar_arithmetic_build(dtype):
+    """16 lanes of a broadcast 8-bit scalar became make_int4 of 16 arguments, which nvcc refused."""
+    if _find_tool("nvcc", "TILE_OPS_NVCC") is None:
+        pytest.skip("no nvcc")
+
+    @T.prim_func
+    def main(A: T.Tensor((64, 128), dtype), B: T.Tensor((64, 128), dtype), C: T.Tensor((64, 128), dtype)):
+        with T.Kernel(1, threads=128) as bx:
+            S = T.alloc_shared((64, 128), dtype)
+            T.clear(S)
+            T.copy(S, C)
+            for i, j in T.Parallel(64, 128):
+                B[i, j] = A[i, j] + T.cast(1, dtype)
+
+    assert tile_ops.compile(main, target="sm_80").cubin
+
+
+@pytest.mark.parametrize("body, message", [
+    ("T.clear(S[0:32, :])", r"T.clear takes whole buffers, got a region of \w+; accepted: a buffer from T.alloc_\*"),
+    ("T.reduce_max(S[0:32, :], m)", r"T.reduce_max takes whole buffers, got a region of \w+"),
+    ("for i in T.Parallel(bx + 1):\n                    m[i] = 0.0",
+     r"T.Parallel extent bx \+ 1 depends on values known only when the kernel runs; accepted: a compile-time integer"),
+    ("for i in T.unroll(bx + 1):\n                    m[i] = 0.0", r"T.unroll extent bx \+ 1 depends on values known"),
+])
+def test_errors_for_regions_and_runtime_extents_name_the_line(body, message):
+    """Each raised a bare TypeError, AttributeError or TVM InternalError before."""
+    src = textwrap.dedent(f'''
+        import tile_ops.lang as T
+        from tile_ops.compiler import compile_program
+        @T.prim_func
+        def f(A: T.Tensor((64, 64), "float32")):
+            with T.Kernel(4, threads=128) as bx:
+                S = T.alloc_fragment((64, 64), "float32")
+                m = T.alloc_fragment((64,), "float32")
+                {body}
+        compile_program(f, "sm_80")
+    ''')
+    with pytest.raises(tile_ops.lang.TileLangError, match=message) as e:
+        exec(compile(src, "user_kernel.py", "exec"), {})
+    assert "user_kernel.py:9: " in str(e.value)
+
+
+def test_error_float_grid_extent():
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.Kernel grid extent 6.4 is not an integer \(// divides"):
+        @T.prim_func
+        def bad(A: T.Tensor((64,), "float32")):
+            with T.Kernel(64 / 10, threads=32) as bx:
+                A[bx] = 1.0
+
+
 @pytest.mark.parametrize("cond", ["bx == 0", "bx != 0", "bx < 1"])
 def test_error_python_if_on_a_traced_value(cond):
     """TVM answers bool() of == and != by object identity (bx == 0 is False: one branch traced for every

@@ -88,6 +88,7 @@ class Lowerer:
         self.infer = LayoutInference(self.kernel, self.buffers, wgmma=self.sm90).run()
         self.ana = Analyzer()
         self.stages = self._stage_counts()
+        self._check_staged_uses(self.kernel.body)
         self.hopper = Hopper(self) if self.sm90 else None
         self.ws = self.hopper.ws if self.hopper else None
         # consumer warpgroups that each run the program on alternate tiles: two with T.Kernel(pingpong=True)
@@ -192,6 +193,21 @@ class Lowerer:
                     if isinstance(st, Copy) and st.src.buffer.scope == "global" and st.dst.buffer.scope == "shared":
                         stages[st.dst.buffer] = max(stages.get(st.dst.buffer, 1), sub.num_stages)
         return stages
+
+    def _check_staged_uses(self, body) -> None:
+        """A tile a T.Pipelined loop fills holds one buffer per stage; outside the loop none of them is "the"
+        tile (the last iteration's stage depends on the trip count), so it is used only inside."""
+        for node in body:
+            if isinstance(node, For) and node.kind == "pipelined":
+                continue
+            if isinstance(node, For):
+                self._check_staged_uses(node.body)
+                continue
+            used = [b for b in _node_buffers(node, self.buffers) if self.stages.get(b, 1) > 1]
+            if used:
+                raise error(node.loc, f"{used[0].name} is filled by a T.Pipelined loop ({self.stages[used[0]]} "
+                                      f"stages, one buffer each) and used outside it; accepted: use it inside the "
+                                      f"loop, or copy what is needed after it into a tile the loop does not fill")
 
     def _align(self, n: int) -> int:
         return _align(n, ALIGN_SM90 if self.sm90 else ALIGN)
@@ -565,6 +581,11 @@ class Lowerer:
         ext = _squeeze(ext) or [1]
         if None not in other and _squeeze(other) != _squeeze(ext):
             raise error(node.loc, f"T.copy: region shapes differ: {list(se)} vs {list(de)}")
+        point = node.src if None in se else node.dst  # a start point: its window takes the region's shape
+        if len(point.starts) < len(ext):
+            raise error(node.loc, f"T.copy: {point.buffer.name}{list(point.buffer.shape)} has {len(point.starts)} "
+                                  f"dim(s), too few for the {'x'.join(map(str, ext))} region copied with it; accepted: "
+                                  f"a buffer of at least {len(ext)} dims, one start index each")
         for side in (node.src, node.dst):
             self._check_inside(node, side, ext)
         return list(ext)
@@ -723,10 +744,31 @@ class Lowerer:
             with T.unroll(0, math.prod(b.shape)) as r:
                 T.buffer_store(self.locals[b], _cast(value, b.dtype), [r] if len(b.shape) == 1 else _unflat(r, b.shape))
         else:
-            vec = _widest(dtype_bits(b.dtype), lambda v: self._vector_ok(b, 0, v))
+            bits = dtype_bits(b.dtype)
+            vec = _widest(bits, lambda v: self._vector_ok(b, 0, v) and _broadcastable(bits, v))
             self.flat_loop(list(b.shape), lambda idx: self.store(b, idx, value, vec=vec), vec)
 
+    def _check_parallel_inside(self, node: Parallel):
+        """Shared and local tiles are not predicated: an index T.Parallel takes past a tile's end (or before
+        its start) at some iteration, the first or the last, would write or read a neighbouring tile."""
+        ends = [{v: 0 for v in node.vars}, {v: e - 1 for v, e in zip(node.vars, node.extents)}]
+        for st in (n for n in walk(node.body) if isinstance(n, Store)):
+            accesses = [(st.buffer, st.indices)] + [(self.buffers.get(b), idx) for b, idx in collect_loads(st.value)]
+            for buf, idx in accesses:
+                if buf is None or buf.scope not in ("shared", "local"):
+                    continue
+                for d, (i, dim) in enumerate(zip(idx, buf.shape)):
+                    if isinstance(i, int):
+                        i = tirx.const(i, "int32")
+                    first, last = (rewrite(i, at) for at in ends)
+                    if self.ana.can_prove(tirx.Or(first < 0, last >= dim)):
+                        raise error(st.loc, f"{buf.name}{list(buf.shape)}: T.Parallel{tuple(node.extents)} indexes "
+                                            f"dim {d} from {self.ana.simplify(first)} to {self.ana.simplify(last)}, "
+                                            f"outside 0..{dim - 1} (shared and local tiles are not predicated, only "
+                                            f"global tensors are)")
+
     def parallel(self, node: Parallel, vm):
+        self._check_parallel_inside(node)
         anchor = self.infer.parallel.get(id(node))
         if anchor is None:  # no fragment: spread the iteration space over the threads, vec columns each
             vec = self._parallel_vector_width(node)
@@ -768,8 +810,8 @@ class Lowerer:
         """The widest vector along the innermost var j such that every statement is a lane-wise
         function of accesses contiguous in j (see _lanes)."""
         j = node.vars[-1]
-        bits = max(dtype_bits(b.dtype) for b in _buffers_in(node, self.buffers))
-        return _widest(bits, lambda v: node.extents[-1] % v == 0 and all(
+        widths = [dtype_bits(b.dtype) for b in _buffers_in(node, self.buffers)]
+        return _widest(max(widths), lambda v: node.extents[-1] % v == 0 and _broadcastable(min(widths), v) and all(
             self._contiguous(st.buffer, st.indices, j, v) and self._lanes(st.value, {}, j, v) is not None
             for st in node.body))
 
@@ -940,6 +982,12 @@ def _widest(bits: int, fits) -> int:
     return next((v for v in (128 // bits, 64 // bits, 32 // bits) if v > 1 and fits(v)), 1)
 
 
+def _broadcastable(bits: int, vec: int) -> bool:
+    """Whether a scalar of ``bits`` can be broadcast to ``vec`` lanes: TVM's CUDA code builds 8 or 16 lanes of
+    8-bit values with a make_int2/make_int4 of 8 or 16 arguments, which nvcc refuses."""
+    return bits > 8 or vec <= 4
+
+
 def _ramp(base, vec):
     return tirx.Ramp(base, 1, vec) if vec > 1 else base
 
@@ -1016,6 +1064,23 @@ def _walk_pipelined(node):
             yield node
         for n in node.body:
             yield from _walk_pipelined(n)
+
+
+def _node_buffers(node, buffers) -> list:
+    """Every buffer a tile op (or loop nest, whole) reads or writes."""
+    if isinstance(node, Copy):
+        return [node.src.buffer, node.dst.buffer]
+    if isinstance(node, Gemm):
+        return [node.A, node.B, node.C]
+    if isinstance(node, Fill):
+        return [node.buffer]
+    if isinstance(node, Reduce):
+        return [node.src, node.dst]
+    if isinstance(node, (Store, Parallel)):
+        return _buffers_in(node, buffers)
+    if isinstance(node, (For, RowSoftmaxStore)):
+        return [b for n in node.body for b in _node_buffers(n, buffers)]
+    return []
 
 
 def _buffers_in(node, buffers):

@@ -91,7 +91,7 @@ class Kernel:
             raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
         if threads % 32 or not 32 <= threads <= 1024:
             raise error(user_loc(), f"threads={threads}: must be a multiple of 32 in [32, 1024]")
-        self.grid = [int(ir.tirx_simplify(g)) for g in grid]
+        self.grid = [_static_extent(g, "T.Kernel grid") for g in grid]
         if builtins.min(self.grid) < 1:
             raise error(user_loc(), f"T.Kernel: grid {self.grid}: every extent must be at least 1 (a problem with "
                                     f"nothing to compute has no kernel to launch)")
@@ -127,6 +127,10 @@ class Kernel:
 
 
 def alloc_shared(shape, dtype, name=None) -> TileBuffer:
+    if len(shape) not in (1, 2):  # the compiler lays out (swizzles, stages, addresses) rows x columns
+        raise error(user_loc(), f"T.alloc_shared({tuple(shape)}): shared tiles are 1-D or 2-D; fold the leading "
+                                f"dims into the rows, e.g. ({math.prod(shape[:-1]) if shape else 1}, "
+                                f"{shape[-1] if shape else 1})")
     return ir.new_buffer(shape, _check_dtype(dtype), "shared", name)
 
 
@@ -164,12 +168,12 @@ def serial(extent):
 
 
 def unroll(extent):
-    return _loop("unroll", extent, name="i")
+    return _loop("unroll", _static_extent(extent, "T.unroll"), name="i")
 
 
 def Parallel(*extents):
     """Elementwise loop nest over a tile; the compiler maps iterations to threads (and vectorizes)."""
-    extents = [int(ir.tirx_simplify(e)) for e in extents]
+    extents = [_static_extent(e, "T.Parallel") for e in extents]
     vars_ = [tirx.Var(ir.fresh_name(n), "int32") for n in "ijkl"[: len(extents)]]
     node = ParallelNode(vars_, extents)
     emit(node)
@@ -197,19 +201,39 @@ def gemm(A, B, C, transpose_A=False, transpose_B=False, clear_accum=False, polic
 
 
 def fill(buffer, value):
-    emit(Fill(buffer, value))
+    emit(Fill(_whole(buffer, "T.fill"), value))
 
 
 def clear(buffer):
-    emit(Fill(buffer, 0))
+    emit(Fill(_whole(buffer, "T.clear"), 0))
 
 
 def reduce_max(src, dst, dim=-1, clear=True):
-    emit(Reduce("max", src, dst, dim, clear))
+    emit(Reduce("max", _whole(src, "T.reduce_max"), _whole(dst, "T.reduce_max"), dim, clear))
 
 
 def reduce_sum(src, dst, dim=-1, clear=True):
-    emit(Reduce("sum", src, dst, dim, clear))
+    emit(Reduce("sum", _whole(src, "T.reduce_sum"), _whole(dst, "T.reduce_sum"), dim, clear))
+
+
+def _whole(buffer, op: str) -> TileBuffer:
+    """``buffer`` when it is a whole tile: these ops take no regions."""
+    if not isinstance(buffer, TileBuffer):
+        what = f"a region of {buffer.buffer.name}" if isinstance(buffer, Region) else type(buffer).__name__
+        raise error(user_loc(), f"{op} takes whole buffers, got {what}; accepted: a buffer from T.alloc_* (for part "
+                                f"of one, assign its elements in a T.Parallel over that part)")
+    return buffer
+
+
+def _static_extent(e, op: str) -> int:
+    """An extent the compiler must know: an integer, or an expression of compile-time constants."""
+    v = e if isinstance(e, float) else ir.tirx_simplify(e)
+    if isinstance(v, float) or "float" in str(getattr(v, "ty", "")):
+        raise error(user_loc(), f"{op} extent {e} is not an integer (// divides integers)")
+    if not isinstance(v, int) and not hasattr(v, "value"):
+        raise error(user_loc(), f"{op} extent {e} depends on values known only when the kernel runs; accepted: "
+                                f"a compile-time integer (a factory argument, or arithmetic on them)")
+    return int(v if isinstance(v, int) else v.value)
 
 
 def cluster_allreduce(buffer, op):
