@@ -3,11 +3,14 @@ concurrent writers), the ops' config selection, the tuner with a fake timer (rea
 and the ``tune`` command.  One GPU test tunes a small shape end to end."""
 
 import dataclasses
+import errno
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import pytest
@@ -222,6 +225,95 @@ def test_clear():
     assert autotune.TuneTable().clear() == 1 and autotune.TuneTable().entries() == {}
 
 
+def test_a_transient_read_error_leaves_the_table_alone(monkeypatch):
+    """EMFILE while a writer read the table: the good table was renamed aside as unreadable, every entry gone."""
+    for M in (256, 512):
+        autotune.record("gemm", (M, 4096, 4096), "float16", FAKE_GPU, GemmConfig())
+    path = autotune.table_path()
+    before, read_text = path.read_text(), pathlib.Path.read_text
+
+    def too_many_open_files(self, *args, **kwargs):
+        if self == path:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return read_text(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "read_text", too_many_open_files)
+        with pytest.raises(OSError, match="could not write the autotune table .*Too many open files"):
+            autotune.record("gemm", (1024, 4096, 4096), "float16", FAKE_GPU, GemmConfig())
+    assert path.read_text() == before
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith("autotune")) == ["autotune.json"]
+
+
+def test_each_unreadable_table_is_kept_under_its_own_name():
+    path = autotune.table_path()
+    path.parent.mkdir(parents=True)
+    garbage = ['{"version": 1, "entr', "[1, 2]", '{"version": 1, "entries": []}', b"\xff\xfe"]
+    for content in garbage:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.warns(UserWarning, match="ignoring the autotune table .*; kept as autotune.json.unreadable"):
+            autotune.record("gemm", (64, 64, 64), "float16", FAKE_GPU, GemmConfig())
+    kept = [path.with_name("autotune.json.unreadable" + suffix) for suffix in ("", ".1", ".2", ".3")]
+    assert [p.read_bytes() for p in kept] == [c if isinstance(c, bytes) else c.encode() for c in garbage]
+    assert len(autotune.TuneTable().entries()) == 1
+
+
+def test_one_shape_tuned_for_two_archs_keeps_both(fake_gpu, capsys):
+    """sm_90a and sm_90 runs on one GPU: the key had no arch, so the second overwrote the first and the ops of the
+    first arch fell back to the default."""
+    from tile_ops.__main__ import main
+
+    shape = (4096, 4096, 4096)
+    hopper = GemmConfig(128, 256, 64, 4, 256, 8, epilogue="shared", cluster=2)
+    ampere = GemmConfig(128, 128, 32, 3, 256, 8)
+    autotune.record("gemm", shape, "float16", FAKE_GPU, hopper, ms=0.2, arch="sm_90a")
+    autotune.record("gemm", shape, "float16", FAKE_GPU, ampere, ms=0.35, arch="sm_90")
+    assert sorted(autotune.TuneTable().entries()) == [f"{FAKE_GPU}|gemm|float16|4096x4096x4096|{arch}"
+                                                      for arch in ("sm_90", "sm_90a")]
+    assert autotune.config_for("gemm", *shape, "float16", arch="sm_90a") == hopper
+    assert autotune.config_for("gemm", *shape, "float16", arch="sm_90") == ampere
+    assert main(["tune", "--show"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:5] == ["gpu", "op", "dtype", "arch", "shape"]
+    assert sorted(line.split("float16")[1].split()[0] for line in lines[2:]) == ["sm_90", "sm_90a"]
+
+
+def test_keys_without_the_arch_still_read_and_are_superseded_for_their_arch(fake_gpu):
+    old_key = f"{FAKE_GPU}|gemm|float16|1024x1024x1024"  # the key before it had the arch
+    a, b = GemmConfig(64, 64, 32, 3, 128, 0), GemmConfig(128, 64, 32, 3, 128, 0)
+    autotune.TuneTable().update({old_key: {"gpu": FAKE_GPU, "op": "gemm", "dtype": "float16", "shape": [1024] * 3,
+                                           "config": dataclasses.asdict(a), "arch": "sm_90a"}})
+    assert autotune.config_for("gemm", 1024, 1024, 1024, "float16", arch="sm_90a") == a
+    autotune.record("gemm", (1024, 1024, 1024), "float16", FAKE_GPU, b, arch="sm_90")  # another arch: both kept
+    assert autotune.config_for("gemm", 1024, 1024, 1024, "float16", arch="sm_90a") == a
+    autotune.record("gemm", (1024, 1024, 1024), "float16", FAKE_GPU, b, arch="sm_90a")  # its arch: replaced
+    assert sorted(autotune.TuneTable().entries()) == [old_key + "|sm_90", old_key + "|sm_90a"]
+    assert autotune.config_for("gemm", 1024, 1024, 1024, "float16", arch="sm_90a") == b
+
+
+def test_entries_with_wrong_value_types_are_skipped_with_one_warning(fake_gpu, capsys):
+    """Valid JSON, wrong types (a hand edit): lookup() raised TypeError on every gemm call of that (GPU, N, K) and
+    `tune --show` a traceback."""
+    from tile_ops.__main__ import main
+
+    cfg = GemmConfig(64, 64, 32, 3, 128, 0)
+    good = {"gpu": FAKE_GPU, "op": "gemm", "dtype": "float16", "shape": [1000, 512, 256],
+            "config": dataclasses.asdict(cfg), "ms": 0.2, "default_ms": 0.3}
+    bad = {"m-string": {**good, "shape": ["1000", 512, 256]}, "m-null": {**good, "shape": [None, 512, 256]},
+           "not-a-list": {**good, "shape": 1000}, "ms-string": {**good, "shape": [600, 512, 256], "ms": "0.2"},
+           "gpu-number": {**good, "gpu": 7}, "arch-list": {**good, "arch": ["sm_90a"]}}
+    autotune.TuneTable().update({"good": good, **bad})
+    with pytest.warns(UserWarning, match=r"ignoring 6 malformed entries of the autotune table .*'m-null' \(shape "
+                                         r"\[None, 512, 256\] is not three positive integers\)") as warned:
+        assert autotune.config_for("gemm", 900, 512, 256, "float16", arch="sm_90a") == cfg
+    assert len(warned) == 1
+    assert "'ms-string' (ms '0.2' is not a positive number)" in str(warned[0].message)
+    with pytest.warns(UserWarning, match="ignoring 6 malformed entries"):
+        assert main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 entry)" in out and "1000x512x256" in out and "1.50x" in out
+
+
 # ------------------------------------------------------------------------------ what the ops launch
 def test_gemm_op_launches_the_tuned_config_else_the_default(fake_gpu, monkeypatch):
     seen = []
@@ -331,7 +423,7 @@ def test_tune_picks_the_fastest_and_skips_failures_with_reasons(fake_gpu):
     default = gemm_kernels.default_config(*shape)
     assert set(calls) == {fast, wrong, crashes, default} and result.default_ms == 2.0
     assert result.best.config == fast and result.best.ms == 1.0
-    assert result.key == f"{FAKE_GPU}|gemm|float16|128x128x64"
+    assert result.key == f"{FAKE_GPU}|gemm|float16|128x128x64|sm_90a"
     assert autotune.config_for("gemm", 128, 128, 64, "float16") == fast  # the in-process memo was refreshed
     entry = autotune.TuneTable().entries()[result.key]
     assert entry["candidates"] == 6 and entry["skipped"] == 4 and entry["arch"] == "sm_90a"
@@ -342,6 +434,74 @@ def test_tune_picks_the_fastest_and_skips_failures_with_reasons(fake_gpu):
     with pytest.raises(bench.DeviceLost):  # not skipped like a failed candidate: every later one would fail too
         autotune.tune("gemm", shape, configs=[fast], arch="sm_90a", measure=context_lost, gpu=FAKE_GPU,
                       show_progress=False)
+
+
+def _fake_compile(monkeypatch, archs=None, store=None):
+    """GemmTarget.compile without nvcc: records the arch, optionally stores an entry (what the jit does)."""
+
+    def compile(self, shape, dtype, cfg, arch):
+        if archs is not None:
+            archs.append(arch)
+        if store is not None:
+            store()
+        return types.SimpleNamespace(meta=types.SimpleNamespace(smem_bytes=0))
+
+    monkeypatch.setattr(targets.GemmTarget, "compile", compile)
+
+
+def test_tune_on_a_device_compiles_for_that_devices_arch(monkeypatch):
+    """tune(device="cuda:1") compiled for the current device's arch (cuda:0, an H100 here) and timed on an A100."""
+    archs = []
+    _fake_compile(monkeypatch, archs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",  # cuda:1 an A100, the current device an H100
+                        lambda device=None: (8, 0) if device is not None and torch.device(device).index == 1
+                        else (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(shared_memory_per_block_optin=166912))
+    monkeypatch.setattr(bench, "GpuBench", lambda target, shape, dtype, device: lambda kernel, cfg: 1.0)
+    result = autotune.tune("gemm", (64, 64, 64), configs=[], device="cuda:1", gpu=FAKE_GPU, save=False,
+                           show_progress=False)
+    assert result.arch == "sm_80" and archs == ["sm_80"]
+
+
+def test_a_failed_table_write_prints_the_results_and_says_why(fake_gpu, monkeypatch, capsys):
+    """After all the timing, the write failed with a bare OSError: the results were lost."""
+    from tile_ops.__main__ import main
+    from tile_ops.autotune import cli
+
+    _fake_compile(monkeypatch)
+    monkeypatch.setattr(table.TuneTable, "_publish",
+                        lambda self, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OSError, match=r"could not write the autotune table .*No space left on device.*the best "
+                                      r"config, printed above, was not recorded"):
+        autotune.tune("gemm", (64, 64, 64), configs=[], arch="sm_90a", measure=lambda kernel, cfg: 1.0, gpu=FAKE_GPU,
+                      show_progress=False)
+    default = gemm_kernels.default_config(64, 64, 64, "sm_90a")
+    assert f"best of gemm 64x64x64 float16 on {FAKE_GPU} (sm_90a): {default}, 1.0000 ms" in capsys.readouterr().err
+
+    def tune_that_cannot_record(*args, **kwargs):
+        raise table.TableWriteError("tile_ops: could not write the autotune table T: [Errno 28] No space left")
+
+    monkeypatch.setattr(autotune, "tune", tune_that_cannot_record)
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    assert main(["tune", "gemm", "--shape", "64x64x64", "--quiet"]) == 1
+    assert "error: could not write the autotune table T: [Errno 28] No space left" in capsys.readouterr().err
+
+
+def test_tune_compile_only_says_when_its_kernels_were_not_stored(tmp_path, monkeypatch, capsys):
+    """It reported the candidates built and exited 0 while a full disk kept every one out of the cache."""
+    from tile_ops.__main__ import main
+    from tile_ops.jit.cache import CacheEntry, DiskCache
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tmp").write_text("")  # where stores make their temp dirs: every store fails
+    _fake_compile(monkeypatch, store=lambda: DiskCache().store("ab" * 16, CacheEntry("// src", b"cubin")))
+    monkeypatch.setattr(targets.GemmTarget, "config_space", lambda self, shape, dtype, arch: [])
+    with pytest.warns(UserWarning, match="could not store kernel"):
+        assert main(["tune", "gemm", "--shape", "64x64x64", "--compile-only", "--quiet", "--arch", "sm_90a"]) == 1
+    assert "1 kernel(s) built but NOT stored in the kernel cache ([Errno 17] File exists" in capsys.readouterr().err
 
 
 def test_tune_without_a_gpu_or_timer_says_how_to_proceed(monkeypatch):

@@ -119,7 +119,7 @@ def test_info_and_clear(dc):
     info = dc.info()
     assert info["entries"] == len(keys)
     assert info["bytes"] > len(keys) * (len(CUBIN) + len(SOURCE))
-    assert dc.clear() == len(keys)
+    assert dc.clear() == (len(keys), [])
     assert dc.info()["entries"] == 0
     assert all(dc.load(k) is None for k in keys)
 
@@ -142,7 +142,7 @@ def test_clear_removes_only_what_the_cache_wrote(dc):
         d.mkdir(parents=True)
     for d in (leftover, project):
         os.utime(d, (time.time() - 7200,) * 2)
-    assert dc.info()["entries"] == 1 and dc.clear() == 1
+    assert dc.info()["entries"] == 1 and dc.clear() == (1, [])
     assert (theirs / "thesis.tex").read_text() == "years of work" and (look_alike / "todo.txt").exists()
     assert in_progress.exists() and project.exists() and not leftover.exists()
 
@@ -366,3 +366,73 @@ def test_a_closure_cell_assigned_later_is_not_an_error():
 
     before, after = make()
     assert before != after
+
+
+ARGS_FACTORY = """
+import tile_ops
+
+def relu(x):
+    return x
+
+@tile_ops.jit(out_idx=[1])
+def f(n, act=None, tags=frozenset()):
+    return (n, act, tags)
+"""
+
+
+def test_arguments_are_keyed_the_same_in_every_process(tmp_path):
+    """A function argument was keyed by its address, a set by its hash-seed order: a new disk key every process."""
+    (tmp_path / "args_mod.py").write_text(ARGS_FACTORY)
+    code = ("import args_mod as m; print(m.f.key((8,), {'act': m.relu}, 'sm_90a'), "
+            "m.f.key((8,), {'tags': frozenset('abcdefgh')}, 'sm_90a'))")
+    keys = {subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout for seed in (1, 2, 3)}
+    assert len(keys) == 1, keys
+
+
+def _relu(x):
+    return "relu"
+
+
+def _gelu(x):
+    return "gelu"
+
+
+ACT = None  # read by the factory below
+
+
+def test_partials_are_keyed_by_function_and_arguments_and_addresses_refused(monkeypatch):
+    """partial(relu) and partial(gelu) were both keyed as 'partial' (their text holds an address): the gelu program
+    was served the relu kernel."""
+    import functools
+
+    import tile_ops
+
+    jit = sys.modules["tile_ops.jit"]
+    monkeypatch.setattr(jit, "_load_or_build", lambda key, trace, arch, out_idx: trace())
+
+    @tile_ops.jit(out_idx=[1])
+    def f(n, scale=None):
+        return f"applies {ACT(0)}"
+
+    monkeypatch.setattr(sys.modules[__name__], "ACT", functools.partial(_relu))
+    relu_key = f.key((8,), {}, "sm_90a")
+    assert f(8, target="sm_90a") == "applies relu"
+    monkeypatch.setattr(sys.modules[__name__], "ACT", functools.partial(_gelu))
+    assert f(8, target="sm_90a") == "applies gelu"
+    assert f.key((8,), {}, "sm_90a") != relu_key
+    assert f.key((8,), {"scale": functools.partial(_relu, 2)}, "sm_90a") != \
+        f.key((8,), {"scale": functools.partial(_relu, 3)}, "sm_90a")
+    monkeypatch.setattr(sys.modules[__name__], "ACT", functools.partial(_relu))
+    assert f.key((8,), {}, "sm_90a") == relu_key  # values, not identities
+
+    class Activation:  # the default repr: an address, the same text kind for any two instances
+        pass
+
+    monkeypatch.setattr(sys.modules[__name__], "ACT", Activation())
+    with pytest.raises(TypeError, match=r"ACT, which .*f reads, is <.*Activation object at 0x.*>, which cannot key a "
+                                        r"kernel: .*\(accepted: numbers, strings, .*functools.partial"):
+        f(8, target="sm_90a")
+    monkeypatch.setattr(sys.modules[__name__], "ACT", functools.partial(_relu))
+    with pytest.raises(TypeError, match=r"the argument scale of .*f is <.*Activation object"):
+        f.key((8,), {"scale": [Activation()]}, "sm_90a")

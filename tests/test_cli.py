@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tile_ops.__main__ import main, parse_shape
+from tile_ops.__main__ import main, parse_arch, parse_shape
 from tile_ops.jit.cache import DiskCache
 
 
@@ -54,6 +54,49 @@ def test_a_cache_path_that_is_a_file_is_an_error(tmp_path, monkeypatch, capsys, 
     assert f"the kernel cache {not_a_dir} (TILE_OPS_CACHE_DIR) is not a directory" in capsys.readouterr().err
     with pytest.raises(NotADirectoryError, match="accepted: a directory"):
         DiskCache()
+
+
+@pytest.mark.parametrize("ancestor", [False, True])
+def test_a_cache_path_that_is_a_dangling_link_is_an_error(tmp_path, monkeypatch, capsys, ancestor):
+    """A link to an unmounted volume: `cache info` read it as empty, every build failed with FileExistsError and
+    `tune --clear` printed a traceback."""
+    link = tmp_path / "cache"
+    link.symlink_to(tmp_path / "not-mounted" / "cache")
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(link / "sub" if ancestor else link))
+    for argv in (["cache", "info"], ["cache", "clear"], ["tune", "--clear"], ["tune", "--show"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{link}{'' if ancestor else ' (TILE_OPS_CACHE_DIR)'} is a symbolic link to " \
+               f"{tmp_path / 'not-mounted' / 'cache'}, which does not exist" in err, argv
+        assert "accepted: a directory, or a path that does not exist yet" in err and "Traceback" not in err
+    with pytest.raises(NotADirectoryError, match="which does not exist"):
+        DiskCache()
+
+
+def test_an_a_suffix_is_accepted_on_sm_90_only(capsys):
+    """sm_80a was accepted, then nvcc failed on every kernel ("Unsupported gpu architecture 'compute_80a'")."""
+    for arch in ("sm_80a", "sm_86a", "sm_89a", "sm_100a"):
+        with pytest.raises(SystemExit) as e:
+            main(["precompile", "--arch", arch, "--gemm", "8x8x8"])
+        assert e.value.code == 2
+        assert f"target arch '{arch}' is not one the compiler builds for" in capsys.readouterr().err
+    for arch in ("sm_80", "sm_90", "sm_90a", "sm_100"):
+        assert parse_arch(arch) == arch
+
+
+def test_precompile_says_when_a_kernel_was_not_stored(tmp_path):
+    """A full disk (here: no temp dir can be made in the cache): it reported "built" and exited 0."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tmp").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "tile_ops", "precompile", "--arch", "sm_80", "--gemm", "128x128x64",
+                           "--dtype", "float16"], capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, TILE_OPS_CACHE_DIR=str(cache), CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("gemm 128x128x64"))
+    assert "built, NOT stored" in row and "File exists" in row, proc.stdout
+    assert "0 built, 0 already cached, 0 failed, 1 built but NOT stored in the cache" in proc.stdout
+    assert entries(cache) == 0
 
 
 def test_precompile_fills_cache_then_hits_it(tmp_path):
@@ -129,9 +172,10 @@ def test_show_skips_a_malformed_entry(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
     autotune.TuneTable().update({"garbage": "garbage"})
-    with pytest.warns(UserWarning, match="skipping the malformed autotune entry 'garbage'"):
+    with pytest.warns(UserWarning, match=r"ignoring 1 malformed entry of the autotune table .*'garbage' \(not an "
+                                         r"object\)"):
         assert main(["tune", "--show"]) == 0
-    assert "1 entry" in capsys.readouterr().out
+    assert "(0 entries)" in capsys.readouterr().out
 
 
 def test_list_shows_every_dtype_asked_for(capsys):
@@ -146,7 +190,9 @@ def test_show_and_clear_refuse_an_op_or_shape(tmp_path, monkeypatch, capsys):
     from tile_ops import autotune
 
     monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
-    autotune.TuneTable().update({"gpu|gemm_softmax|8x8x8|float16": {"op": "gemm_softmax", "config": {}}})
+    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+
+    autotune.record("gemm_softmax", (8, 8, 8), "float16", "gpu", SoftmaxConfig(64, 64, 32, 3, 128, "full_row"))
     for bad in (["tune", "--clear", "gemm"], ["tune", "--show", "--shape", "8x8x8"]):
         with pytest.raises(SystemExit) as e:
             main(bad)

@@ -94,11 +94,12 @@ class Built:
     cached: bool = False
     error: str | None = None  # first line, for the table
     detail: str | None = None  # the whole message
+    not_stored: str | None = None  # why a kernel built here is not in the cache afterwards
 
 
 def build(job: Job) -> Built:
     """Compile (or load from the disk cache) one job; never raises: errors are recorded."""
-    from .jit.cache import DiskCache
+    from .jit.cache import DiskCache, not_stored
 
     out = Built(job)
     try:
@@ -107,6 +108,8 @@ def build(job: Job) -> Built:
         t0 = time.perf_counter()
         out.kernel = make()
         out.seconds = time.perf_counter() - t0
+        if not out.cached and DiskCache().load(out.key) is None:  # a full disk, a read-only cache: store() warned
+            out.not_stored = not_stored.get(out.key, "it does not load back from the cache")
     except Exception as e:  # noqa: BLE001 - reported in the table
         msg = str(e).strip()
         out.error = f"{type(e).__name__}: {msg.splitlines()[0] if msg else ''}"
@@ -331,9 +334,13 @@ def cmd_cache(args) -> int:
         print(f"path:    {info['path']}")
         print(f"entries: {info['entries']}")
         print(f"size:    {info['bytes'] / 1e6:.2f} MB")
-    else:
-        n = cache.clear()
-        print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {cache.root}")
+        return 0
+    removed, left = cache.clear()
+    print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {cache.root}")
+    if left:  # a read-only cache, another user's entries
+        print(f"error: could not remove {len(left)} entr{'y' if len(left) == 1 else 'ies'}: {', '.join(left[:3])}"
+              + (", ..." if len(left) > 3 else ""), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -353,16 +360,18 @@ def cmd_precompile(args) -> int:
     built = build_all(jobs, args.jobs)
     rows = []
     for b in built:
-        status = "ERROR" if b.error else ("cached" if b.cached else "built")
+        status = "ERROR" if b.error else "cached" if b.cached else "built, NOT stored" if b.not_stored else "built"
         rows.append({"kernel": b.job.label, "key": b.key, "status": status, "seconds": f"{b.seconds:.2f}",
-                     "note": b.error or ""})
+                     "note": b.error or b.not_stored or ""})
     print_table(rows, ["kernel", "key", "status", "seconds", "note"])
     _print_errors(built)
     n_err = sum(1 for b in built if b.error)
-    n_new = sum(1 for b in built if not b.error and not b.cached)
-    print(f"{n_new} built, {len(built) - n_new - n_err} already cached, {n_err} failed "
-          f"in {time.perf_counter() - t0:.1f} s{_parallel_note(built)}")
-    return 1 if n_err else 0
+    n_unstored = sum(1 for b in built if b.not_stored)
+    n_new = sum(1 for b in built if not b.error and not b.cached) - n_unstored
+    print(f"{n_new} built, {len(built) - n_new - n_unstored - n_err} already cached, {n_err} failed"
+          + (f", {n_unstored} built but NOT stored in the cache" if n_unstored else "")
+          + f" in {time.perf_counter() - t0:.1f} s{_parallel_note(built)}")
+    return 1 if n_err or n_unstored else 0
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 
 from . import targets
 
@@ -59,7 +58,9 @@ def cmd_tune(args) -> int:
 
 # --------------------------------------------------------------------------------------------- tune
 def run(args) -> int:
+    from ..jit.cache import not_stored
     from . import tune
+    from .table import TableWriteError
 
     if not args.compile_only and not _gpu_available():
         print("tile_ops tune: no CUDA GPU: timing needs one. --compile-only builds the candidates into the "
@@ -70,10 +71,20 @@ def run(args) -> int:
         for dtype in args.dtype:
             label = f"{args.op} {'x'.join(map(str, shape))} {dtype}"
             print(f"\n== {label}", flush=True)
-            result = tune(args.op, shape, dtype, arch=args.arch, compile_only=args.compile_only,
-                          save=not args.no_save, workers=args.jobs, show_progress=not args.quiet)
+            not_stored.clear()
+            try:
+                result = tune(args.op, shape, dtype, arch=args.arch, compile_only=args.compile_only,
+                              save=not args.no_save, workers=args.jobs, show_progress=not args.quiet)
+            except TableWriteError as e:  # tune() printed what it found
+                print(f"error: {str(e).removeprefix('tile_ops: ')}", file=sys.stderr)
+                return 1
             print_candidates(result)
             failed |= not _summarize(result, args.compile_only)
+            if args.compile_only and not_stored:  # built, but the next run (or the op) compiles them again
+                reason = next(iter(not_stored.values()))
+                print(f"{len(not_stored)} kernel(s) built but NOT stored in the kernel cache ({reason})",
+                      file=sys.stderr)
+                failed = True
     return 1 if failed else 0
 
 
@@ -158,30 +169,31 @@ def show() -> int:
     from .table import TuneTable
 
     table = TuneTable()
-    entries = table.entries()
+    entries = table.entries()  # the well-formed ones (a warning names the others): every field formats
     print(f"tuned table: {table.path} ({len(entries)} entr{'y' if len(entries) == 1 else 'ies'})")
     rows = []
     for key in sorted(entries):
         e = entries[key]
-        if not isinstance(e, dict) or not isinstance(e.get("config", {}), dict):
-            warnings.warn(f"tile_ops: skipping the malformed autotune entry {key!r}")
-            continue
         default_ms, ms = e.get("default_ms"), e.get("ms")
-        rows.append({"gpu": e.get("gpu"), "op": e.get("op"), "dtype": e.get("dtype"),
-                     "shape": "x".join(map(str, e.get("shape", []))),
-                     "config": " ".join(f"{k}={v}" for k, v in e.get("config", {}).items()),
+        rows.append({"gpu": e["gpu"], "op": e["op"], "dtype": e["dtype"], "arch": e.get("arch") or "any",
+                     "shape": "x".join(map(str, e["shape"])),
+                     "config": " ".join(f"{k}={v}" for k, v in e["config"].items()),
                      "ms": f"{ms:.4f}" if ms else "",
                      "vs_default": f"{default_ms / ms:.2f}x" if ms and default_ms else "",
-                     "tuned_at": e.get("tuned_at", "")})
+                     "tuned_at": e.get("tuned_at") or ""})
     if rows:
-        print_table(rows, ["gpu", "op", "dtype", "shape", "config", "ms", "vs_default", "tuned_at"])
+        print_table(rows, ["gpu", "op", "dtype", "arch", "shape", "config", "ms", "vs_default", "tuned_at"])
     return 0
 
 
 def clear() -> int:
-    from .table import TuneTable
+    from .table import TableWriteError, TuneTable
 
     table = TuneTable()
-    n = table.clear()
+    try:
+        n = table.clear()
+    except TableWriteError as e:
+        print(f"error: {str(e).removeprefix('tile_ops: ')}", file=sys.stderr)
+        return 1
     print(f"removed {n} tuned entr{'y' if n == 1 else 'ies'} from {table.path}")
     return 0

@@ -3,7 +3,7 @@
 File format (JSON)::
 
     {"version": 1,
-     "entries": {"NVIDIA H200|gemm|float16|4096x4096x4096": {
+     "entries": {"NVIDIA H200|gemm|float16|4096x4096x4096|sm_90a": {
          "gpu": "NVIDIA H200", "op": "gemm", "dtype": "float16", "shape": [4096, 4096, 4096],
          "config": {"block_M": 128, ...},            # dataclasses.asdict of the kernel's config
          "ms": 0.21, "default_ms": 0.25,             # best and heuristic-default times (median)
@@ -11,7 +11,8 @@ File format (JSON)::
 
 Writers take ``DiskCache.lock("autotune")``, re-read the file, merge their entries and publish
 with write-temp + ``os.replace``, so concurrent tuning processes never lose each other's keys and
-readers (which take no lock) always see a whole file.
+readers (which take no lock) always see a whole file.  Keys written before they had the arch
+(``gpu|op|dtype|MxNxK``) still read: lookups go by the entries' fields.
 
 Shape buckets: a tuned shape is stored and found under its exact M x N x K.  An untuned shape uses
 the entry with the same N and K whose M is in the same bucket, the smallest power of two >= M
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -59,9 +61,35 @@ def shape_bucket(M: int) -> int:
     return 1 << max(0, int(M) - 1).bit_length()
 
 
-def entry_key(gpu: str, op: str, dtype: str, shape) -> str:
+def entry_key(gpu: str, op: str, dtype: str, shape, arch: str | None = None) -> str:
+    """The entry's key: one per compile target too (sm_90 and sm_90a runs on one GPU are both kept)."""
     M, N, K = shape
-    return f"{gpu}|{op}|{dtype}|{M}x{N}x{K}"
+    return f"{gpu}|{op}|{dtype}|{M}x{N}x{K}" + (f"|{arch}" if arch else "")
+
+
+def entry_problem(e) -> str | None:
+    """Why ``e`` is not a well-formed table entry (a hand edit, another tool's merge), or None."""
+    if not isinstance(e, dict):
+        return "not an object"
+    shape = e.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(type(x) is int and x > 0 for x in shape)):
+        return f"shape {shape!r} is not three positive integers"
+    if not isinstance(e.get("config"), dict):
+        return f"config {e.get('config')!r} is not an object"
+    for name in ("gpu", "op", "dtype"):
+        if not isinstance(e.get(name), str):
+            return f"{name} {e.get(name)!r} is not a string"
+    for name in ("arch", "tuned_at", "compiler"):
+        if not isinstance(e.get(name, ""), (str, type(None))):
+            return f"{name} {e.get(name)!r} is not a string"
+    for name in ("ms", "default_ms"):
+        if e.get(name) is not None and not (type(e[name]) in (int, float) and e[name] > 0):
+            return f"{name} {e[name]!r} is not a positive number"
+    return None
+
+
+class TableWriteError(OSError):
+    """The tuned table could not be written (a read-only or full cache, an I/O error)."""
 
 
 def table_path() -> pathlib.Path:
@@ -75,7 +103,8 @@ class TuneTable:
         self.path = pathlib.Path(path) if path is not None else table_path()
 
     def entries(self) -> dict:
-        """key -> entry; a missing file is empty, an unreadable one is empty with a warning."""
+        """key -> entry, the well-formed ones; a missing file is empty, an unreadable one is empty with a warning,
+        as are malformed entries (one warning for all)."""
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -83,7 +112,17 @@ class TuneTable:
         except (OSError, ValueError) as e:
             warnings.warn(f"tile_ops: ignoring the autotune table {self.path}: {e}")
             return {}
-        return self._ours(data)
+        entries, malformed = {}, []
+        for key, e in self._ours(data).items():
+            problem = entry_problem(e)
+            if problem:
+                malformed.append(f"{key!r} ({problem})")
+            else:
+                entries[key] = e
+        if malformed:
+            warnings.warn(f"tile_ops: ignoring {len(malformed)} malformed entr{'y' if len(malformed) == 1 else 'ies'} "
+                          f"of the autotune table {self.path}: {', '.join(malformed)}")
+        return entries
 
     def _ours(self, data) -> dict:
         """The entries of a parsed table of our version; {} with a warning for anything else."""
@@ -115,33 +154,46 @@ class TuneTable:
 
     def _modify(self, change, overwrite: bool = False) -> None:
         """Read, ``change(entries)`` in place, publish: under the lock, so concurrent writers merge.  A table
-        of another version (another tile_ops sharing the cache) is left alone unless ``overwrite``; an
-        unreadable one is kept beside the new one as ``autotune.json.unreadable``."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with DiskCache(self.path.parent).lock(_LOCK_KEY):
-            entries = self._entries_to_change(overwrite)
-            change(entries)
-            self._publish({"version": VERSION, "entries": dict(sorted(entries.items()))})
+        of another version (another tile_ops sharing the cache) is left alone unless ``overwrite``; one whose
+        content is not a table is kept beside the new one as ``autotune.json.unreadable[.N]``.  An I/O error
+        raises :class:`TableWriteError`, the table untouched."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with DiskCache(self.path.parent).lock(_LOCK_KEY):
+                entries = self._entries_to_change(overwrite)
+                change(entries)
+                self._publish({"version": VERSION, "entries": dict(sorted(entries.items()))})
+        except OSError as e:
+            raise TableWriteError(f"tile_ops: could not write the autotune table {self.path}: {e} (it is "
+                                  f"unchanged; TILE_OPS_CACHE_DIR selects another cache directory)") from e
         reload()
 
     def _entries_to_change(self, overwrite: bool) -> dict:
-        """The entries a writer starts from, read once (under the lock)."""
+        """The entries a writer starts from, read once (under the lock).  Only unreadable content is set aside: an
+        I/O error (EMFILE, EIO) says nothing about the table, and raises."""
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as e:
-            aside = self.path.with_name(self.path.name + ".unreadable")
-            warnings.warn(f"tile_ops: ignoring the autotune table {self.path} ({e}); kept as {aside.name}")
-            os.replace(self.path, aside)
-            return {}
-        version = data.get("version") if isinstance(data, dict) else None
+        except ValueError as e:  # not JSON, or not UTF-8
+            return self._set_aside(e)
+        if not isinstance(data, dict) or (data.get("version") == VERSION and not isinstance(data.get("entries"), dict)):
+            return self._set_aside(f"not a version {VERSION} table")
+        version = data.get("version")
         if version != VERSION and not overwrite:
             raise RuntimeError(f"tile_ops: the autotune table {self.path} is version {version!r}, not {VERSION} "
                                f"(another tile_ops shares this cache directory?); not writing over it. Use another "
                                f"TILE_OPS_CACHE_DIR, or `python -m tile_ops tune --clear` to start a version "
                                f"{VERSION} table there")
         return self._ours(data)
+
+    def _set_aside(self, problem) -> dict:
+        """Move the table to the first free ``autotune.json.unreadable[.N]`` (earlier ones kept); {}: start empty."""
+        aside = next(p for n in itertools.count() if not (p := self.path.with_name(
+            f"{self.path.name}.unreadable" + (f".{n}" if n else ""))).exists())
+        warnings.warn(f"tile_ops: ignoring the autotune table {self.path} ({problem}); kept as {aside.name}")
+        os.replace(self.path, aside)
+        return {}
 
     def _publish(self, data: dict) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
@@ -157,14 +209,22 @@ class TuneTable:
 
 
 def record(op: str, shape, dtype: str, gpu: str, cfg, **stats) -> str:
-    """Store ``cfg`` as the best config of (gpu, op, shape, dtype); returns the entry's key."""
+    """Store ``cfg`` as the best config of (gpu, op, shape, dtype) for ``stats["arch"]``; returns the entry's key."""
     from ..jit import compiler_fingerprint
 
-    key = entry_key(gpu, op, dtype, shape)
+    arch = stats.get("arch")
+    key, old_key = entry_key(gpu, op, dtype, shape, arch), entry_key(gpu, op, dtype, shape)
     entry = {"gpu": gpu, "op": op, "dtype": dtype, "shape": [int(x) for x in shape],
              "config": config_to_dict(cfg), "compiler": compiler_fingerprint(),
              "tuned_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **stats}
-    TuneTable().update({key: entry})
+
+    def change(entries):
+        old = entries.get(old_key)  # a key from before keys had the arch: this entry supersedes it if for this arch
+        if isinstance(old, dict) and old.get("arch") in (None, arch):
+            del entries[old_key]
+        entries[key] = entry
+
+    TuneTable()._modify(change)
     return key
 
 
@@ -187,7 +247,7 @@ def reload() -> None:
 
 def _load_index() -> dict:
     index: dict = {}
-    for key, e in TuneTable().entries().items():
+    for key, e in TuneTable().entries().items():  # well-formed: shape three ints, the names strings
         try:
             M, N, K = e["shape"]
             cfg = config_from_dict(e["op"], e["config"])

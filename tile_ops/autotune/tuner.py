@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import os
+import sys
 import time
 
 from ..jit import build
@@ -132,7 +133,7 @@ def tune(op: str, shape, dtype: str = "float16", *, configs=None, arch: str | No
     on_gpu = not compile_only and measure is None
     if on_gpu:
         device = _cuda_device(device)
-    arch = arch or default_arch()
+    arch = arch or default_arch(device if on_gpu else None)  # the GPU it times on, not the current one
     gpu = gpu or (table.gpu_name(device) if on_gpu else None)
     if save and not compile_only and gpu is None:
         raise ValueError("tile_ops.autotune.tune: no GPU name to file the result under; pass gpu=...")
@@ -148,10 +149,17 @@ def tune(op: str, shape, dtype: str = "float16", *, configs=None, arch: str | No
 
         measure = GpuBench(target, shape, dtype, device)
     measure_all(candidates, measure, show_progress)
-    if save and result.best is not None:
-        result.key = table.record(op, shape, dtype, gpu, result.best.config, ms=result.best.ms,
-                                  default_ms=result.default_ms, arch=arch, candidates=len(candidates),
-                                  skipped=sum(c.skipped is not None for c in candidates))
+    best = result.best
+    if save and best is not None:
+        try:
+            result.key = table.record(op, shape, dtype, gpu, best.config, ms=best.ms, default_ms=result.default_ms,
+                                      arch=arch, candidates=len(candidates),
+                                      skipped=sum(c.skipped is not None for c in candidates))
+        except (OSError, RuntimeError) as e:  # an unwritable cache, another version's table: keep what was found
+            print(f"tile_ops.autotune: best of {op} {'x'.join(map(str, shape))} {dtype} on {gpu} ({arch}): "
+                  f"{best.config}, {best.ms:.4f} ms (the default: {result.default_ms} ms)", file=sys.stderr)
+            raise table.TableWriteError(f"tile_ops: {str(e).removeprefix('tile_ops: ')}; the best config, printed "
+                                        f"above, was not recorded (pass it as cfg=..., or tune again)") from e
     return result
 
 

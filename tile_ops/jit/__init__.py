@@ -43,13 +43,13 @@ def compiler_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def default_arch() -> str:
-    """The local GPU's arch (sm_90a on Hopper), or sm_90a when there is no GPU."""
+def default_arch(device=None) -> str:
+    """The arch of ``device`` (default: the current GPU; sm_90a on Hopper), or sm_90a when there is no GPU."""
     try:
         import torch
 
         if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
+            major, minor = torch.cuda.get_device_capability(device)
             return f"sm_{major}{minor}" + ("a" if major == 9 else "")
     except ImportError:
         pass
@@ -59,21 +59,13 @@ def default_arch() -> str:
 @functools.lru_cache(maxsize=None)
 def check_arch(arch: str) -> str:
     """``arch`` if the compiler can target it (sm_80 and newer; sm_90a for the Hopper path), else ValueError."""
-    m = re.fullmatch(r"sm_(\d+)a?", str(arch))
-    if not m or int(m.group(1)) < 80:
+    m = re.fullmatch(r"sm_(\d+)(a?)", str(arch))
+    # the arch-specific 'a' target: the compiler has a path for Hopper's only (nvcc has none before sm_90)
+    if not m or int(m.group(1)) < 80 or (m.group(2) and m.group(1) != "90"):
         raise ValueError(f"tile_ops: target arch {arch!r} is not one the compiler builds for (accepted: sm_80 or "
-                         f"newer, e.g. sm_80, sm_86, sm_89, sm_90; sm_90a for Hopper's TMA + wgmma path)")
+                         f"newer, e.g. sm_80, sm_86, sm_89, sm_90; sm_90a for Hopper's TMA + wgmma path, the only "
+                         f"'a' target)")
     return arch
-
-
-def _canon(v):
-    if isinstance(v, (list, tuple)):
-        return [_canon(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _canon(x) for k, x in sorted(v.items())}
-    if isinstance(v, (int, float, str, bool)) or v is None:
-        return v
-    return str(v)  # dtypes and the like
 
 
 def _names_read(code) -> set:
@@ -85,10 +77,11 @@ def _names_read(code) -> set:
     return names
 
 
-def _stable(v):
+def _stable(v, name: str = "the value"):
     """``v`` as the key sees it, the same in every process: data as itself (containers element by element,
-    sets sorted), a function (or factory) by its name and source, another object by its text, or by its type
-    where that text is an address."""
+    sets sorted), a function (or factory) by its name and source, a partial by its function and arguments,
+    another object by its text.  An object whose text is an address has no such identity: TypeError, naming
+    it as ``name``."""
     if isinstance(v, JITFunction):
         v = v.fn
     if inspect.isfunction(v):
@@ -96,14 +89,23 @@ def _stable(v):
             return f"{v.__module__}.{v.__qualname__}:{hashlib.sha256(inspect.getsource(v).encode()).hexdigest()}"
         except (OSError, TypeError):
             return f"{v.__module__}.{v.__qualname__}"
+    if isinstance(v, functools.partial):
+        return ["functools.partial", _stable(v.func, name), _stable(v.args, name), _stable(v.keywords, name)]
     if isinstance(v, (list, tuple)):
-        return [_stable(x) for x in v]
+        return [_stable(x, name) for x in v]
     if isinstance(v, (set, frozenset)):
-        return sorted((_stable(x) for x in v), key=json.dumps)
+        return sorted((_stable(x, name) for x in v), key=json.dumps)
     if isinstance(v, dict):
-        return sorted(([_stable(k), _stable(x)] for k, x in v.items()), key=json.dumps)
-    canon = _canon(v)
-    return type(v).__qualname__ if isinstance(canon, str) and " at 0x" in canon else canon
+        return sorted(([_stable(k, name), _stable(x, name)] for k, x in v.items()), key=json.dumps)
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    text = str(v)  # dtypes and the like
+    if " at 0x" in text:  # keyed by its type, two such values would share a kernel
+        raise TypeError(f"tile_ops.jit: {name} is {text}, which cannot key a kernel: its text is a memory address "
+                        f"(accepted: numbers, strings, None, lists, tuples, sets and dicts of them, functions (by "
+                        f"qualified name and source), functools.partial of those, and objects whose repr says what "
+                        f"they are: give its class a __repr__, or pass what the factory needs from it)")
+    return text
 
 
 _EMPTY = object()  # a closure cell not assigned yet
@@ -149,10 +151,13 @@ class JITFunction:
     def key(self, args, kwargs, arch) -> str:
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
-        env = [[n, _stable(v)] for n, v in zip(self.environment_names(), self.environment()) if v is not _EMPTY]
+        fn = self.fn.__qualname__
+        env = [[n, _stable(v, f"{n}, which {fn} reads,")]
+               for n, v in zip(self.environment_names(), self.environment()) if v is not _EMPTY]
+        args = {n: _stable(v, f"the argument {n} of {fn}") for n, v in bound.arguments.items()}
         blob = json.dumps({
-            "fn": f"{self.fn.__module__}.{self.fn.__qualname__}", "src": self._source,
-            "args": _canon(dict(bound.arguments)), "out_idx": self.out_idx, "arch": arch, "env": env,
+            "fn": f"{self.fn.__module__}.{fn}", "src": self._source,
+            "args": args, "out_idx": self.out_idx, "arch": arch, "env": env,
             "compiler": compiler_fingerprint(),
         }, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -13,27 +13,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import pathlib
 import re
+import secrets
 import shutil
-import tempfile
 import time
 import warnings
 from typing import Iterator
 
-__all__ = ["CacheEntry", "DiskCache", "cache_dir"]
+__all__ = ["CacheEntry", "DiskCache", "cache_dir", "not_stored"]
 
 SOURCE_FILE = "kernel.cu"
 CUBIN_FILE = "kernel.cubin"
 META_FILE = "meta.json"
 _ENTRY_FILES = {SOURCE_FILE, CUBIN_FILE, META_FILE}
 _HEX = re.compile(r"[0-9a-f]+")  # keys and their shards
-_TEMP = re.compile(r"[0-9a-f]+\.[A-Za-z0-9_]{8}")  # a store's temp dir: tempfile.mkdtemp(prefix=f"{key}.")
+_TEMP = re.compile(r"[0-9a-f]+\.[A-Za-z0-9_]{8}")  # a store's temp dir: <key>.<8 random characters>
 _STALE_TMP_S = 3600  # a store's temp dir lives for seconds; one an hour old was left by a killed process
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # another user's file, a read-only mount
+
+not_stored: dict[str, str] = {}  # key -> why this process could not store its kernel: `precompile` and `tune` report it
 
 
 class CacheDirError(NotADirectoryError):
@@ -44,9 +48,15 @@ def cache_dir() -> pathlib.Path:
     """``$TILE_OPS_CACHE_DIR`` if set (read at each call), else ``~/.tile_ops/cache``."""
     env = os.environ.get("TILE_OPS_CACHE_DIR")
     root = pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".tile_ops" / "cache"
-    if root.exists() and not root.is_dir():  # `cache info` read it as empty, a build failed on <root>/locks
-        raise CacheDirError(f"tile_ops: the kernel cache {root} ({'TILE_OPS_CACHE_DIR' if env else 'the default'})"
-                            f" is not a directory; accepted: a directory, or a path that does not exist yet")
+    # the path itself or the ancestor it would be made in: a file, or a link to nothing (an unmounted volume), read
+    # as an empty cache while every build failed on <root>/locks
+    there = next(p for p in (root, *root.parents) if p.exists() or p.is_symlink())
+    if not there.is_dir():
+        what = (f"a symbolic link to {os.readlink(there)}, which does not exist" if there.is_symlink()
+                and not there.exists() else "not a directory")
+        where = "" if there == root else f"cannot be made: {there} "
+        raise CacheDirError(f"tile_ops: the kernel cache {root} ({'TILE_OPS_CACHE_DIR' if env else 'the default'}) "
+                            f"{where}is {what}; accepted: a directory, or a path that does not exist yet")
     return root
 
 
@@ -81,6 +91,34 @@ class _Corrupt(Exception):
     pass
 
 
+def _make_temp_dir(parent: pathlib.Path, prefix: str) -> pathlib.Path:
+    """A new directory ``<prefix><8 random characters>`` with the mode the umask gives any directory (mkdtemp's is
+    0700: users sharing the cache could not read the entry it becomes)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
+
+
+def _open_lock(path: pathlib.Path) -> int | None:
+    """A descriptor of the lock file ``path`` to flock: read-write, created with the umask's mode (readable by the
+    other users of a shared cache); read-only where it exists and is not ours to write (flock needs no write
+    access); None where it cannot be made (a read-only cache)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE:
+            raise
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE + (errno.ENOENT,):
+            raise
+        return None
+
+
 class DiskCache:
     """Kernel cache rooted at ``root`` (default: :func:`cache_dir` at construction time)."""
 
@@ -95,10 +133,10 @@ class DiskCache:
     # -- read ----------------------------------------------------------------------------
     def load(self, key: str) -> CacheEntry | None:
         path = self.path(key)
-        if not path.exists():
-            return None
         try:
-            return self._read(path)
+            return self._read(path) if path.exists() else None
+        except PermissionError:  # another user's entry we may not read: a miss, not damage to remove
+            return None
         except (_Corrupt, OSError, ValueError, KeyError, TypeError) as e:
             self.discard(key, e)
             return None
@@ -137,21 +175,31 @@ class DiskCache:
                           meta=meta.get("meta", {}))
 
     # -- write ---------------------------------------------------------------------------
-    def store(self, key: str, entry: CacheEntry) -> None:
-        """Atomically publish ``entry``; if another process already published ``key``, keep theirs.  A store
-        that fails (a full disk, a concurrent ``clear``) warns: the caller has its kernel either way."""
+    def store(self, key: str, entry: CacheEntry) -> str | None:
+        """Atomically publish ``entry``; if another process already published ``key``, keep theirs.  Returns None
+        once the key's entry is in the cache, else why not (also warned and kept in :data:`not_stored`): a store
+        that fails (a full disk, a read-only cache) leaves the caller its kernel either way."""
         try:
             self._publish(key, entry)
-        except OSError as e:
+        except (OSError, _Corrupt) as e:
+            not_stored[key] = str(e)
             warnings.warn(f"tile_ops: could not store kernel {key} in the cache at {self.root}: {e}")
+            return str(e)
+        not_stored.pop(key, None)
+        return None
 
     def _publish(self, key: str, entry: CacheEntry) -> None:
         final = self.path(key)
         if final.exists():
+            try:  # another process's entry; or one that does not load here and load() could not (or must not) remove
+                self._read(final)
+            except (_Corrupt, OSError, ValueError, KeyError, TypeError) as e:
+                raise _Corrupt(f"the entry already at {final} does not load ({e}); remove it (it may be another "
+                               f"user's)") from None
             return
         tmp_root = self.root / "tmp"
         tmp_root.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{key}.", dir=tmp_root))
+        tmp = _make_temp_dir(tmp_root, f"{key}.")
         try:
             blobs = {SOURCE_FILE: entry.source.encode("utf-8"), CUBIN_FILE: bytes(entry.cubin)}
             for name, blob in blobs.items():
@@ -176,16 +224,19 @@ class DiskCache:
 
     @contextlib.contextmanager
     def lock(self, key: str) -> Iterator[None]:
-        """Exclusive inter-process lock for ``key`` (fcntl.flock on ``<root>/locks/<key>.lock``)."""
+        """Exclusive inter-process lock for ``key`` (fcntl.flock on ``<root>/locks/<key>.lock``).  Where the lock
+        file cannot be made (a read-only cache) it does not lock: the store that follows fails too and says so,
+        and the caller keeps the kernel it built."""
         self.path(key)  # validate the key
-        lock_dir = self.root / "locks"
-        lock_dir.mkdir(parents=True, exist_ok=True)
-        with open(lock_dir / f"{key}.lock", "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        fd = _open_lock(self.root / "locks" / f"{key}.lock")
+        if fd is None:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     # -- maintenance ---------------------------------------------------------------------
     def _entries(self) -> list[pathlib.Path]:
@@ -205,18 +256,24 @@ class DiskCache:
                 size += sum(f.stat().st_size for f in e.iterdir() if f.is_file())
         return {"path": str(self.root), "entries": len(entries), "bytes": size}
 
-    def clear(self) -> int:
-        """Remove every entry and the temp dirs stores left behind (not those of stores in progress);
-        returns the number of entries removed."""
-        entries = self._entries()
-        for e in entries:
-            shutil.rmtree(e, ignore_errors=True)
+    def clear(self) -> tuple[int, list[str]]:
+        """Remove every entry and the temp dirs stores left behind (not those of stores in progress); returns the
+        number of entries removed and those left, each with why (a read-only cache, another user's entries)."""
+        removed, left = 0, []
+        for e in self._entries():
+            try:
+                shutil.rmtree(e)
+                removed += 1
+            except FileNotFoundError:  # removed meanwhile by another process
+                pass
+            except OSError as err:
+                left.append(f"{e} ({err.strerror or err})")
         tmp_root, now = self.root / "tmp", time.time()
         for tmp in tmp_root.iterdir() if tmp_root.is_dir() else ():
-            with contextlib.suppress(OSError):  # only what _publish names: <key>.<mkdtemp suffix>, left an hour ago
+            with contextlib.suppress(OSError):  # only what _publish names: <key>.<8 characters>, left an hour ago
                 if _TEMP.fullmatch(tmp.name) and tmp.is_dir() and now - tmp.stat().st_mtime > _STALE_TMP_S:
                     shutil.rmtree(tmp, ignore_errors=True)
-        return len(entries)
+        return removed, left
 
 
 def _only_entry_files(path: pathlib.Path) -> bool:
