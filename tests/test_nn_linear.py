@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import tile_ops
 import tile_ops.nn
@@ -260,3 +261,42 @@ def test_autocast_gives_what_torch_linear_gives():
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
     got.float().sum().backward()
     assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32
+
+
+def test_a_linear_compiled_in_place_is_converted_uncompiled_with_a_warning():
+    """module.compile() keeps the compiled forward on the instance: a converted module must not inherit it (it
+    would run the original's forward, on the original's parameters)."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 4)
+    m = torch.nn.Linear(4, 3)
+    m.compile(backend="eager")
+    with pytest.warns(UserWarning, match=r"was compiled \(module.compile\(\)\) and the converted module is not"):
+        new = tile_ops.nn.Linear.from_linear(m, copy=True)
+    with torch.no_grad():
+        new.weight.zero_()
+        new.bias.fill_(1.0)
+    y = new(x)
+    torch.testing.assert_close(y, torch.ones(2, 3))
+    y.sum().backward()
+    assert new.weight.grad is not None and m.weight.grad is None
+    net = torch.nn.Sequential(m)
+    with pytest.warns(UserWarning, match="was compiled"):
+        convert_linears(net)
+    assert isinstance(net[0], tile_ops.nn.Linear) and net[0]._compiled_call_impl is None
+
+
+def test_a_torch_compile_wrapper_stays_compiled_around_the_converted_linear():
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    x = torch.randn(2, 4)
+    wrapped = torch.compile(torch.nn.Linear(4, 3), backend=counter)
+    wrapped(x)
+    assert convert_linears(wrapped, copy=True) is wrapped
+    assert isinstance(wrapped._orig_mod, tile_ops.nn.Linear)
+    with torch.no_grad():
+        wrapped._orig_mod.weight.zero_()
+        wrapped._orig_mod.bias.fill_(1.0)
+    torch.testing.assert_close(wrapped(x), torch.ones(2, 3))
+    assert counter.frame_count == 2  # the converted Linear, compiled by the same backend
+    with pytest.raises(TypeError, match="a torch.compile wrapper: convert it with tile_ops.nn.convert_linears"):
+        tile_ops.nn.Linear.from_linear(wrapped)

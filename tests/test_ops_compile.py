@@ -132,12 +132,18 @@ def _jvp_operands():
     return (a, b, bias), tuple(torch.randn_like(x) for x in (a, b, bias))
 
 
+@pytest.mark.parametrize("ops", ["wrappers", "ops"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_forward_mode_inside_compile_has_the_real_tangents(backend):
-    """func.jvp and jacfwd traced by dynamo: the wrappers' tangent formulas trace with them (the op alone would
-    give a zero tangent, silently)."""
+def test_forward_mode_inside_compile_has_the_real_tangents(backend, ops):
+    """func.jvp and jacfwd traced by dynamo: the wrappers' tangent formulas trace with them; the ops' own
+    Autograd kernels build the same tangents when AOT traces the graph (a custom op alone gives a zero tangent,
+    silently)."""
     torch._dynamo.reset()
     (a, b, bias), (ta, tb, tbias) = _jvp_operands()
+    if ops == "ops":
+        gemm, gemm_softmax = torch.ops.tile_ops.gemm, torch.ops.tile_ops.gemm_softmax
+    else:
+        gemm, gemm_softmax = tile_ops.gemm, tile_ops.gemm_softmax
 
     def tangents(gemm, gemm_softmax):
         return (torch.func.jvp(lambda x, y, z: gemm(x, y, z), (a, b, bias), (ta, tb, tbias))[1],
@@ -147,7 +153,7 @@ def test_forward_mode_inside_compile_has_the_real_tangents(backend):
     def reference(x, y, z=None):
         return x @ y + (0 if z is None else z)
 
-    compiled = torch.compile(lambda: tangents(tile_ops.gemm, tile_ops.gemm_softmax), backend=backend, fullgraph=True)
+    compiled = torch.compile(lambda: tangents(gemm, gemm_softmax), backend=backend, fullgraph=True)
     want = tangents(reference, lambda x, y, s: torch.softmax(s * (x @ y), -1))
     for got, expected in zip(compiled(), want):
         torch.testing.assert_close(got, expected)
@@ -161,3 +167,25 @@ def test_nested_forward_mode_inside_compile_is_refused():
         backend="aot_eager")
     with pytest.raises(NotImplementedError, match="nested forward-mode AD"):
         nested()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_gemm_softmax_with_a_varying_scale_compiles_fullgraph(dynamic):
+    """A float scale dynamo does not specialize (dynamic=True, or a second value) is traced, not a float:
+    its checks run when the op runs, and still refuse what eager refuses."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, s: tile_ops.gemm_softmax(a, b, s), fullgraph=True, dynamic=dynamic,
+                      backend="aot_eager")
+    a, b = _r(3, 4), _r(4, 6)
+    for scale in (0.5, 0.25, -2.0):
+        y = f(a, b, scale)
+        want = torch.softmax(scale * (a @ b), -1)
+        w = torch.randn_like(y)
+        torch.testing.assert_close(y, want)
+        grads = [torch.autograd.grad((p * w).sum(), (a, b)) for p in (y, want)]
+        for got, expected in zip(*grads):
+            torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match="scale must be a finite float, got inf"):
+        f(a, b, float("inf"))
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        f(a, b, 1e39)

@@ -4,6 +4,7 @@ and the CUDA launch glue exercised with a stand-in kernel."""
 import importlib
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -275,3 +276,34 @@ def test_cuda_glue_misaligned_pointer_error(stand_in_kernels):
     buf = rnd(1 + 8 * 8, dtype=F16)
     with pytest.raises(ValueError, match=r"tile_ops\.gemm_softmax: b's data pointer .* not 16-byte aligned"):
         _run_glue(stand_in_kernels, rnd(4, 8, dtype=F16), buf[1:].view(8, 8))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("scale", [1e39, -1e39, 10**39])
+def test_a_scale_beyond_float32_is_refused_for_float32_scores(dtype, scale):
+    """Scores of non-float64 inputs are float32, where such a scale is inf: rows of NaN, not a softmax."""
+    a, b = torch.randn(3, 4, dtype=dtype), torch.randn(4, 5, dtype=dtype)
+    for call in (tile_ops.gemm_softmax, torch.ops.tile_ops.gemm_softmax):
+        with pytest.raises(ValueError, match=r"tile_ops\.gemm_softmax: scale -?1e\+39 is beyond float32's range"):
+            call(a, b, scale)
+
+
+def test_float64_inputs_take_any_finite_scale():
+    a, b = torch.randn(3, 4, dtype=F64), torch.randn(4, 5, dtype=F64)
+    p = tile_ops.gemm_softmax(a, b, 1e39)
+    assert torch.equal(p, torch.nn.functional.one_hot((a @ b).argmax(-1), 5).to(F64))
+    uniform = tile_ops.gemm_softmax(torch.zeros(3, 4), b.float(), torch.finfo(F32).max)  # the bound is accepted
+    assert torch.equal(uniform, torch.full((3, 5), 0.2))
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.5), np.float64(0.5), np.int64(2), 2])
+def test_real_number_scales_are_taken_like_the_op_takes_them(scale):
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    torch.testing.assert_close(tile_ops.gemm_softmax(a, b, scale), torch.ops.tile_ops.gemm_softmax(a, b, scale))
+    torch.testing.assert_close(tile_ops.gemm_softmax(a, b, scale), torch.softmax(float(scale) * (a @ b), -1))
+
+
+@pytest.mark.parametrize("scale", [np.bool_(True), torch.tensor(0.5), 1j])
+def test_non_real_scales_are_refused(scale):
+    with pytest.raises(TypeError, match=r"tile_ops\.gemm_softmax: scale must be a real number"):
+        tile_ops.gemm_softmax(torch.randn(3, 4), torch.randn(4, 5), scale)

@@ -1,5 +1,6 @@
 """``tile_ops.nn.Linear``: a drop-in replacement for ``torch.nn.Linear`` running on ``tile_ops.gemm``."""
 
+import sys
 import warnings
 from copy import deepcopy
 
@@ -43,10 +44,19 @@ class Linear(torch.nn.Linear):
         By default the new module shares ``module``'s ``weight`` and ``bias``
         Parameter objects (training either trains both); with ``copy=True`` it
         gets its own copies.
+
+        The new module is not compiled: if ``module`` was (``module.compile()``),
+        a warning says so; call ``.compile()`` on the new module (or the model)
+        again.  Its compiled forward is the original's, on the original's
+        parameters, so it is never carried over.  For a ``torch.compile(module)``
+        wrapper, convert the wrapper with :func:`convert_linears`, which keeps it
+        compiled with the same options.
         """
         if not isinstance(module, torch.nn.Linear):
+            hint = (" (a torch.compile wrapper: convert it with tile_ops.nn.convert_linears, which keeps it compiled)"
+                    if _is_compile_wrapper(module) else "")
             raise TypeError(
-                f"tile_ops.nn.Linear.from_linear: expected a torch.nn.Linear, got {type(module).__name__}"
+                f"tile_ops.nn.Linear.from_linear: expected a torch.nn.Linear, got {type(module).__name__}{hint}"
             )
         why = _not_plain(module)
         if why:
@@ -70,7 +80,12 @@ class Linear(torch.nn.Linear):
             new.register_parameter("bias", None)
         new.train(module.training)
         for name, value in vars(module).items():  # plain attributes set on the instance (HF's _is_hf_initialized)
-            vars(new).setdefault(name, value)
+            if name != "_compiled_call_impl":
+                vars(new).setdefault(name, value)
+        if module._compiled_call_impl is not None:
+            warnings.warn(f"tile_ops.nn.Linear.from_linear: the {type(module).__name__} was compiled "
+                          f"(module.compile()) and the converted module is not: call .compile() on it, or on the "
+                          f"model, again", stacklevel=2)
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -103,6 +118,13 @@ def _not_plain(module: torch.nn.Linear) -> str | None:
     return None
 
 
+def _is_compile_wrapper(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile(module)`` wrapper (dynamo is loaded once one exists: not imported
+    here, which would take a second)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
 def convert_linears(module: torch.nn.Module, copy: bool = False) -> torch.nn.Module:
     """Replace every plain ``torch.nn.Linear`` inside ``module`` by a ``tile_ops.nn.Linear`` (in place).
 
@@ -113,6 +135,11 @@ def convert_linears(module: torch.nn.Module, copy: bool = False) -> torch.nn.Mod
     a subclass or the instance, hooks, parametrizations, buffers or
     submodules, a lazy module not yet initialized) is left as it is, with a
     warning naming it.
+
+    A ``torch.compile(linear)`` wrapper is kept, running the converted Linear
+    with the same compile options; a Linear compiled in place
+    (``linear.compile()``) is replaced by one that is not compiled, with a
+    warning (see :meth:`Linear.from_linear`).
     """
     skipped = []
     converted = _convert(module, "", copy, skipped, {}, {})
@@ -146,4 +173,6 @@ def _convert_one(module, name, copy, skipped, done, copies):
         converted = _convert(child, f"{name}.{child_name}" if name else child_name, copy, skipped, done, copies)
         if converted is not child:
             setattr(module, child_name, converted)
+            if _is_compile_wrapper(module):  # its forward is bound to the old module's __call__
+                module._initialize()
     return module

@@ -18,6 +18,7 @@ Accepted inputs, by device:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -58,8 +59,19 @@ def _accepted_inputs(kind: str) -> str:
 
 
 def check_is_tensor(op: str, name: str, t) -> None:
+    """A dense tensor: the ops have no sparse, nested or quantized kernels (the dispatcher's refusal says
+    nothing of what to do)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        got, fix = "a nested", f"pad it with torch.nested.to_padded_tensor({name}, 0.0), or call the op per component"
+    elif t.is_quantized:
+        got, fix = "a quantized", f"dequantize it with {name}.dequantize()"
+    elif t.layout != torch.strided:
+        got, fix = f"a {str(t.layout).replace('torch.', '')}", f"convert it with {name}.to_dense()"
+    else:
+        return
+    raise ValueError(f"{op}: {name} must be a dense tensor (layout torch.strided), got {got} tensor ({fix})")
 
 
 def check_argument_types(op: str, a, b, bias=None, out_dtype=None) -> None:
@@ -207,17 +219,25 @@ def check_bias(
         )
 
 
-def check_scale(op: str, scale) -> float:
-    if isinstance(scale, torch.SymFloat):  # symbolic under torch.compile: checked at run time
+def check_scale(op: str, scale, in_dtype: Optional[torch.dtype] = None) -> float:
+    """A finite real number; for inputs other than float64, whose scores are float32, within float32's range.
+    ``in_dtype`` None: the type and finiteness only."""
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"{op}: scale must be a real number (a Python or NumPy float or int), "
+                        f"got {type(scale).__name__}")
+    if isinstance(scale, torch.SymFloat) or torch.compiler.is_compiling():  # traced: the op checks it when it runs
         return scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
     try:
         scale = float(scale)
     except OverflowError:  # an int past the largest float (which is below 2**1024)
         scale = math.inf
     if not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float, got {scale} (accepted: any finite float)")
+    f32_max = torch.finfo(torch.float32).max
+    if in_dtype is not None and in_dtype != torch.float64 and abs(scale) > f32_max:
+        raise ValueError(f"{op}: scale {scale:g} is beyond float32's range: the scores of {in_dtype} inputs are "
+                         f"computed in float32, where it is inf (accepted: |scale| <= {f32_max:.7g}, or float64 "
+                         f"inputs for a larger finite scale)")
     return scale
 
 

@@ -3,15 +3,25 @@ the wrappers' forward mode under ``torch.compile`` (eagerly the ops' autograd Fu
 ``functorch.py``).
 
 A ``torch.library.custom_op`` has no forward-mode formula: its result would carry a zero (``func.jvp``) or no
-(``forward_ad``) tangent, silently.  So the wrappers take dual operands apart here and build the result's
-tangent from the ops themselves: ``d(a @ b + bias) = da @ b + a @ db + dbias`` and, for ``p = softmax(s * a@b)``,
-``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``.  One forward level: nested ones are refused.
+(``forward_ad``) tangent, silently.  So dual operands are taken apart here and the result's tangent is built
+from the ops themselves: ``d(a @ b + bias) = da @ b + a @ db + dbias`` and, for ``p = softmax(s * a@b)``,
+``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``: by the wrappers under torch.compile, and by
+the ops' own Autograd kernels (``register_forward_mode``) for the ops called directly (exported programs, FX
+graphs).  One forward level: nested ones are refused.
 """
+
+import functools
+import operator
+from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch._C._functorch import peek_interpreter_stack
+from torch._C._functorch import CInterpreter, TransformType, peek_interpreter_stack
 from torch._functorch import eager_transforms
+from torch._functorch.pyfunctorch import coerce_cinterpreter
+from torch._library.autograd import make_autograd_impl
+
+_LIB = torch.library.Library("tile_ops", "IMPL")  # the ops' forward-mode Autograd kernels
 
 
 def active() -> bool:
@@ -39,9 +49,21 @@ def refuse_nested_levels(op: str) -> None:
                                   f"supported: one forward level (torch.func.jvp, jacfwd, hessian, forward_ad)")
 
 
+def _level() -> Optional[int]:
+    """The dual level of the tangents: forward_ad's, else 0 under torch.func.jvp's interpreter (a compiled graph
+    enters jvp without forward_ad's Python state); None when there is none."""
+    if fwAD._current_level >= 0:
+        return fwAD._current_level
+    top = peek_interpreter_stack()
+    return 0 if isinstance(top, CInterpreter) and coerce_cinterpreter(top).key() == TransformType.Jvp else None
+
+
 def _split(op: str, *tensors):
     """(primals, tangents) of ``tensors`` (None passes through), or None when none of them has a tangent."""
-    duals = [fwAD.unpack_dual(t) if isinstance(t, torch.Tensor) else None for t in tensors]
+    level = _level()
+    if level is None:
+        return None
+    duals = [fwAD.unpack_dual(t, level=level) if isinstance(t, torch.Tensor) else None for t in tensors]
     if all(d is None or d.tangent is None for d in duals):
         return None
     refuse_nested_levels(op)
@@ -50,8 +72,10 @@ def _split(op: str, *tensors):
 
 
 def _sum(terms):
+    """The sum of the terms that are not None, broadcast (with +: vectorized jacobians' vmap has no batching
+    rule for broadcast_tensors)."""
     terms = [t for t in terms if t is not None]
-    return terms[0] if len(terms) == 1 else torch.stack(torch.broadcast_tensors(*terms)).sum(0)
+    return functools.reduce(operator.add, terms)
 
 
 def gemm_tangent(gemm, a, b, ta, tb, tbias, out_dtype, y):
@@ -78,7 +102,7 @@ def gemm_jvp(gemm, a, b, bias, out_dtype):
         return None
     (pa, pb, pbias), (ta, tb, tbias) = split
     y = gemm(pa, pb, pbias, out_dtype)
-    return fwAD.make_dual(y, gemm_tangent(gemm, pa, pb, ta, tb, tbias, out_dtype, y))
+    return fwAD.make_dual(y, gemm_tangent(gemm, pa, pb, ta, tb, tbias, out_dtype, y), level=_level())
 
 
 def gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype):
@@ -88,4 +112,24 @@ def gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype):
         return None
     (pa, pb), (ta, tb) = split
     p = gemm_softmax(pa, pb, scale, out_dtype)
-    return fwAD.make_dual(p, gemm_softmax_tangent(gemm, pa, pb, ta, tb, scale, p))
+    return fwAD.make_dual(p, gemm_softmax_tangent(gemm, pa, pb, ta, tb, scale, p), level=_level())
+
+
+def register_forward_mode(op, jvp) -> None:
+    """Forward mode for the custom op ``op`` called directly: its Autograd kernel (which cannot be registered
+    again) is overridden for CPU and CUDA tensors (the per-backend keys win over the alias) by one returning
+    ``jvp(*args)`` when an operand has a tangent (``op`` with its tangent, or None), else running the op's
+    registered autograd as before.  ``jvp`` runs inside the dispatcher, so torch.func's jvp level sees it as it
+    sees a built-in op's formula (its ops on the primals and tangents are the ops themselves, not the wrappers,
+    whose autograd.Functions cannot be applied there)."""
+    registered = make_autograd_impl(op._opoverload, op)
+
+    def autograd_kernel(keyset, *args):
+        if active():
+            dual = jvp(*args)
+            if dual is not None:
+                return dual
+        return registered(keyset, *args)
+
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        _LIB.impl(op._name, autograd_kernel, key, with_keyset=True)

@@ -6,7 +6,8 @@ A custom op's autograd, registered with ``register_autograd``, runs as an ``auto
 under a transform (or a forward_ad level) the wrappers apply an ``autograd.Function`` built here from the
 op's own ``setup_context`` and backward plus its tangent: functorch then carries it through every level,
 each at its own (grad: backward; jvp: the tangent; vmap: the op's batching rule).  The batching rules fold
-the mapped dim into one call of the op (more rows, or the op's own batch) instead of a call per slice.
+the mapped dim into one call of the op (more rows, or the op's own batch) instead of a call per slice.  (The ops
+called directly get their forward mode from ``forward_ad.register_forward_mode``.)
 """
 
 import torch
@@ -69,12 +70,21 @@ def batched_matmul(op, a, b, a_dim, b_dim):
     return op(a.flatten(0, -3), b.flatten(0, -3)).unflatten(0, batch)
 
 
-def gemm_vmap_rule(gemm, compute_dtype):
+def _slice(x, dim):
+    """A stand-in for one slice of ``x`` mapped at ``dim`` (None: unmapped, ``x`` itself) for the op's input
+    checks: its shape, dtype, device and layout, without its data (a batch may be empty)."""
+    return x if dim is None or x is None else x.new_empty(()).expand(_front(x, dim).shape[1:])
+
+
+def gemm_vmap_rule(gemm, compute_dtype, check):
     """The batching rule of ``gemm(a, b, bias, out_dtype)``: one gemm; a mapped bias (one per slice: model
-    ensembles) is added after a float32 (float64) gemm, as the kernel adds it before rounding."""
+    ensembles) is added after a float32 (float64) gemm, as the kernel adds it before rounding.  ``check``, the
+    op's input checks, first sees a slice: the folded call would take what a slice may not be (other ranks,
+    batch sizes, bias dtypes) and report what it refuses in the folded shapes."""
 
     def rule(info, in_dims, a, b, bias=None, out_dtype=None):
         a_dim, b_dim, bias_dim = (*in_dims, None)[:3]  # (no entry for an omitted bias)
+        check(_slice(a, a_dim), _slice(b, b_dim), _slice(bias, bias_dim), out_dtype)
         if bias_dim is None:
             return batched_matmul(lambda x, y: gemm(x, y, bias, out_dtype), a, b, a_dim, b_dim), 0
         out = batched_matmul(lambda x, y: gemm(x, y, None, compute_dtype(a.dtype)), a, b, a_dim, b_dim)
@@ -85,10 +95,12 @@ def gemm_vmap_rule(gemm, compute_dtype):
     return rule
 
 
-def gemm_softmax_vmap_rule(gemm_softmax):
-    """The batching rule of ``gemm_softmax(a, b, scale, out_dtype)``: rows are independent, so one call."""
+def gemm_softmax_vmap_rule(gemm_softmax, check):
+    """The batching rule of ``gemm_softmax(a, b, scale, out_dtype)``: rows are independent, so one call
+    (after ``check``, as for gemm)."""
 
     def rule(info, in_dims, a, b, scale=1.0, out_dtype=None):
+        check(_slice(a, in_dims[0]), _slice(b, in_dims[1]), scale, out_dtype)
         return batched_matmul(lambda x, y: gemm_softmax(x, y, scale, out_dtype), a, b, *in_dims[:2]), 0
 
     return rule

@@ -26,6 +26,7 @@ Implementations:
   rows.
 """
 
+import functools
 import importlib
 from typing import Optional
 
@@ -196,8 +197,10 @@ def matmul_input_grads(grad, a, b, need_a: bool, need_b: bool, a_dim: int, b_dim
             da = da.sum(0)
     if need_b:
         if batched and b_dim == 2:
-            # sum_i a_i^T @ g_i == (a as (B*M, K))^T @ (g as (B*M, N))
-            db = gemm(a.flatten(0, 1).transpose(0, 1), grad.flatten(0, 1))
+            # sum_i a_i^T @ g_i == (a as (B*M, K))^T @ (g as (B*M, N)); reshape, not flatten: the batched
+            # gradients of autograd.grad(is_grads_batched=True) have no batching rule for flatten
+            B, M, K = a.shape
+            db = gemm(a.reshape(B * M, K).transpose(0, 1), grad.reshape(B * M, grad.shape[-1]))
         else:
             db = gemm(a.transpose(-1, -2), grad)
     return da, db
@@ -230,11 +233,20 @@ def _gemm_backward(ctx, grad):
     da, db = matmul_input_grads(g, a, b, need_a, need_b, ctx.a_dim, ctx.b_dim)
     dbias = None
     if need_bias and ctx.bias_dtype is not None:
-        dbias = grad.flatten(0, -2).sum(0, dtype=_compute_dtype(grad.dtype)).to(ctx.bias_dtype)
+        rows = tuple(range(grad.dim() - 1))  # (not flatten: see matmul_input_grads)
+        dbias = grad.sum(rows, dtype=_compute_dtype(grad.dtype)).to(ctx.bias_dtype)
     return da, db, dbias, None
 
 
 gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+
+
+def _gemm_op_jvp(a, b, bias=None, out_dtype=None):
+    """The op's own forward mode (the op called directly): the tangent from the ops, not the wrappers."""
+    return forward_ad.gemm_jvp(torch.ops.tile_ops.gemm, a, b, bias, out_dtype)
+
+
+forward_ad.register_forward_mode(gemm_op, _gemm_op_jvp)
 
 
 def _gemm_jvp(ctx, ta, tb, tbias, _):
@@ -242,7 +254,8 @@ def _gemm_jvp(ctx, ta, tb, tbias, _):
     return forward_ad.gemm_tangent(gemm, a, b, ta, tb, tbias, y.dtype, y)
 
 
-gemm_op.register_vmap(functorch.gemm_vmap_rule(gemm_op, _compute_dtype))
+gemm_op.register_vmap(functorch.gemm_vmap_rule(gemm_op, _compute_dtype,
+                                                functools.partial(checks.check_matmul_inputs, OP)))
 _GemmFunction = functorch.autograd_function(  # torch.func and forward mode, eagerly: the same formulas
     "GemmFunction", gemm_op, _gemm_setup_context, _gemm_backward,
     lambda inputs, y: (inputs[1], inputs[0], y), _gemm_jvp)  # (b, a) as the op's backward reads them, then y
@@ -284,8 +297,9 @@ def gemm(
 
     Differentiable in ``a``, ``b`` and ``bias``; the backward runs two gemms.
     Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
-    one level, also inside ``torch.compile``: the tangent is ``da @ b + a @ db + dbias``,
-    from three gemms; nested forward levels are refused.  ``torch.func`` eagerly: ``grad``,
+    one level, also inside ``torch.compile`` and through ``torch.ops.tile_ops.gemm`` itself
+    (exported programs): the tangent is ``da @ b + a @ db + dbias``, from three gemms; nested
+    forward levels are refused.  ``torch.func`` eagerly: ``grad``,
     ``vjp``, ``jacrev``, ``hessian`` and ``vmap`` (one launch over the mapped dim), composed
     (per-sample gradients); inside ``torch.compile``, ``vmap`` and ``jvp``.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``,

@@ -38,7 +38,7 @@ GEMM_SOFTMAX_SCHEMA = "(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dty
 
 def _check(a, b, scale, out_dtype, kind=None):
     out = checks.check_matmul_inputs(OP, a, b, None, out_dtype, kind=kind)
-    scale = checks.check_scale(OP, scale)
+    scale = checks.check_scale(OP, scale, a.dtype)
     return out, scale
 
 
@@ -201,12 +201,20 @@ def _gemm_softmax_backward(ctx, grad):
 gemm_softmax_op.register_autograd(_gemm_softmax_backward, setup_context=_gemm_softmax_setup_context)
 
 
+def _gemm_softmax_op_jvp(a, b, scale=1.0, out_dtype=None):
+    """The op's own forward mode (the op called directly): the tangent from the ops, not the wrappers."""
+    return forward_ad.gemm_softmax_jvp(torch.ops.tile_ops.gemm, torch.ops.tile_ops.gemm_softmax, a, b, scale, out_dtype)
+
+
+forward_ad.register_forward_mode(gemm_softmax_op, _gemm_softmax_op_jvp)
+
+
 def _gemm_softmax_jvp(ctx, ta, tb, *_):
     p, b, a = ctx.saved_tensors
     return forward_ad.gemm_softmax_tangent(gemm, a, b, ta, tb, ctx.scale, p)
 
 
-gemm_softmax_op.register_vmap(functorch.gemm_softmax_vmap_rule(gemm_softmax_op))
+gemm_softmax_op.register_vmap(functorch.gemm_softmax_vmap_rule(gemm_softmax_op, _check))
 _GemmSoftmaxFunction = functorch.autograd_function(  # torch.func and forward mode, eagerly: the same formulas
     "GemmSoftmaxFunction", gemm_softmax_op, _gemm_softmax_setup_context, _gemm_softmax_backward,
     lambda inputs, p: (p, inputs[1], inputs[0]), _gemm_softmax_jvp)  # as the op's backward reads them
@@ -227,7 +235,9 @@ def gemm_softmax(
         a: ``(M, K)`` or batched ``(B, M, K)``.
         b: ``(K, N)`` or batched ``(B, K, N)``; a 2-D operand is broadcast over
             the batch of the other one.
-        scale: finite multiplier applied to ``a @ b`` before the softmax.
+        scale: finite real multiplier applied to ``a @ b`` before the softmax;
+            within float32's range unless the inputs are float64 (the scores
+            of other inputs are float32).
         out_dtype: dtype of the result; defaults to the input dtype.
 
     Returns:
@@ -246,8 +256,9 @@ def gemm_softmax(
 
     Differentiable in ``a`` and ``b`` (softmax backward, then two gemms).
     Forward mode too (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``),
-    one level, also inside ``torch.compile`` (nested levels are refused).  ``torch.func``
-    eagerly, as for ``tile_ops.gemm``: ``grad``, ``vjp``, ``jacrev``, ``hessian``, ``vmap``.
+    one level, also inside ``torch.compile`` and through the op itself (nested levels are
+    refused).  ``torch.func`` eagerly, as for ``tile_ops.gemm``: ``grad``, ``vjp``, ``jacrev``,
+    ``hessian``, ``vmap``.
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``
     the operands are cast to the region's dtype, and on CUDA the result is
     float32 unless ``out_dtype`` says otherwise: what ``softmax(a @ b)`` gives.
@@ -263,7 +274,7 @@ def gemm_softmax(
         if out is not None:
             return out
     checks.check_argument_types(OP, a, b, out_dtype=out_dtype)
-    checks.check_scale(OP, scale)
+    checks.check_scale(OP, scale, a.dtype)
     if casting:  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
         a, b = checks.autocast(a, b)
