@@ -299,3 +299,22 @@ def test_vectorized_casts_copies_and_pipelined_stages_on_the_gpu(target):
     B = _nan(64, 128)
     _run(_elementwise(copy_body), target, A, B)
     assert torch.equal(B, torch.cat([A[:32], A[:32]]))
+
+
+def test_indices_non_negative_by_form():
+    """What spares an index its `>= 0` predicate: sums and products of variables (all indices) and non-negative
+    constants, floormod by a positive divisor, selects of two such, the grid size and warp-uniform copies."""
+    from tvm import tirx
+    from tvm.script import tirx as TS
+
+    from tile_ops.compiler.lower import _nonneg
+
+    x, y = tirx.Var("x", "int32"), tirx.Var("y", "int32")
+    grid = TS.cuda.func_call("tile_ops_grid_x", source_code="", return_type="int32")
+    uniform = lambda e: TS.cuda.func_call("tile_ops_warp_uniform", e, source_code="", return_type="int32")  # noqa: E731
+    for e in (x * 16 + y + 7, tirx.floordiv(x, 4), tirx.floormod(x - 5, 8), tirx.max(x - 1, 0), x + y * grid,
+              tirx.if_then_else(x < 3, 0, y), uniform(tirx.floordiv(x, 128))):
+        assert _nonneg(e), e
+    for e in (x - 1, x * 16 + y - 1, tirx.const(-1, "int32") + x, tirx.if_then_else(x < 3, x - 1, y),
+              uniform(x - 1), tirx.min(x - 1, y)):
+        assert not _nonneg(e), e

@@ -214,8 +214,10 @@ class Emulator:
             b = s.buffer
             if self.smem is None:  # the block's one shared arena, allocated by its first thread; bytes
                 self.smem = np.full(int(b.shape[0]) * _storage(b.dtype).itemsize, 0xFF, np.uint8)
+        elif isinstance(s, ts.DeclBuffer) and ("local", str(s.data)) in env:  # a view of registers (as uint32:
+            self.names[_key(s.buffer)] = str(s.data)  # a register A operand) reads and writes those registers
         elif isinstance(s, ts.DeclBuffer):
-            pass  # views are resolved at each access (_memory)
+            pass  # views of shared memory and parameters are resolved at each access (_memory)
         elif isinstance(s, ts.For):
             for i in range(int(self._eval(s.min, env)), int(self._eval(s.min, env) + self._eval(s.extent, env))):
                 env[_key(s.loop_var)] = i
@@ -358,4 +360,9 @@ class Emulator:
         if _op(e).endswith(".if_then_else"):
             c, a, b = e.args
             return self._eval(a, env) if self._eval(c, env) else self._eval(b, env)
+        if isinstance(e, px.Div):
+            return np.true_divide(self._eval(e.a, env), self._eval(e.b, env))
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_exp2":  # ex2.approx.ftz: exact
+            y = np.exp2(np.asarray(self._eval(e.args[1], env), np.float32))  # here; under 2^-126 flushed to 0
+            return np.where(y < np.float32(2.0 ** -126), np.float32(0), y)
         raise NotImplementedError(f"emulator: {type(e).__name__}: {e}")

@@ -1037,7 +1037,7 @@ def _nonneg(e) -> bool:
             return _nonneg(e.args[1]) and _nonneg(e.args[2])
         if op == "tirx.cuda.func_call":
             name = e.args[0].value
-            return name == "tile_ops_grid_x" or name == "tile_ops_warp_uniform" and _nonneg(e.args[-1])
+            return name == "tile_ops_grid_x" or name == "tile_ops_warp_uniform" and _nonneg(e.args[1])
     return False
 
 
