@@ -89,6 +89,8 @@ class Lowerer:
         self.ana = Analyzer()
         self.stages = self._stage_counts()
         self._check_staged_uses(self.kernel.body)
+        for loop in (n for node in self.kernel.body for n in _walk_pipelined(node)):
+            self._check_pipelined_loads(loop)
         self.hopper = Hopper(self) if self.sm90 else None
         self.ws = self.hopper.ws if self.hopper else None
         # consumer warpgroups that each run the program on alternate tiles: two with T.Kernel(pingpong=True)
@@ -208,6 +210,22 @@ class Lowerer:
                 raise error(node.loc, f"{used[0].name} is filled by a T.Pipelined loop ({self.stages[used[0]]} "
                                       f"stages, one buffer each) and used outside it; accepted: use it inside the "
                                       f"loop, or copy what is needed after it into a tile the loop does not fill")
+
+    def _check_pipelined_loads(self, loop: For) -> None:
+        """A T.Pipelined loop issues its global->shared loads stages ahead, one buffer of each tile a step:
+        so a tile takes one load an iteration, before anything in the iteration uses it (a second load, or
+        one after a read, would land in the buffer the iteration reads, unordered with it)."""
+        seen = set()
+        for node in loop.body:
+            if isinstance(node, Copy) and node.src.buffer.scope == "global" and node.dst.buffer.scope == "shared":
+                tile = node.dst.buffer
+                if id(tile) in seen:
+                    raise error(node.loc, f"{tile.name} is loaded here after an earlier load or use of it in the same "
+                                          f"T.Pipelined iteration; the loop loads each tile once per iteration, ahead, "
+                                          f"before its uses: use another tile for a second operand")
+                seen.add(id(tile))
+            else:
+                seen |= {id(b) for b in _node_buffers(node, self.buffers) if b.scope == "shared"}
 
     def _align(self, n: int) -> int:
         return _align(n, ALIGN_SM90 if self.sm90 else ALIGN)
@@ -382,8 +400,8 @@ class Lowerer:
 
     def sync(self):
         self.written = frozenset()  # bar.sync orders the threads' generic global writes before what follows
-        if self.uses_wgmma:  # make generic-proxy shared writes visible to wgmma's async-proxy reads
-            emit_ptx("fence.proxy.async.shared::cta")
+        if self.uses_wgmma or self.ws and self.ws.stores:  # generic-proxy shared writes made visible to the
+            emit_ptx("fence.proxy.async.shared::cta")  # async proxy: wgmma's reads, TMA stores' reads
         if self.ws and self.ws.stores:  # what follows the barrier may rewrite a tile TMA is still storing
             self.hopper.wait_stores_read()
         if self.ws:  # the producer warpgroup is not at consumer barriers; each pingpong warpgroup has its own

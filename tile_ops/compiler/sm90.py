@@ -25,7 +25,7 @@ from tvm.tirx.script import builder as T
 
 from ..lang import MAX_CLUSTER
 from ..jit.kernel import FLAG_SLOTS
-from ..lang.ir import Copy, For, Gemm, RowSoftmaxStore, error
+from ..lang.ir import Copy, For, Gemm, RowSoftmaxStore, Store, error
 from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
@@ -93,7 +93,8 @@ class Hopper:
     def _plan(self) -> WarpSpecialization | None:
         k = self.lw.kernel
         found = list(_pipelined_loops(k.body, []))
-        if k.threads % 128 or len(found) != 1:
+        block = k.threads * (2 if k.pingpong else 1) + PRODUCER_THREADS
+        if k.threads % 128 or len(found) != 1 or block > 1024:  # CUDA's block limit, with the producer
             return None
         loop, outer = found[0]
         if not all(o.kind in ("serial", "unroll") and _pure(o.extent) for o in outer) or not _pure(loop.extent):
@@ -102,8 +103,14 @@ class Hopper:
                  and s.dst.buffer.scope == "shared"]
         if not loads or not all(self._tma_ok(c) for c in loads):
             return None
+        written = {id(n.dst.buffer if isinstance(n, Copy) else n.buffer) for n in walk(k.body)
+                   if isinstance(n, (Copy, Store))}
+        if any(id(c.src.buffer) in written for c in loads):  # the producer joins no consumer barrier: its TMA
+            return None  # loads would not wait for the block's own writes of what they read
         compute = [s for s in loop.body if s not in loads]
-        deferred = bool(compute) and all(isinstance(s, Gemm) and self.is_wgmma(s) for s in compute)
+        # gemms only: step k - 1's stage is released in step k, after step k's data came, which needs a second stage
+        deferred = bool(compute) and loop.num_stages >= 2 and all(isinstance(s, Gemm) and self.is_wgmma(s)
+                                                                  for s in compute)
         stores = [c for c in walk(k.body) if isinstance(c, Copy) and not _contains(loop, c)
                   and c.src.buffer.scope == "shared" and c.dst.buffer.scope == "global" and self._tma_ok(c)]
         multicast = [(c, axes) for c in loads for axes in [self._multicast_axes(c, outer + [loop])] if axes]
@@ -144,6 +151,8 @@ class Hopper:
         strides, and start indices that do not read memory (the producer computes them on its own)."""
         g, t, starts = _global_side(c)
         if g.dtype != t.dtype or dtype_bits(g.dtype) % 8 or not in_swizzled_panels(t) or t.shape[0] > 256:
+            return False
+        if len(g.shape) > 5:  # a tensor map has at most 5 dims
             return False
         if self.lw._copy_extents(c) != list(t.shape):  # the whole tile, from the global's last two dims
             return False
@@ -229,8 +238,9 @@ class Hopper:
         n_wg, per_sm = self.lw.threads * self.lw.consumers // 128, self.ctas_per_sm
         if n_wg == 1 and per_sm == 1:
             return None
-        budget = REGISTERS // per_sm - PRODUCER_REGISTERS * PRODUCER_THREADS
-        return min(240, budget // (128 * n_wg) // 8 * 8)
+        block = 128 * n_wg + PRODUCER_THREADS  # ptxas gives each thread the launch bound's share, in 8s: the CTA's
+        pool = REGISTERS // (block * per_sm) // 8 * 8 * block  # pool (640 threads: 96 each, not 65536 / 640)
+        return min(240, (pool - PRODUCER_REGISTERS * PRODUCER_THREADS) // (128 * n_wg) // 8 * 8)
 
     def warpgroup_index(self, tid, threads=None, name="warpgroup"):
         """tid // threads (the program's threads unless given) bound once from lane 0's value
