@@ -9,7 +9,16 @@ arrays, so vector accesses (Ramp/Broadcast) read and write real memory and indic
 register array's end raise.  The shared arena starts as 0xFF bytes, NaN in every float type, so reading
 shared memory that nothing wrote shows in the result.  bfloat16 is stored as its bits (pass bfloat16
 tensors as uint16 arrays) and computed as float32, rounded to nearest even where stored or cast.  A gemm in
-a loop of no iterations fixes fragment layouts without running."""
+a loop of no iterations fixes fragment layouts without running.
+
+The sm_90a path: warp-specialized blocks whose threads branch on their index; mbarriers (init, arrive,
+arrive.expect_tx, try_wait.parity) kept per block by shared address; TMA tile loads (cp.async.bulk.tensor,
+global -> shared, OOB zero-filled, swizzled) that land at the end of the scheduler round that issued them
+and complete their bytes on the mbarrier then; wgmma.mma_async (m64nNk16, f16/bf16 -> f32, A and B through
+shared-memory matrix descriptors) gathered over the 128 threads of a warpgroup and executed, reading shared
+memory and the accumulator registers, only when a wgmma.wait_group retires its group (so a stage released
+before its wgmmas retire shows).  The tensor maps come from the kernel's meta (``tensormaps=lk.tensormaps``),
+as the launcher encodes them.  setmaxnreg, fences and prefetches are no-ops."""
 
 from __future__ import annotations
 
@@ -23,7 +32,8 @@ from tvm.tirx import stmt as ts
 
 _BIN = {px.Add: operator.add, px.Sub: operator.sub, px.Mul: operator.mul, px.Min: np.minimum, px.Max: np.maximum,
         px.FloorDiv: operator.floordiv, px.FloorMod: operator.mod, px.BitwiseXor: operator.xor,
-        px.BitwiseAnd: operator.and_, px.BitwiseOr: operator.or_, px.LT: operator.lt, px.LE: operator.le,
+        px.BitwiseAnd: operator.and_, px.BitwiseOr: operator.or_, px.LShift: operator.lshift,
+        px.RShift: operator.rshift, px.LT: operator.lt, px.LE: operator.le,
         px.GT: operator.gt, px.GE: operator.ge, px.EQ: operator.eq, px.NE: operator.ne,
         px.And: np.logical_and, px.Or: np.logical_or}
 
@@ -31,7 +41,11 @@ _CP_ASYNC = {"tirx.ptx.cp_async_ca", "tirx.ptx.cp_async_cg", "tirx.ptx.cp_async_
              "tirx.ptx.cp_async_cg_src_size"}
 _NO_OPS = {"tirx.ptx.cp_async_commit_group", "tirx.ptx.cp_async_wait_group",  # copies complete at issue here
            "tirx.ptx.griddepcontrol",  # sm_90a: launch ordering between kernels
-           "tirx.ptx.fence_proxy"}  # generic-to-async proxy fences: one memory here
+           "tirx.ptx.fence_proxy",  # generic-to-async proxy fences: one memory here
+           "tirx.ptx.fence_mbarrier_init",  # makes mbarrier inits visible (to the cluster): at once here
+           "tirx.ptx.prefetch",  # of a tensor map (or a line): a hint
+           "tirx.ptx.setmaxnreg"}  # warpgroup register reallocation: registers are unbounded here
+_NO_OP_HELPERS = {"tile_ops_fence_register"}  # an empty asm that pins a register across wgmma fences
 _SHUFFLED = "shuffled"  # env: the answers of the running statement's shuffles
 
 
@@ -89,6 +103,11 @@ def _bf16_values(bits):
     return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
 
 
+def _elements(h, ab: str):
+    """16-bit elements ``h`` (their bits, uint16) as float64."""
+    return (_bf16_values(h) if ab == "bf16" else np.asarray(h, np.uint16).view(np.float16)).astype(np.float64)
+
+
 def _halves(words, ab: str):
     """The 16-bit elements packed in b32 registers ``words`` (lanes x registers), each register's low half
     first, as float64: (lanes, 2 x registers)."""
@@ -144,11 +163,125 @@ def _mma(emu, ab, operands):
 _WARP = {"shfl": _shfl, "ldmatrix": _ldmatrix, "mma": _mma}
 
 
+# ---------------------------------------------------------------- sm_90a: swizzles, descriptors, wgmma, TMA
+
+
+def _swizzled(addr, span: int):
+    """The shared address byte ``addr`` has under a ``span``-byte swizzle (32, 64 or 128; 16: none): the index of
+    its 16-byte chunk in its ``span``-byte row (address bits 4..) XORed with the row's index mod span/16 (bits
+    7..), i.e. CUTLASS's Swizzle<log2(span/16), 4, 3> on the address, so the pattern repeats every 8 rows
+    (1024 bytes for 128B).  TMA writes and wgmma descriptors read shared memory through it."""
+    addr = np.asarray(addr)
+    return addr ^ (((addr >> 7) & (span // 16 - 1)) << 4)
+
+
+_DESC_SPAN = {0: 16, 1: 128, 2: 64, 3: 32}  # a matrix descriptor's layout type (bits 62-63) -> swizzle bytes
+
+
+def _descriptor_addresses(desc: int, rows: int, mn_major: bool):
+    """The shared byte addresses of the ``rows`` x 16 (M or N by K) 16-bit elements a wgmma matrix descriptor
+    names.  The descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in bits 0-13, leading
+    byte offset (LBO) >> 4 in 16-29, stride byte offset (SBO) >> 4 in 32-45, base offset in 49-51, layout
+    type in 62-63 (0 none, 1 128B, 2 64B, 3 32B swizzle).  The canonical layouts ("Canonical Layouts", in
+    16-byte units T = 8 elements; S the swizzle bytes), before the address swizzle:
+    K-major (imm-trans 0), row mn = r + 8i, k = t + 8c: start + i SBO + r S + 16c + 2t (none: 16r + c LBO);
+    MN-major (imm-trans 1), mn = t + 8c + (S/2) i, k = r + 8j: start + i LBO + j SBO + r S + 16c + 2t
+    (none: mn = t + 8i, start + i SBO + j LBO + 16r + 2t)."""
+    start, lbo, sbo = (((desc >> shift) & 0x3FFF) << 4 for shift in (0, 16, 32))
+    base, mode = (desc >> 49) & 7, desc >> 62
+    if base or (desc >> 46) & 7 or (desc >> 52) & 0x3FF or (desc >> 14) & 3 or (desc >> 30) & 3:
+        raise NotImplementedError(f"emulator: wgmma descriptor {desc:#x}: a base offset or reserved bits")
+    span = _DESC_SPAN[mode]
+    mn, k = np.arange(rows)[:, None], np.arange(16)[None, :]
+    if not mn_major:
+        r, i, t, c = mn % 8, mn // 8, k % 8, k // 8
+        addr = start + i * sbo + t * 2 + (r * span + c * 16 if mode else r * 16 + c * lbo)
+    elif mode:
+        r, j, t, c, i = k % 8, k // 8, mn % 8, mn // 8 % (span // 16), mn // (span // 2)
+        addr = start + i * lbo + j * sbo + r * span + c * 16 + t * 2
+    else:
+        r, j, t, i = k % 8, k // 8, mn % 8, mn // 8
+        addr = start + i * sbo + j * lbo + r * 16 + t * 2
+    return _swizzled(addr, span)
+
+
+def _wgmma_d(regs, n: int):
+    """A warpgroup's m64nN f32 accumulator (PTX ISA, "Matrix Fragments for wgmma.mma_async.m64nNk16", figure
+    "D"): thread t = 32w + l holds N/2 registers; d[4j + e] is D[16w + l/4 + 8(e/2), 8j + 2(l%4) + e%2], i.e.
+    each warp's 16 rows as mma.sync m16n8 C fragments repeated over the N/8 column blocks.  (128, N/2) ->
+    (64, N)."""
+    return np.asarray(regs).reshape(4, 8, 4, n // 8, 2, 2).transpose(0, 4, 1, 3, 2, 5).reshape(64, n)
+
+
+def _wgmma_d_regs(d, n: int):
+    """The inverse of _wgmma_d: (64, N) -> each thread's N/2 registers, (128, N/2)."""
+    return np.asarray(d).reshape(4, 2, 8, n // 8, 4, 2).transpose(0, 2, 4, 3, 1, 5).reshape(128, n // 2)
+
+
+def _wgmma(smem, key, regs):
+    """``wgmma.mma_async.sync.aligned.m64nNk16.f32.{ab}.{ab}`` D = (sa A) (sb B) + (scale_d ? D : 0), A 64 x 16
+    and B 16 x N read from shared memory ``smem`` through their descriptors (imm-trans 0: K-major, 1: M/N-
+    major), D the warpgroup's accumulator registers ``regs`` ((f32 register array, indices) per thread).
+    Products are exact and summed in float64, then rounded to float32."""
+    (n, ab), desc_a, desc_b, scale_d, scale_a, scale_b, trans_a, trans_b = key
+    words = smem.view(np.uint16)
+    a, b = (_descriptor_addresses(desc, rows, trans) for desc, rows, trans in
+            ((desc_a, 64, trans_a), (desc_b, n, trans_b)))
+    for addr in (a, b):
+        if addr.min() < 0 or addr.max() + 2 > smem.size or (addr % 2).any():
+            raise IndexError(f"emulator: a wgmma operand at shared bytes [{addr.min()}, {addr.max() + 2})")
+    A, B = (_elements(words[x // 2], ab) for x in (a, b))  # (64, 16), (N, 16)
+    D = _wgmma_d(np.stack([arr[idx] for arr, idx in regs]), n).astype(np.float64)
+    D = scale_a * scale_b * (A @ B.T) + (D if scale_d else 0)
+    for (arr, idx), v in zip(regs, _wgmma_d_regs(D.astype(np.float32), n)):
+        arr[idx] = v
+
+
+def _tma_box_offsets(spec: dict, tensor, coords):
+    """(byte offsets in ``tensor``, in-bounds mask) of a TMA box's elements, innermost dimension first."""
+    dims, box = spec["dims"], spec["box"]
+    size = _storage(spec["dtype"]).itemsize
+    strides = [size] + list(spec["strides"])
+    if any(e != 1 for e in spec["element_strides"]) or any(st % 16 for st in strides[1:]) or spec["oob_fill"]:
+        raise NotImplementedError(f"emulator: tensor map {spec}: element strides, strides not 16-byte multiples "
+                                  f"or a NaN fill")
+    idx = np.indices(box[::-1]).reshape(len(box), -1)[::-1]  # innermost first, box order
+    pos = [c + i for c, i in zip(coords, idx)]
+    inside = np.logical_and.reduce([(0 <= p) & (p < d) for p, d in zip(pos, dims)])
+    offset = sum(p * st for p, st in zip(pos, strides))
+    if inside.any() and (offset[inside].min() < 0 or offset[inside].max() + size > tensor.nbytes):
+        raise IndexError(f"emulator: tensor map {spec} reaches past its {tensor.nbytes}-byte tensor")
+    return np.where(inside, offset, 0), inside
+
+
+def _tma_box_store(spec: dict, tensor, coords, data):
+    """A TMA store's global side: box elements ``data`` (box order) to ``tensor`` where in bounds."""
+    offset, inside = _tma_box_offsets(spec, tensor, coords)
+    size = _storage(spec["dtype"]).itemsize
+    tensor.reshape(-1).view(data.dtype)[offset[inside] // size] = data[inside]
+
+
+def _tma_box(spec: dict, tensor, coords):
+    """The bytes of a TMA tile box (tensor map ``spec``, as the launcher encodes it: dims innermost first,
+    strides in bytes of dims 1.., box, element strides, oob_fill) at element coordinates ``coords``
+    (innermost first, may be negative): box elements outside the tensor read as zero (oob_fill 0; the NaN
+    fill is not emulated); the box is packed innermost dimension first.  ``tensor`` is the global array the
+    map's address is."""
+    offset, inside = _tma_box_offsets(spec, tensor, coords)
+    elems = tensor.reshape(-1).view(_storage(spec["dtype"]))[offset // _storage(spec["dtype"]).itemsize]
+    return np.where(inside, elems, np.zeros((), elems.dtype)).view(np.uint8)
+
+
 class Emulator:
-    def __init__(self, func, arrays: dict):
-        """``arrays``: parameter name -> numpy array (written in place; bfloat16 ones as uint16 bits)."""
+    def __init__(self, func, arrays: dict, tensormaps: dict | None = None):
+        """``arrays``: parameter name -> numpy array (written in place; bfloat16 ones as uint16 bits).
+        ``tensormaps``: the kernel's TMA descriptors as the launcher encodes them (``lk.tensormaps``, or a
+        compiled kernel's ``meta.tensormaps``): kernel parameter name -> {tensor, dtype, dims, strides, box,
+        element_strides, swizzle, l2_promotion, oob_fill}."""
         self.func, self.mem = func, {p.name: arrays[p.name] for p in func.params}
+        self.tensormaps = dict(tensormaps or {})
         self.names = {}  # buffer handle -> its data var's name
+        self.parsed = {}  # call handle -> what _issue_wgmma reads of it
         self.ran = Counter()  # PTX instructions executed, by lane: "cp.async.cg.16", "ldmatrix.x4.trans", ...
         for p in func.params:
             if _is_bf16(p.dtype) and self.mem[p.name].dtype != np.uint16:
@@ -157,43 +290,224 @@ class Emulator:
     def run(self, grid):
         for block in np.ndindex(*reversed(grid)):
             self.block, self.smem = tuple(reversed(block)), None
+            self.mbarriers = {}  # shared byte address -> its state (_mbarrier_init)
+            self.tma = []  # TMA loads issued this scheduler round, landing at its end (_land_tma)
+            self.wgmma = {}  # warpgroup -> its wgmmas not yet committed and its committed groups not yet retired
+            self.bulk = {}  # thread -> its TMA stores not yet committed and its bulk groups not yet waited for
             self._run_block()
 
+    def _device_entry(self):
+        """The kernel body the threads run: the device-entry attribute's body (host statements before it, such
+        as tensor-map encodes, are the launcher's business)."""
+        body = self.func.body
+        while not isinstance(body, ts.AttrStmt):
+            body = next(s for s in body.seq if isinstance(s, ts.AttrStmt))
+        return body.body
+
     def _run_block(self):
-        body = self.func.body.body
+        body = self._device_entry()
         threads = next(int(getattr(s, "def").extents[0]) for s in body.seq
                        if isinstance(s, ts.ScopeIdDefStmt) and "thread_id" in str(s))
         gens = {t: self._exec(body, {"tid": t}) for t in range(threads)}
-        at = dict.fromkeys(gens)  # where each thread waits: "sync", a warp instruction ("kind", key, operand)
-        go = dict.fromkeys(gens)  # the threads to resume, with what their yield receives
+        at = dict.fromkeys(gens)  # where each thread waits: "sync", a collective instruction ("kind", key,
+        go = dict.fromkeys(gens)  # operand), an mbarrier wait; the threads to resume, with what they receive
         while gens:
             for t, answer in go.items():
                 try:
                     at[t] = gens[t].send(answer)
                 except StopIteration:
                     del gens[t], at[t]
+            self._land_tma()
             go = self._resumable(at)
+        for what, queues in (("wgmmas no wgmma.wait_group retired", self.wgmma),
+                             ("TMA stores no cp.async.bulk.wait_group waited for", self.bulk)):
+            pending = sorted(u for u, q in queues.items() if q["open"] or q["groups"])
+            if pending:
+                raise RuntimeError(f"emulator: block {self.block} ends with {what}, by {pending}")
 
     def _resumable(self, at) -> dict:
         """The waiting threads that go on, with their answers: the warps all of whose lanes are at one warp
-        instruction get its results; when none is, and every thread is at the barrier, all go on."""
+        instruction get its results, and so do the warpgroups (4 aligned warps) all of whose 128 threads are
+        at one wgmma instruction; threads waiting on an mbarrier phase that has completed go on; when none
+        does, and every thread is at the block barrier, all go on."""
         go = {}
-        for w in sorted({t // 32 for t, y in at.items() if isinstance(y, tuple)}):
-            lanes = [at.get(w * 32 + i) for i in range(32)]
-            if all(isinstance(y, tuple) for y in lanes):
-                instrs = {y[:2] for y in lanes}
-                if len(instrs) > 1:
-                    raise NotImplementedError(f"emulator: block {self.block} warp {w}'s lanes are at different "
-                                              f"warp instructions: {sorted(map(str, instrs))}")
-                kind, key = instrs.pop()
-                go.update(zip(range(w * 32, w * 32 + 32), _WARP[kind](self, key, [y[2] for y in lanes])))
+        for table, width in ((_WARP, 32), (_WARPGROUP, 128)):
+            for u in sorted({t // width for t, y in at.items() if isinstance(y, tuple) and y[0] in table}):
+                lanes = [at.get(u * width + i) for i in range(width)]
+                if all(isinstance(y, tuple) and y[0] in table for y in lanes):
+                    instrs = {y[:2] for y in lanes}
+                    if len(instrs) > 1:
+                        raise NotImplementedError(
+                            f"emulator: block {self.block} {'warp' if width == 32 else 'warpgroup'} {u}'s lanes are "
+                            f"at different collective instructions (or give different uniform operands): "
+                            f"{sorted(map(str, instrs))[:4]}")
+                    kind, key = instrs.pop()
+                    operands = [y[2] for y in lanes]
+                    answers = _WARP[kind](self, key, operands) if width == 32 else table[kind](self, u, key, operands)
+                    go.update(zip(range(u * width, u * width + width), answers))
+        for t, y in at.items():
+            if isinstance(y, tuple) and y[0] == "mbarrier.wait" and self._phase_done(*y[1:]):
+                go[t] = None
+        for bar in sorted({y[1:] for y in at.values() if isinstance(y, tuple) and y[0] == "bar"}):
+            waiting = [t for t, y in at.items() if y == ("bar", *bar)]  # bar.sync id, count: once count
+            if bar[1] % 32 or len(waiting) > bar[1]:  # threads (whole warps) are at barrier id, they go on
+                raise RuntimeError(f"emulator: block {self.block}: {len(waiting)} threads at bar.sync {bar}")
+            if len(waiting) == bar[1]:
+                go.update(dict.fromkeys(waiting))
         if go or not at:
             return go
         if all(y == "sync" for y in at.values()):
             return dict.fromkeys(at)
-        waits = sorted({y if y == "sync" else y[0] for y in at.values()})
+        waits = sorted({y if y == "sync" else y[0] if y[0] not in ("mbarrier.wait", "bar") else str(y[:3]) if
+                        y[0] == "bar" else
+                        f"mbarrier.wait(byte {y[1]}, parity {y[2]}: {self.mbarriers.get(y[1])})" for y in at.values()})
         raise RuntimeError(f"emulator: block {self.block} deadlocks: its {len(at)} threads wait at {waits} "
-                           f"(a warp instruction some lanes skip, or a barrier not every thread reaches)")
+                           f"(a collective instruction some lanes skip, a barrier not every thread reaches, or "
+                           f"an mbarrier phase that never completes)")
+
+    # ---------------------------------------------------------------- mbarriers and TMA (sm_90a)
+
+    def _mbarrier_init(self, addr: int, count: int):
+        """``mbarrier.init.shared::cta.b64 [addr], count``: phase 0 in progress, ``count`` arrivals pending, a
+        transaction count of 0."""
+        if addr % 8 or not 0 < count < 2 ** 20:
+            raise ValueError(f"emulator: mbarrier.init at shared byte {addr} with count {count}")
+        self.mbarriers[addr] = {"count": count, "pending": count, "tx": 0, "phase": 0}
+
+    def _mbarrier(self, addr: int, arrivals: int = 0, tx: int = 0):
+        """An arrive-on of ``arrivals`` (mbarrier.arrive{.expect_tx}: first the transaction count grows by
+        ``tx``) or a complete-tx of ``-tx`` bytes (a TMA load landing); the current phase completes once no
+        arrival is pending and the transaction count is 0: the phase bit flips and the arrival count resets."""
+        if addr not in self.mbarriers:
+            raise RuntimeError(f"emulator: block {self.block}: an mbarrier operation at shared byte {addr}, "
+                               f"which no mbarrier.init set up")
+        bar = self.mbarriers[addr]
+        bar["tx"] += tx
+        bar["pending"] -= arrivals
+        if bar["pending"] < 0:
+            raise RuntimeError(f"emulator: block {self.block}: more arrivals than expected on the mbarrier at "
+                               f"shared byte {addr} in phase {bar['phase']}")
+        if bar["pending"] == 0 and bar["tx"] == 0:
+            bar["phase"], bar["pending"] = bar["phase"] + 1, bar["count"]
+
+    def _phase_done(self, addr: int, parity: int) -> bool:
+        """``mbarrier.try_wait.parity``: whether the phase of parity ``parity`` has completed, i.e. the current
+        (incomplete) phase's parity is the other one."""
+        if addr not in self.mbarriers:
+            raise RuntimeError(f"emulator: block {self.block}: a wait on shared byte {addr}, no mbarrier")
+        return self.mbarriers[addr]["phase"] % 2 != parity
+
+    def _tma_load(self, call, env):
+        """``cp.async.bulk.tensor.Nd.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [tmap, {c0..}],
+        [mbar]``: the tensor map's box at coordinates c0.. (innermost first; out-of-bounds elements zero),
+        written to shared memory from ``dst`` (128-byte aligned) row after row of the box's inner dimension,
+        each 16-byte chunk at its swizzled address (the map's swizzle: inner box rows of exactly the swizzle
+        bytes); then the box's bytes complete on the mbarrier.  Issued here, landed at the round's end."""
+        exprs, mods = _operands(call)
+        dim = int(next(m for m in mods if m.endswith("d") and m[:-1].isdigit())[:-1])
+        if any(m.startswith("multicast") or m.startswith("L2::") for m in mods) or len(exprs) != 3 + dim:
+            raise NotImplementedError(f"emulator: cp.{'.'.join(m for m in mods if m)}")
+        dst, tmap, *coords, mbar = exprs
+        spec = self._tensormap(tmap)
+        coords = [int(self._eval(c, env)) for c in coords]
+        d, bar = self._shared_offset(dst, env), self._shared_offset(mbar, env)
+        data = _tma_box(spec, self.mem[spec["tensor"]], coords)
+        span = 16 << spec["swizzle"] if spec["swizzle"] else None
+        row = spec["box"][0] * _storage(spec["dtype"]).itemsize
+        if d % 128 or (span and row != span) or row % 16 or len(spec["box"]) != dim:
+            raise NotImplementedError(f"emulator: a TMA box to shared byte {d} of {row}-byte rows, swizzle {span}")
+        self.tma.append((d, data, span or 16, bar))
+        self.ran[f"tma.load.{dim}d" + (f".swizzle{span}" if span else "")] += 1
+
+    def _land_tma(self):
+        """The TMA loads issued this round land, each 16-byte chunk at its swizzled address, and complete
+        their bytes on their mbarriers."""
+        for d, data, span, bar in self.tma:
+            addrs = _swizzled(d + np.arange(0, data.size, 16), span)
+            if addrs.max() + 16 > self.smem.size:
+                raise IndexError(f"emulator: a TMA box of {data.size} bytes at shared byte {d} passes the arena")
+            if any(d <= a < d + data.size for a in self.mbarriers):
+                raise RuntimeError(f"emulator: a TMA box at shared bytes [{d}, {d + data.size}) overwrites an mbarrier")
+            self.smem[addrs[:, None] + np.arange(16)] = data.reshape(-1, 16)
+            self._mbarrier(bar, tx=-data.size)
+        self.tma = []
+
+    def _tma_store(self, call, env):
+        """``cp.async.bulk.tensor.Nd.global.shared::cta.bulk_group [tmap, {c0..}], [src]``: the tensor map's box
+        at coordinates c0.., read from shared memory at ``src`` as a TMA load writes it (swizzled), its
+        in-bounds elements stored to the tensor (the rest dropped).  Queued in this thread's bulk group: it
+        reads shared memory and writes global memory when a cp.async.bulk.wait_group covers it."""
+        exprs, mods = _operands(call)
+        dim = int(next(m for m in mods if m.endswith("d") and m[:-1].isdigit())[:-1])
+        if any(m.startswith("L2::") or m.startswith("tile::") for m in mods) or len(exprs) != 2 + dim:
+            raise NotImplementedError(f"emulator: cp.{'.'.join(m for m in mods if m)}")
+        tmap, *coords, src = exprs
+        spec = self._tensormap(tmap)
+        coords, d = [int(self._eval(c, env)) for c in coords], self._shared_offset(src, env)
+        span = 16 << spec["swizzle"] if spec["swizzle"] else 16
+        row = spec["box"][0] * _storage(spec["dtype"]).itemsize
+        if d % 128 or (span > 16 and row != span) or row % 16 or len(spec["box"]) != dim:
+            raise NotImplementedError(f"emulator: a TMA store from shared byte {d} of {row}-byte rows, swizzle {span}")
+        self._bulk_queue(env["tid"])["open"].append((spec, coords, d, span))
+        self.ran[f"tma.store.{dim}d" + (f".swizzle{span}" if span > 16 else "")] += 1
+
+    def _bulk_queue(self, tid):
+        return self.bulk.setdefault(tid, {"open": [], "groups": []})
+
+    def _bulk_wait(self, tid, n):
+        """``cp.async.bulk.wait_group{.read} n``: until at most ``n`` of this thread's bulk groups are pending:
+        the older ones' TMA stores run now, in order."""
+        groups = self._bulk_queue(tid)["groups"]
+        while len(groups) > n:
+            for spec, coords, d, span in groups.pop(0):
+                size = _storage(spec["dtype"]).itemsize
+                n_bytes = int(np.prod(spec["box"])) * size
+                addrs = _swizzled(d + np.arange(0, n_bytes, 16), span)
+                if addrs.max() + 16 > self.smem.size:
+                    raise IndexError(f"emulator: a TMA store box of {n_bytes} bytes at shared byte {d} passes the arena")
+                data = self.smem[addrs[:, None] + np.arange(16)].reshape(-1).view(_storage(spec["dtype"]))
+                _tma_box_store(spec, self.mem[spec["tensor"]], coords, data)
+
+    def _tensormap(self, ptr) -> dict:
+        """The tensor map a TMA operand ``reinterpret(address_of(tmap_var))`` names (from ``tensormaps``)."""
+        while isinstance(ptr, irx.Call):
+            ptr = ptr.args[0]
+        name = ptr.name if isinstance(ptr, px.Var) else None
+        if name not in self.tensormaps:
+            raise KeyError(f"emulator: TMA through {name}: pass the kernel's tensor maps (Emulator(..., "
+                           f"tensormaps=lk.tensormaps))")
+        return self.tensormaps[name]
+
+    # ---------------------------------------------------------------- wgmma (sm_90a, whole warpgroups)
+
+    def _wgmma_queue(self, wg):
+        return self.wgmma.setdefault(wg, {"open": [], "groups": []})
+
+    def _wgmma_fence(self, wg, key, operands):
+        """``wgmma.fence.sync.aligned``: orders the warpgroup's register and shared accesses before the
+        wgmmas after it; nothing to wait for here."""
+        return [None] * 128
+
+    def _wgmma_issue(self, wg, key, operands):
+        """``wgmma.mma_async``: queued (see _wgmma), to run when a wait_group retires its group."""
+        self._wgmma_queue(wg)["open"].append((key, operands))
+        return [None] * 128
+
+    def _wgmma_commit(self, wg, key, operands):
+        """``wgmma.commit_group.sync.aligned``: the warpgroup's uncommitted wgmmas become one group."""
+        q = self._wgmma_queue(wg)
+        q["groups"].append(q.pop("open"))
+        q["open"] = []
+        return [None] * 128
+
+    def _wgmma_wait(self, wg, n, operands):
+        """``wgmma.wait_group.sync.aligned n``: until at most ``n`` of the warpgroup's committed groups are
+        pending: the older ones run now, in order, reading shared memory and the accumulators as they are."""
+        groups = self._wgmma_queue(wg)["groups"]
+        while len(groups) > n:
+            for key, regs in groups.pop(0):
+                _wgmma(self.smem, key, regs)
+        return [None] * 128
 
     # ---------------------------------------------------------------- statements
 
@@ -243,6 +557,31 @@ class Emulator:
             yield from self._issue_mma(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) in _NO_OPS:
             pass
+        elif isinstance(s, ts.Bind):  # a let: visible to the statements after it
+            env[_key(s.var)] = self._eval(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value).startswith("tirx.ptx.mbarrier_"):
+            self._issue_mbarrier(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.mbarrier_wait":
+            bar, parity = s.value.args  # a try_wait.parity loop: the thread waits until the phase completes
+            yield ("mbarrier.wait", self._shared_offset(bar, env), int(self._eval(parity, env)) % 2)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) in ("tirx.ptx.cp_async_bulk_tensor_g2s_cluster",
+                                                             "tirx.ptx.cp_async_bulk_tensor_g2s_cta"):
+            self._tma_load(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.cp_async_bulk_tensor_s2g":
+            self._tma_store(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.cp_async_bulk_commit_group":
+            q = self._bulk_queue(env["tid"])  # cp.async.bulk.commit_group: this thread's stores become a group
+            q["groups"].append(q["open"])
+            q["open"] = []
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.cp_async_bulk_wait_group":
+            self._bulk_wait(env["tid"], int(self._eval(s.value.args[0], env)))
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.bar_sync_count":  # bar.sync id, count
+            yield ("bar", int(self._eval(s.value.args[0], env)), int(self._eval(s.value.args[1], env)))
+        elif isinstance(s, ts.Evaluate) and _op(s.value).startswith("tirx.ptx.wgmma_"):
+            yield from self._issue_wgmma(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
+                s.value.args[0].value in _NO_OP_HELPERS:
+            pass
         else:
             raise NotImplementedError(f"emulator: {type(s).__name__}: {s}")
 
@@ -282,6 +621,57 @@ class Emulator:
         d = yield ("mma", ab, (a, b, c))
         for r, v in zip(regs[:4], d):
             self._store(r.source, r.indices, v, env)
+
+    def _issue_mbarrier(self, call, env):
+        """``mbarrier.init`` / ``mbarrier.arrive{.expect_tx}.shared::cta.b64`` (see _mbarrier_init, _mbarrier)."""
+        (ptr, *rest), mods = _operands(call)
+        addr, values = self._shared_offset(ptr, env), [int(self._eval(x, env)) for x in rest]
+        if "shared::cluster" in mods or any(m.startswith("multicast") for m in mods):
+            raise NotImplementedError(f"emulator: mbarrier.{'.'.join(m for m in mods if m)}")
+        if mods[0] == "init":
+            self._mbarrier_init(addr, *values)
+        elif mods[0] == "arrive" and "expect_tx" in mods:
+            self._mbarrier(addr, arrivals=1, tx=values[0])
+        elif mods[0] == "arrive" and len(values) <= 1:
+            self._mbarrier(addr, arrivals=values[0] if values else 1)
+        else:
+            raise NotImplementedError(f"emulator: mbarrier.{'.'.join(m for m in mods if m)}")
+        self.ran["mbarrier." + ".".join(m for m in mods[:2] if m)] += 1
+
+    def _issue_wgmma(self, call, env):
+        """This thread's part of a warpgroup-wide wgmma instruction (mma_async, fence, commit_group, wait_group):
+        the uniform operands (descriptors, scale-d, immediates; wait_group's N) as the key, its accumulator
+        registers as its operand."""
+        h = _key(call)
+        if h not in self.parsed:  # the operands as Python lists, once per call (TVM containers are slow)
+            self.parsed[h] = _operands(call)
+        exprs, mods = self.parsed[h]
+        wg_kind = "wgmma." + mods[0]
+        if mods[0] == "mma_async":
+            ab, n = mods[5], int(mods[3].split("n")[1].split("k")[0])
+            if _op(call) not in ("tirx.ptx.wgmma_f16_ss", "tirx.ptx.wgmma_bf16_ss") or mods[4] != "f32" or \
+                    mods[3] != f"m64n{n}k16" or len(exprs) != n // 2 + 7:
+                raise NotImplementedError(f"emulator: {_op(call)} wgmma.{'.'.join(mods)}")
+            uniform = [int(self._eval(x, env)) for x in exprs[n // 2:]]
+            key = ((n, ab), *uniform)  # descriptors A, B, scale-d, imm-scale-a, -b, imm-trans-a, -b
+            self.ran[f"wgmma.m64n{n}k16.{ab}" + ".trans-a" * uniform[5] + ".trans-b" * uniform[6]] += 1
+            yield (wg_kind, key, self._registers(h, exprs[:n // 2], env))
+        elif mods[0] in ("fence", "commit_group", "wait_group"):
+            yield (wg_kind, int(self._eval(exprs[0], env)) if exprs else None, None)
+        else:
+            raise NotImplementedError(f"emulator: wgmma.{'.'.join(mods)}")
+
+    def _registers(self, h, loads, env):
+        """(float32 view of a register array, indices) of the accumulator registers ``loads`` of call ``h``: one
+        float32 local buffer at constant indices."""
+        if ("registers", h) not in self.parsed:
+            bufs = {self._local(x.source) for x in loads}
+            if len(bufs) != 1 or any(str(x.source.dtype) != "float32" for x in loads) or \
+                    not all(isinstance(x.indices[0], px.IntImm) for x in loads):
+                raise NotImplementedError(f"emulator: wgmma accumulators {loads[0]}..: not one f32 array")
+            self.parsed[("registers", h)] = bufs.pop(), np.array([int(x.indices[0].value) for x in loads])
+        buf, idx = self.parsed[("registers", h)]
+        return env[buf].view(np.float32), idx
 
     # ---------------------------------------------------------------- memory
 
@@ -331,6 +721,18 @@ class Emulator:
         tensor = self.mem[self._param(buf)]
         return tensor.reshape(-1).view(np.uint8), int(np.ravel_multi_index(idx, tensor.shape)) * size
 
+    def _shared_offset(self, ptr, env) -> int:
+        """The shared-arena byte offset a pointer into shared memory names: ``cvta_generic_to_shared(
+        address_of(buf[i]))`` (a shared-window address: the arena starts at 0 here) or ``address_of(buf[i])``
+        (a generic pointer), ``buf`` a view of the block's shared arena."""
+        inner = ptr.args[0] if _op(ptr) == "tirx.cuda.cvta_generic_to_shared" else ptr
+        load = inner.args[0] if _op(inner) == "tirx.address_of" else None
+        if not isinstance(load, irx.TensorLoad) or self._param(load.source) in self.mem or \
+                self._local(load.source) in env:
+            raise NotImplementedError(f"emulator: a shared address: {ptr}")
+        return (int(self._eval(load.indices[0], env)) + int(load.source.elem_offset)) * \
+            _storage(load.source.dtype).itemsize
+
     # ---------------------------------------------------------------- expressions
 
     def _eval(self, e, env):
@@ -360,9 +762,17 @@ class Emulator:
         if _op(e).endswith(".if_then_else"):
             c, a, b = e.args
             return self._eval(a, env) if self._eval(c, env) else self._eval(b, env)
+        if _op(e) == "tirx.cuda.cvta_generic_to_shared":  # a shared-window address (a descriptor's start)
+            return self._shared_offset(e, env)
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_warp_uniform":  # __shfl_sync(v, 0)
+            return self._eval(e.args[1], env)  # of a value uniform over the warp by construction: the value
         if isinstance(e, px.Div):
             return np.true_divide(self._eval(e.a, env), self._eval(e.b, env))
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_exp2":  # ex2.approx.ftz: exact
             y = np.exp2(np.asarray(self._eval(e.args[1], env), np.float32))  # here; under 2^-126 flushed to 0
             return np.where(y < np.float32(2.0 ** -126), np.float32(0), y)
         raise NotImplementedError(f"emulator: {type(e).__name__}: {e}")
+
+
+_WARPGROUP = {"wgmma.fence": Emulator._wgmma_fence, "wgmma.mma_async": Emulator._wgmma_issue,
+              "wgmma.commit_group": Emulator._wgmma_commit, "wgmma.wait_group": Emulator._wgmma_wait}

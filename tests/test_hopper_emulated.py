@@ -1,0 +1,202 @@
+"""The README's GEMM (tests/programs.py's matmul) lowered for sm_90a and run on the CPU emulator
+(tests/tir_emulator.py): a producer warpgroup issuing TMA tile loads onto mbarriers, consumer warpgroups
+waiting on their phases and running wgmma m64nNk16 on 128B-swizzled shared tiles through matrix
+descriptors, stages released back to the producer.  Several blocks, more k-steps than stages, ragged M, N
+and K (TMA's out-of-bounds zero fill), K-major and M/N-major operands.  Inputs are multiples of 1/8 in
+[-2, 2], exact in float16, so the float32 accumulation is exact and C is the float64 reference rounded once:
+every element must match.  The instruction-level tests check the emulator's wgmma, descriptor, TMA and
+mbarrier semantics against the PTX ISA's own tables and examples."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tile_ops.compiler.lower import lower
+from programs import matmul
+from tir_emulator import Emulator, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store, _wgmma
+
+HOPPER = dict(block_M=128, block_N=128, block_K=64, num_stages=3, threads=256)  # 2 consumer warpgroups
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def run_matmul_sm90(M, N, K, transpose_A=False, transpose_B=False, **tiles):
+    """C = A @ B (float16) lowered for sm_90a, on the emulator: C, the float64 reference rounded once, the
+    grid and the PTX that ran."""
+    lk = lower(matmul.fn(M, N, K, transpose_A=transpose_A, transpose_B=transpose_B, **tiles), "sm_90a")
+    rng = np.random.default_rng(M * N * K)
+    a, b = (rng.integers(-16, 17, shape) / 8 for shape in ((M, K), (K, N)))
+    A = (a.T.copy() if transpose_A else a).astype(np.float16)
+    B = (b.T.copy() if transpose_B else b).astype(np.float16)
+    C = np.full((M, N), np.nan, np.float16)  # written everywhere, or NaN shows
+    emu = Emulator(lk.func, {"A": A, "B": B, "C": C}, tensormaps=lk.tensormaps)
+    emu.run(lk.grid)
+    return C, (a @ b).astype(np.float16), lk.grid, emu.ran
+
+
+@pytest.mark.parametrize("shape, kw, grid, ran", [
+    pytest.param((256, 256, 256), HOPPER, (2, 2, 1),  # 4 k-steps over 3 stages
+                 {"tma.load.2d.swizzle128", "mbarrier.arrive.expect_tx", "wgmma.m64n128k16.f16.trans-b"},
+                 id="aligned-2-warpgroups"),
+    pytest.param((200, 136, 200), HOPPER, (2, 2, 1),  # ragged: boxes past every edge, zero-filled
+                 {"tma.load.2d.swizzle128", "wgmma.m64n128k16.f16.trans-b"}, id="ragged"),
+    pytest.param((200, 72, 200), dict(HOPPER, block_N=64, threads=128, transpose_A=True, transpose_B=True),
+                 (2, 2, 1), {"wgmma.m64n64k16.f16.trans-a"}, id="ragged-AtBt-M-major-A-K-major-B"),
+])
+def test_sm90_matmul_matches_numpy(shape, kw, grid, ran):
+    C, ref, lk_grid, emu_ran = run_matmul_sm90(*shape, **kw)
+    assert lk_grid == grid
+    assert ran <= set(emu_ran), sorted(emu_ran)  # the PTX this case is for ran
+    np.testing.assert_array_equal(C, ref)
+
+
+def test_sm90_gemm_kernel_tma_store_epilogue_matches_numpy():
+    """tile_ops.kernels.gemm with epilogue="shared": the accumulators go to a 128B-swizzled shared tile (named
+    barriers between the consumer warps), then TMA stores (cp.async.bulk.tensor global <- shared, bulk groups
+    waited for with .read) write C through its 3-d tensor map."""
+    from tile_ops.kernels.gemm import GemmConfig, gemm
+
+    M = N = K = 256
+    cfg = GemmConfig(128, 128, 64, 3, 128, 8, epilogue="shared")
+    lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", cfg), "sm_90a")
+    rng = np.random.default_rng(3)
+    a, b = (rng.integers(-16, 17, shape) / 8 for shape in ((M, K), (K, N)))
+    arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None],
+              "Bias": np.zeros(N, np.float16), "C": np.full((1, M, N), np.nan, np.float16)}
+    emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
+    emu.run(lk.grid)
+    assert {"tma.store.3d.swizzle128", "tma.load.3d.swizzle128"} <= set(emu.ran), sorted(emu.ran)
+    np.testing.assert_array_equal(arrays["C"][0], (a @ b).astype(np.float16))
+
+
+# ---------------------------------------------------------------- instructions, against the PTX ISA
+
+
+def _descriptor(start, lbo, sbo, mode):
+    """A wgmma matrix descriptor (PTX ISA "Matrix Descriptor Format"): (x & 0x3FFFF) >> 4 of the start address,
+    LBO and SBO in bits 0-13, 16-29, 32-45; the swizzle mode in bits 62-63."""
+    enc = lambda x: (x & 0x3FFFF) >> 4  # noqa: E731
+    return enc(start) | enc(lbo) << 16 | enc(sbo) << 32 | mode << 62
+
+
+def _cute(shape, stride, coord):
+    """A CuTe layout's offset of a flat index along each mode (colexicographic), as the ISA writes them."""
+    off = 0
+    for s, d in zip(shape, stride):
+        off, coord = off + (coord % s) * d, coord // s
+    return off
+
+
+def _swizzle(byte, bits):
+    """CuTe's Swizzle<bits, 4, 3> on a byte offset."""
+    return byte ^ (((byte >> 7) & ((1 << bits) - 1)) << 4)
+
+
+@pytest.mark.parametrize("mn_major, mode, rows, layout, lbo, sbo, bits", [
+    # the ISA's examples ("Canonical Layouts"), bf16, exact layouts in elements:
+    (True, 2, 64, (((8, 4, 2), (1, 8, 256)), ((8, 2), (32, 512))), 256 * 2, 512 * 2, 2),  # MN-major 64B
+    (True, 3, 32, (((8, 2, 2), (1, 8, 128)), ((8, 2), (16, 256))), 128 * 2, 256 * 2, 1),  # MN-major 32B
+    (True, 0, 16, (((8, 1, 2), (1, 8, 64)), ((8, 2), (8, 128))), 128 * 2, 64 * 2, 0),  # MN-major none
+    # the canonical forms with T = 8: K-major 128B ((8,m),(T,2k)):((8T,SBO),(1,T)); MN-major 128B
+    # ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)) (SBO, LBO in elements here)
+    (False, 1, 64, (((8, 8), (64, 512)), ((8, 2), (1, 8))), 16, 1024, 3),
+    (True, 1, 128, (((8, 8, 2), (1, 8, 4096)), ((8, 2), (64, 512))), 8192, 1024, 3),
+])
+def test_descriptor_addresses_follow_the_ptx_canonical_layouts(mn_major, mode, rows, layout, lbo, sbo, bits):
+    (mn_shape, mn_stride), (k_shape, k_stride) = layout
+    start = 3 * 1024  # a swizzle-atom-aligned start
+    got = _descriptor_addresses(_descriptor(start, lbo, sbo, mode), rows, mn_major)
+    for mn in range(rows):
+        for k in range(16):
+            elem = _cute(mn_shape, mn_stride, mn) + _cute(k_shape, k_stride, k)
+            assert got[mn, k] == _swizzle(start + 2 * elem, bits), (mn, k)
+
+
+def test_descriptor_k_steps_move_the_start_inside_the_swizzle_atom():
+    """A k16 step of a K-major 128B tile adds 32 bytes to the start: the swizzle (on address bits) then
+    reads columns 16..31 of the rows as TMA stored them."""
+    base = _descriptor_addresses(_descriptor(0, 16, 1024, 1), 64, False)
+    step = _descriptor_addresses(_descriptor(32, 16, 1024, 1), 64, False)
+    unswizzled = lambda r, col: r // 8 * 1024 + r % 8 * 128 + 2 * col  # noqa: E731  row-major 64 columns
+    for r in range(64):
+        assert list(step[r]) == [_swizzled(unswizzled(r, 16 + k), 128) for k in range(16)]
+        assert list(base[r]) == [_swizzled(unswizzled(r, k), 128) for k in range(16)]
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(0, 0), (0, 1), (1, 1)])
+def test_wgmma_follows_the_ptx_accumulator_layout(trans_a, trans_b):
+    """wgmma m64n16k16 from swizzled shared tiles: thread t = 32w + l's register d[4j + e] is
+    D[16w + l/4 + 8(e/2), 8j + 2(l%4) + e%2] (the ISA's m64nNk16 D figure); scale-d keeps D, scale-a -1
+    negates A."""
+    rng = np.random.default_rng(2)
+    A, B = rng.integers(-8, 9, (64, 16)).astype(np.float16), rng.integers(-8, 9, (16, 16)).astype(np.float16)
+    C = rng.integers(-8, 9, (64, 16)).astype(np.float32)
+    smem = np.full(16384, 0xFF, np.uint8)
+
+    def store(at, m, mn_major):  # a 128B-swizzled tile: rows of 64 elements, as TMA lays a box out
+        tile = np.zeros((64 if mn_major else m.shape[0], 64), np.float16)
+        src = m.T if mn_major else m  # (rows, cols): K-major rows are M/N, MN-major rows are K
+        tile[:src.shape[0], :src.shape[1]] = src
+        for r in range(tile.shape[0]):
+            for c in range(8):
+                d = _swizzled(at + r * 128 + c * 16, 128)
+                smem[d:d + 16] = tile[r, 8 * c:8 * c + 8].view(np.uint8)
+
+    store(0, A, trans_a)  # A: M x K
+    store(8192, B.T, trans_b)  # B as N x K
+    regs = []
+    for t in range(128):
+        w, lane = divmod(t, 32)
+        rows = [16 * w + lane // 4 + 8 * (e // 2) for j in range(2) for e in range(4)]
+        cols = [8 * j + 2 * (lane % 4) + e % 2 for j in range(2) for e in range(4)]
+        regs.append((C[rows, cols].copy(), np.arange(8), rows, cols))
+    lbo, sbo = 8192, 1024  # MN-major: panels of 64 M/N apart (one here); 8-row groups of 128B rows
+    key = ((16, "f16"), _descriptor(0, lbo, sbo, 1), _descriptor(8192, lbo, sbo, 1), 1, -1, 1, trans_a, trans_b)
+    _wgmma(smem, key, [(r, i) for r, i, _, _ in regs])
+    D = -A.astype(np.float64) @ B.astype(np.float64) + C
+    for d, _, rows, cols in regs:
+        assert list(d) == list(D[rows, cols])
+
+
+def test_tma_box_zero_fills_out_of_bounds():
+    """A 2-D box (inner dim first) at coordinates partly outside the tensor: those elements read as 0."""
+    T = np.arange(1, 5 * 24 + 1, dtype=np.float16).reshape(5, 24)  # 24 columns: 48-byte rows, but the
+    spec = dict(dtype="float16", dims=[20, 5], strides=[48], box=[8, 4], element_strides=[1, 1],  # map says 20
+                swizzle=3, oob_fill=0)
+    box = _tma_box(spec, T, [16, 3]).view(np.float16).reshape(4, 8)
+    want = np.zeros((4, 8), np.float16)
+    want[:2, :4] = T[3:5, 16:20]
+    np.testing.assert_array_equal(box, want)
+
+
+def test_tma_box_store_drops_out_of_bounds():
+    """A TMA store's box partly outside the tensor: only its in-bounds elements are written."""
+    T = np.zeros((5, 24), np.float16)
+    spec = dict(dtype="float16", dims=[20, 5], strides=[48], box=[8, 4], element_strides=[1, 1], swizzle=3,
+                oob_fill=0)
+    _tma_box_store(spec, T, [16, 3], np.arange(1, 33, dtype=np.float16))
+    want = np.zeros((5, 24), np.float16)
+    want[3:5, 16:20] = np.arange(1, 33, dtype=np.float16).reshape(4, 8)[:2, :4]
+    np.testing.assert_array_equal(T, want)
+
+
+def test_mbarrier_phases_and_transaction_counts():
+    """init(2); a phase completes when both arrivals are in and the expected bytes have landed; wait(parity p)
+    passes once the phase of parity p is over (a fresh barrier's 'previous' phase, parity 1, is)."""
+    emu = Emulator.__new__(Emulator)
+    emu.block, emu.mbarriers = (0, 0, 0), {}
+    emu._mbarrier_init(64, 2)
+    assert emu._phase_done(64, 1) and not emu._phase_done(64, 0)
+    emu._mbarrier(64, arrivals=1, tx=256)  # arrive.expect_tx
+    emu._mbarrier(64, arrivals=1)
+    assert not emu._phase_done(64, 0)  # 256 bytes outstanding
+    emu._mbarrier(64, tx=-256)  # complete_tx
+    assert emu._phase_done(64, 0) and not emu._phase_done(64, 1)
+    emu._mbarrier(64, arrivals=2)
+    assert emu._phase_done(64, 1) and not emu._phase_done(64, 0)
+    with pytest.raises(RuntimeError, match="more arrivals"):
+        emu._mbarrier(64, arrivals=3)
