@@ -2,10 +2,11 @@
 (tests/tir_emulator.py): a producer warpgroup issuing TMA tile loads onto mbarriers, consumer warpgroups
 waiting on their phases and running wgmma m64nNk16 on 128B-swizzled shared tiles through matrix
 descriptors, stages released back to the producer.  Several blocks, more k-steps than stages, ragged M, N
-and K (TMA's out-of-bounds zero fill), K-major and M/N-major operands.  Inputs are multiples of 1/8 in
-[-2, 2], exact in float16, so the float32 accumulation is exact and C is the float64 reference rounded once:
-every element must match.  The instruction-level tests check the emulator's wgmma, descriptor, TMA and
-mbarrier semantics against the PTX ISA's own tables and examples."""
+and K (TMA's out-of-bounds zero fill), K-major and M/N-major operands; the library gemm's thread-block
+clusters (multicast TMA loads, stages released on every writer block, the cluster barrier).  Inputs are
+multiples of 1/8 in [-2, 2], exact in float16, so the float32 accumulation is exact and C is the float64
+reference rounded once: every element must match.  The instruction-level tests check the emulator's wgmma,
+descriptor, TMA and mbarrier semantics against the PTX ISA's own tables and examples."""
 
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import pytest
 
 from tile_ops.compiler.lower import lower
 from programs import matmul
-from tir_emulator import Emulator, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store, _wgmma
+from tir_emulator import Emulator, _Cta, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store, _wgmma
 
 HOPPER = dict(block_M=128, block_N=128, block_K=64, num_stages=3, threads=256)  # 2 consumer warpgroups
 
@@ -71,6 +72,57 @@ def test_sm90_gemm_kernel_tma_store_epilogue_matches_numpy():
     emu.run(lk.grid)
     assert {"tma.store.3d.swizzle128", "tma.load.3d.swizzle128"} <= set(emu.ran), sorted(emu.ran)
     np.testing.assert_array_equal(arrays["C"][0], (a @ b).astype(np.float16))
+
+
+@pytest.mark.parametrize("shape, cluster_kw, grid, cluster_dims, ran", [
+    # the library's 1000^3 sm_90a config: pairs of 64-row tiles of one N tile multicasting their B tile
+    # halves; 2 clusters x 2 N tiles, 4 k-steps
+    pytest.param((256, 256, 256), dict(num_stages=8, cluster=2), (4, 2, 1), (2, 1, 1),
+                 {"tma.load.3d.swizzle128", "tma.load.3d.swizzle128.multicast"}, id="pairs-multicast-B"),
+    # 2 x 2 clusters (A multicast along the cluster's N tiles too), ragged M, N, K, 3 k-steps over 2 stages
+    pytest.param((100, 200, 136), dict(num_stages=2, cluster=2, cluster_n=2), (2, 2, 1), (2, 2, 1),
+                 {"tma.load.3d.swizzle128.multicast"}, id="ragged-2x2-multicast-A-and-B-stages-wrap"),
+])
+def test_sm90_clustered_gemm_kernel_matches_numpy(shape, cluster_kw, grid, cluster_dims, ran):
+    """tile_ops.kernels.gemm with thread-block clusters: each cluster's blocks run together (staggered: rank
+    r every (r + 1)-th round), TMA loads with .multicast::cluster land in every block of the CTA mask and
+    complete on each one's full barrier, the consumers release a stage on every block that writes into it
+    (mapa + remote mbarrier.arrive), and the blocks meet at barrier.cluster.arrive/wait after the mbarrier
+    inits."""
+    C, ref, lk, emu = run_clustered_gemm(*shape, **cluster_kw)
+    assert (lk.grid, lk.cluster_dims) == (grid, cluster_dims)
+    assert ran | {"mbarrier.arrive.shared::cluster", "barrier.cluster.arrive", "barrier.cluster.wait",
+                  "tma.store.3d.swizzle128"} <= set(emu.ran), sorted(emu.ran)
+    np.testing.assert_array_equal(C, ref)
+
+
+def test_sm90_clustered_gemm_releasing_stages_only_locally_fails(monkeypatch):
+    """A broken variant: consumers that release a stage only on their own block (the remote arrive lands on
+    the local mbarrier) let a peer's multicast overwrite it before its wgmmas retire; with the blocks
+    staggered the emulated result shows it."""
+    def local_arrive(self, call, env):
+        self._mbarrier(self._shared_offset(call.args[1], env), arrivals=1)
+
+    monkeypatch.setattr(Emulator, "_remote_arrive", local_arrive)
+    C, ref, _, _ = run_clustered_gemm(100, 200, 136, num_stages=2, cluster=2, cluster_n=2)
+    assert (C != ref).any()
+
+
+def run_clustered_gemm(M, N, K, **cluster_kw):
+    """tile_ops.kernels.gemm (64 x 128 x 64 tiles, one consumer warpgroup, TMA-store epilogue) with
+    ``cluster_kw`` lowered for sm_90a and run staggered on the emulator: C, the float64 reference rounded
+    once, the lowered kernel and the emulator."""
+    from tile_ops.kernels.gemm import GemmConfig, gemm
+
+    cfg = GemmConfig(64, 128, 64, threads=128, swizzle=8, epilogue="shared", **cluster_kw)
+    lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", cfg), "sm_90a")
+    rng = np.random.default_rng(5)
+    a, b = (rng.integers(-16, 17, s) / 8 for s in ((M, K), (K, N)))
+    arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None],
+              "Bias": np.zeros(N, np.float16), "C": np.full((1, M, N), np.nan, np.float16)}
+    emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
+    emu.run(lk.grid, lk.cluster_dims, stagger=True)
+    return arrays["C"][0], (a @ b).astype(np.float16), lk, emu
 
 
 # ---------------------------------------------------------------- instructions, against the PTX ISA
@@ -200,3 +252,28 @@ def test_mbarrier_phases_and_transaction_counts():
     assert emu._phase_done(64, 1) and not emu._phase_done(64, 0)
     with pytest.raises(RuntimeError, match="more arrivals"):
         emu._mbarrier(64, arrivals=3)
+
+
+def test_multicast_tma_lands_in_every_block_of_the_mask():
+    """A .multicast::cluster TMA box lands at the same (swizzled) shared offset in each block of the CTA
+    mask and completes its bytes on each one's mbarrier at the same offset; a block outside the mask sees
+    nothing; a remote arrive on a block that has exited raises."""
+    emu = Emulator.__new__(Emulator)
+    emu.ctas = [_Cta((i, 0, 0), i) for i in range(3)]
+    for cta in emu.ctas:
+        emu._enter(cta)
+        cta.smem = emu.smem = np.full(4096, 0xFF, np.uint8)
+        emu._mbarrier_init(2048, 1)
+        emu._mbarrier(2048, arrivals=1, tx=1024)  # arrive.expect_tx
+    data = np.arange(1024, dtype=np.uint16).astype(np.uint8)
+    emu.tma = [([emu.ctas[0], emu.ctas[2]], 0, data, 128, 2048)]  # ctaMask 0b101
+    emu._land_tma()
+    addrs = _swizzled(np.arange(0, 1024, 16), 128)
+    for cta, landed in zip(emu.ctas, (True, False, True)):
+        got = cta.smem[addrs[:, None] + np.arange(16)].reshape(-1)
+        assert (got == data).all() if landed else (cta.smem[:1024] == 0xFF).all()
+        assert (cta.mbarriers[2048]["phase"] == 1) == landed
+    emu.ctas[1].done = True
+    emu.tma = [([emu.ctas[1]], 0, data, 128, 2048)]
+    with pytest.raises(RuntimeError, match="after it exited"):
+        emu._land_tma()

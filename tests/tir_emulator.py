@@ -18,7 +18,17 @@ and complete their bytes on the mbarrier then; wgmma.mma_async (m64nNk16, f16/bf
 shared-memory matrix descriptors) gathered over the 128 threads of a warpgroup and executed, reading shared
 memory and the accumulator registers, only when a wgmma.wait_group retires its group (so a stage released
 before its wgmmas retire shows).  The tensor maps come from the kernel's meta (``tensormaps=lk.tensormaps``),
-as the launcher encodes them.  setmaxnreg, fences and prefetches are no-ops."""
+as the launcher encodes them.  setmaxnreg, fences and prefetches are no-ops.
+
+Thread-block clusters (``run(grid, cluster=lk.cluster_dims)``): a cluster's blocks (equal x // cx, y // cy, z;
+rank x % cx + (y % cy) cx, as the launcher's __cluster_dims__) run together in one scheduler, each with its
+own shared arena, mbarriers and queues; %cluster_ctarank (tile_ops_cluster_rank) is the rank;
+barrier.cluster.wait goes on once every thread of the cluster that has not exited has made as many
+barrier.cluster.arrives as the waiter; TMA loads with .multicast::cluster land at the same shared offset in
+every block of the CTA mask and complete their bytes on each one's mbarrier at that offset; a remote arrive
+(tile_ops_cluster_release: mapa + mbarrier.arrive.shared::cluster) counts on the peer's mbarrier at the same
+offset; either one on a block whose threads have all exited raises.  ``stagger=True`` runs rank r only every
+(r + 1)-th scheduler round, so a peer's producer runs ahead (a stage released to it too soon shows)."""
 
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ _NO_OPS = {"tirx.ptx.cp_async_commit_group", "tirx.ptx.cp_async_wait_group",  # 
            "tirx.ptx.prefetch",  # of a tensor map (or a line): a hint
            "tirx.ptx.setmaxnreg"}  # warpgroup register reallocation: registers are unbounded here
 _NO_OP_HELPERS = {"tile_ops_fence_register"}  # an empty asm that pins a register across wgmma fences
+_HELD = "held"  # (stagger) a thread released whose block skips the scheduler round
 _SHUFFLED = "shuffled"  # env: the answers of the running statement's shuffles
 
 
@@ -272,6 +283,17 @@ def _tma_box(spec: dict, tensor, coords):
     return np.where(inside, elems, np.zeros((), elems.dtype)).view(np.uint8)
 
 
+class _Cta:
+    """One block of a cluster: its index, cluster rank, shared arena (allocated by its first thread),
+    mbarriers (shared byte address -> state, _mbarrier_init), wgmma queues (warpgroup -> its wgmmas not yet
+    committed and its committed groups not yet retired), bulk queues (thread -> its TMA stores not yet
+    committed and its bulk groups not yet waited for); done once all its threads have exited."""
+
+    def __init__(self, block, rank):
+        self.block, self.rank, self.smem, self.done = block, rank, None, False
+        self.mbarriers, self.wgmma, self.bulk = {}, {}, {}
+
+
 class Emulator:
     def __init__(self, func, arrays: dict, tensormaps: dict | None = None):
         """``arrays``: parameter name -> numpy array (written in place; bfloat16 ones as uint16 bits).
@@ -287,14 +309,28 @@ class Emulator:
             if _is_bf16(p.dtype) and self.mem[p.name].dtype != np.uint16:
                 raise TypeError(f"emulator: pass bfloat16 tensor {p.name} as a uint16 array of its bits")
 
-    def run(self, grid):
-        for block in np.ndindex(*reversed(grid)):
-            self.block, self.smem = tuple(reversed(block)), None
-            self.mbarriers = {}  # shared byte address -> its state (_mbarrier_init)
+    def run(self, grid, cluster=1, stagger: bool = False):
+        """Runs the kernel over ``grid`` (x, y, z).  ``cluster``: the thread-block cluster's dims (an int: along
+        x; or the kernel's ``lk.cluster_dims``), as the launcher's __cluster_dims__: the blocks of a cluster
+        are those of equal (x // cx, y // cy, z), of rank x % cx + (y % cy) cx, and run together in one
+        scheduler (each with its own shared arena, mbarriers and queues).  ``stagger``: the block of rank r
+        runs only every (r + 1)-th scheduler round, so a cluster's blocks drift apart (rank 0's producer runs
+        ahead and writes into its peers' stages early: a stage released to it too soon shows)."""
+        dims = (cluster,) if isinstance(cluster, int) else tuple(int(c) for c in cluster)
+        dims += (1,) * (3 - len(dims))
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        if any(g % c for g, c in zip(grid, dims)) or dims[2] != 1:
+            raise ValueError(f"emulator: grid {grid} is not made of clusters {dims}")
+        cx, cy, _ = dims
+        for z, y, x in np.ndindex(grid[2], grid[1] // cy, grid[0] // cx):
+            self.ctas = [_Cta((x * cx + i, y * cy + j, z), i + j * cx) for j in range(cy) for i in range(cx)]
             self.tma = []  # TMA loads issued this scheduler round, landing at its end (_land_tma)
-            self.wgmma = {}  # warpgroup -> its wgmmas not yet committed and its committed groups not yet retired
-            self.bulk = {}  # thread -> its TMA stores not yet committed and its bulk groups not yet waited for
-            self._run_block()
+            self._run_cluster(stagger)
+
+    def _enter(self, cta):
+        """Makes ``cta`` the block whose state (shared arena, mbarriers, queues) the running code sees."""
+        self.cta, self.block, self.smem = cta, cta.block, cta.smem
+        self.mbarriers, self.wgmma, self.bulk = cta.mbarriers, cta.wgmma, cta.bulk
 
     def _device_entry(self):
         """The kernel body the threads run: the device-entry attribute's body (host statements before it, such
@@ -304,36 +340,57 @@ class Emulator:
             body = next(s for s in body.seq if isinstance(s, ts.AttrStmt))
         return body.body
 
-    def _run_block(self):
+    def _run_cluster(self, stagger=False):
+        """Runs a cluster's blocks (one, without clusters) together: thread g is thread g % threads of block
+        (rank) g // threads, so warps and warpgroups stay inside their block."""
         body = self._device_entry()
         threads = next(int(getattr(s, "def").extents[0]) for s in body.seq
                        if isinstance(s, ts.ScopeIdDefStmt) and "thread_id" in str(s))
-        gens = {t: self._exec(body, {"tid": t}) for t in range(threads)}
+        if len(self.ctas) > 1 and threads % 128:
+            raise NotImplementedError(f"emulator: clusters of blocks of {threads} threads (not whole warpgroups)")
+        self.threads = threads
+        self.arrived = Counter()  # thread -> its barrier.cluster.arrives
+        gens = {g: self._exec(body, {"tid": g % threads, "g": g}) for g in range(threads * len(self.ctas))}
         at = dict.fromkeys(gens)  # where each thread waits: "sync", a collective instruction ("kind", key,
         go = dict.fromkeys(gens)  # operand), an mbarrier wait; the threads to resume, with what they receive
+        live = Counter(g // threads for g in gens)
+        rounds, held = 0, {}  # held: threads released whose block skips this round, with their answers
         while gens:
-            for t, answer in go.items():
+            rounds += 1
+            for g, answer in go.items():
+                if stagger and rounds % (g // threads + 1):
+                    held[g], at[g] = answer, _HELD  # released, not yet run: at no wait
+                    continue
+                self._enter(self.ctas[g // threads])
                 try:
-                    at[t] = gens[t].send(answer)
+                    at[g] = gens[g].send(answer)
                 except StopIteration:
-                    del gens[t], at[t]
+                    del gens[g], at[g]
+                    live[g // threads] -= 1
+                    self.cta.done = live[g // threads] == 0
             self._land_tma()
             go = self._resumable(at)
-        for what, queues in (("wgmmas no wgmma.wait_group retired", self.wgmma),
-                             ("TMA stores no cp.async.bulk.wait_group waited for", self.bulk)):
-            pending = sorted(u for u, q in queues.items() if q["open"] or q["groups"])
-            if pending:
-                raise RuntimeError(f"emulator: block {self.block} ends with {what}, by {pending}")
+            go.update(held)
+            held = {}
+        for cta in self.ctas:
+            self._enter(cta)
+            for what, queues in (("wgmmas no wgmma.wait_group retired", self.wgmma),
+                                 ("TMA stores no cp.async.bulk.wait_group waited for", self.bulk)):
+                pending = sorted(u for u, q in queues.items() if q["open"] or q["groups"])
+                if pending:
+                    raise RuntimeError(f"emulator: block {self.block} ends with {what}, by {pending}")
 
     def _resumable(self, at) -> dict:
         """The waiting threads that go on, with their answers: the warps all of whose lanes are at one warp
         instruction get its results, and so do the warpgroups (4 aligned warps) all of whose 128 threads are
-        at one wgmma instruction; threads waiting on an mbarrier phase that has completed go on; when none
-        does, and every thread is at the block barrier, all go on."""
-        go = {}
+        at one wgmma instruction; threads waiting on an mbarrier phase that has completed go on, and so do
+        those at a barrier.cluster.wait once every thread of the cluster that has not exited has arrived as
+        often as they; a block's threads go on once every one of them is at the block barrier (cta_sync)."""
+        go, threads = {}, self.threads
         for table, width in ((_WARP, 32), (_WARPGROUP, 128)):
             for u in sorted({t // width for t, y in at.items() if isinstance(y, tuple) and y[0] in table}):
                 lanes = [at.get(u * width + i) for i in range(width)]
+                self._enter(self.ctas[u * width // threads])
                 if all(isinstance(y, tuple) and y[0] in table for y in lanes):
                     instrs = {y[:2] for y in lanes}
                     if len(instrs) > 1:
@@ -343,25 +400,40 @@ class Emulator:
                             f"{sorted(map(str, instrs))[:4]}")
                     kind, key = instrs.pop()
                     operands = [y[2] for y in lanes]
-                    answers = _WARP[kind](self, key, operands) if width == 32 else table[kind](self, u, key, operands)
+                    answers = _WARP[kind](self, key, operands) if width == 32 else \
+                        table[kind](self, u % (threads // width), key, operands)
                     go.update(zip(range(u * width, u * width + width), answers))
         for t, y in at.items():
-            if isinstance(y, tuple) and y[0] == "mbarrier.wait" and self._phase_done(*y[1:]):
+            if isinstance(y, tuple) and y[0] == "mbarrier.wait":
+                self._enter(self.ctas[t // threads])
+                if self._phase_done(*y[1:]):
+                    go[t] = None
+        for t, y in at.items():
+            if isinstance(y, tuple) and y[0] == "cluster.wait" and \
+                    all(self.arrived[g] >= y[1] for g in at):  # exited threads count as arrived
                 go[t] = None
-        for bar in sorted({y[1:] for y in at.values() if isinstance(y, tuple) and y[0] == "bar"}):
-            waiting = [t for t, y in at.items() if y == ("bar", *bar)]  # bar.sync id, count: once count
-            if bar[1] % 32 or len(waiting) > bar[1]:  # threads (whole warps) are at barrier id, they go on
-                raise RuntimeError(f"emulator: block {self.block}: {len(waiting)} threads at bar.sync {bar}")
-            if len(waiting) == bar[1]:
+        bars = {(t // threads, *y[1:]) for t, y in at.items() if isinstance(y, tuple) and y[0] == "bar"}
+        for bar in sorted(bars):
+            waiting = [t for t, y in at.items() if t // threads == bar[0] and y == ("bar", *bar[1:])]
+            if bar[2] % 32 or len(waiting) > bar[2]:  # bar.sync id, count: once count threads (whole warps)
+                self._enter(self.ctas[bar[0]])  # are at barrier id, they go on
+                raise RuntimeError(f"emulator: block {self.block}: {len(waiting)} threads at bar.sync {bar[1:]}")
+            if len(waiting) == bar[2]:
                 go.update(dict.fromkeys(waiting))
-        if go or not at:
+        for rank in range(len(self.ctas)):
+            block = [y for t, y in at.items() if t // threads == rank]
+            if block and all(y == "sync" for y in block):
+                go.update(dict.fromkeys(t for t in at if t // threads == rank))
+        if go or not at or _HELD in at.values():
             return go
-        if all(y == "sync" for y in at.values()):
-            return dict.fromkeys(at)
         waits = sorted({y if y == "sync" else y[0] if y[0] not in ("mbarrier.wait", "bar") else str(y[:3]) if
                         y[0] == "bar" else
-                        f"mbarrier.wait(byte {y[1]}, parity {y[2]}: {self.mbarriers.get(y[1])})" for y in at.values()})
-        raise RuntimeError(f"emulator: block {self.block} deadlocks: its {len(at)} threads wait at {waits} "
+                        f"mbarrier.wait(byte {y[1]}, parity {y[2]}: {self.ctas[t // threads].mbarriers.get(y[1])})"
+                        for t, y in at.items()})
+        blocks = sorted({self.ctas[t // threads].block for t in at})
+        raise RuntimeError(f"emulator: block{'s' if len(blocks) > 1 else ''} {', '.join(map(str, blocks))} "
+                           f"deadlock{'s' if len(blocks) == 1 else ''}: "
+                           f"{'its' if len(blocks) == 1 else 'their'} {len(at)} threads wait at {waits} "
                            f"(a collective instruction some lanes skip, a barrier not every thread reaches, or "
                            f"an mbarrier phase that never completes)")
 
@@ -405,8 +477,19 @@ class Emulator:
         bytes); then the box's bytes complete on the mbarrier.  Issued here, landed at the round's end."""
         exprs, mods = _operands(call)
         dim = int(next(m for m in mods if m.endswith("d") and m[:-1].isdigit())[:-1])
-        if any(m.startswith("multicast") or m.startswith("L2::") for m in mods) or len(exprs) != 3 + dim:
+        multicast = "multicast::cluster" in mods
+        if any(m.startswith("L2::") or (m.startswith("multicast") and m != "multicast::cluster") for m in mods) \
+                or len(exprs) != 3 + dim + multicast:
             raise NotImplementedError(f"emulator: cp.{'.'.join(m for m in mods if m)}")
+        if multicast:  # .multicast::cluster, ctaMask: the box lands at the same offset in each CTA of the mask
+            *exprs, mask = exprs  # and completes its bytes on each one's mbarrier at the same offset
+            mask = int(self._eval(mask, env))
+            if not 0 < mask < 1 << len(self.ctas):
+                raise ValueError(f"emulator: block {self.block}: a multicast TMA load to CTA mask {mask:#x} in a "
+                                 f"cluster of {len(self.ctas)}")
+            targets = [c for c in self.ctas if mask >> c.rank & 1]
+        else:
+            targets = [self.cta]
         dst, tmap, *coords, mbar = exprs
         spec = self._tensormap(tmap)
         coords = [int(self._eval(c, env)) for c in coords]
@@ -416,21 +499,45 @@ class Emulator:
         row = spec["box"][0] * _storage(spec["dtype"]).itemsize
         if d % 128 or (span and row != span) or row % 16 or len(spec["box"]) != dim:
             raise NotImplementedError(f"emulator: a TMA box to shared byte {d} of {row}-byte rows, swizzle {span}")
-        self.tma.append((d, data, span or 16, bar))
-        self.ran[f"tma.load.{dim}d" + (f".swizzle{span}" if span else "")] += 1
+        self.tma.append((targets, d, data, span or 16, bar))
+        self.ran[f"tma.load.{dim}d" + (f".swizzle{span}" if span else "") + ".multicast" * multicast] += 1
 
     def _land_tma(self):
-        """The TMA loads issued this round land, each 16-byte chunk at its swizzled address, and complete
-        their bytes on their mbarriers."""
-        for d, data, span, bar in self.tma:
-            addrs = _swizzled(d + np.arange(0, data.size, 16), span)
-            if addrs.max() + 16 > self.smem.size:
-                raise IndexError(f"emulator: a TMA box of {data.size} bytes at shared byte {d} passes the arena")
-            if any(d <= a < d + data.size for a in self.mbarriers):
-                raise RuntimeError(f"emulator: a TMA box at shared bytes [{d}, {d + data.size}) overwrites an mbarrier")
-            self.smem[addrs[:, None] + np.arange(16)] = data.reshape(-1, 16)
-            self._mbarrier(bar, tx=-data.size)
+        """The TMA loads issued this round land, each 16-byte chunk at its swizzled address in each destination
+        block (a multicast's every CTA of the mask), and complete their bytes on their mbarriers there."""
+        for targets, d, data, span, bar in self.tma:
+            for cta in targets:
+                self._enter(cta)
+                self._alive(cta, "a TMA load lands in")
+                addrs = _swizzled(d + np.arange(0, data.size, 16), span)
+                if self.smem is None or addrs.max() + 16 > self.smem.size:
+                    raise IndexError(f"emulator: a TMA box of {data.size} bytes at shared byte {d} passes block "
+                                     f"{self.block}'s arena")
+                if any(d <= a < d + data.size for a in self.mbarriers):
+                    raise RuntimeError(f"emulator: a TMA box at shared bytes [{d}, {d + data.size}) overwrites an "
+                                       f"mbarrier")
+                self.smem[addrs[:, None] + np.arange(16)] = data.reshape(-1, 16)
+                self._mbarrier(bar, tx=-data.size)
         self.tma = []
+
+    def _alive(self, cta, what: str):
+        """Raises if block ``cta`` has exited: a peer's TMA load or remote arrive on it is undefined."""
+        if cta.done:
+            raise RuntimeError(f"emulator: {what} block {cta.block} (cluster rank {cta.rank}) after it exited")
+
+    def _remote_arrive(self, call, env):
+        """``tile_ops_cluster_release(bar, peer)``: mapa.shared::cluster of ``bar``'s shared address in cluster
+        rank ``peer``, then mbarrier.arrive.shared::cluster.b64 there: one arrival on the peer's mbarrier at
+        the same offset (the peer may be this block)."""
+        addr, peer = self._shared_offset(call.args[1], env), int(self._eval(call.args[2], env))
+        if not 0 <= peer < len(self.ctas):
+            raise ValueError(f"emulator: block {self.block}: mapa to cluster rank {peer} of {len(self.ctas)}")
+        me = self.cta
+        self._enter(self.ctas[peer])
+        self._alive(self.cta, f"block {me.block} arrives remotely on")
+        self._mbarrier(addr, arrivals=1)
+        self._enter(me)
+        self.ran["mbarrier.arrive.shared::cluster"] += 1
 
     def _tma_store(self, call, env):
         """``cp.async.bulk.tensor.Nd.global.shared::cta.bulk_group [tmap, {c0..}], [src]``: the tensor map's box
@@ -527,7 +634,8 @@ class Emulator:
         elif isinstance(s, ts.AllocBuffer):
             b = s.buffer
             if self.smem is None:  # the block's one shared arena, allocated by its first thread; bytes
-                self.smem = np.full(int(b.shape[0]) * _storage(b.dtype).itemsize, 0xFF, np.uint8)
+                self.smem = self.cta.smem = np.full(int(b.shape[0]) * _storage(b.dtype).itemsize, 0xFF,
+                                                    np.uint8)
         elif isinstance(s, ts.DeclBuffer) and ("local", str(s.data)) in env:  # a view of registers (as uint32:
             self.names[_key(s.buffer)] = str(s.data)  # a register A operand) reads and writes those registers
         elif isinstance(s, ts.DeclBuffer):
@@ -582,6 +690,18 @@ class Emulator:
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
                 s.value.args[0].value in _NO_OP_HELPERS:
             pass
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.barrier_cluster_arrive":
+            self.arrived[env["g"]] += 1  # barrier.cluster.arrive{.release}{.aligned}: does not wait
+            self.ran["barrier.cluster.arrive"] += 1
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.barrier_cluster_wait":
+            if not self.arrived[env["g"]]:  # barrier.cluster.wait{.acquire}{.aligned}: until every thread of
+                raise RuntimeError(f"emulator: block {self.block} thread {env['tid']}: barrier.cluster.wait "
+                                   f"without an arrive")  # the cluster has arrived as often as this one
+            self.ran["barrier.cluster.wait"] += 1
+            yield ("cluster.wait", self.arrived[env["g"]])
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
+                s.value.args[0].value == "tile_ops_cluster_release":
+            self._remote_arrive(s.value, env)
         else:
             raise NotImplementedError(f"emulator: {type(s).__name__}: {s}")
 
@@ -764,6 +884,8 @@ class Emulator:
             return self._eval(a, env) if self._eval(c, env) else self._eval(b, env)
         if _op(e) == "tirx.cuda.cvta_generic_to_shared":  # a shared-window address (a descriptor's start)
             return self._shared_offset(e, env)
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_cluster_rank":  # %cluster_ctarank
+            return self.cta.rank
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_warp_uniform":  # __shfl_sync(v, 0)
             return self._eval(e.args[1], env)  # of a value uniform over the warp by construction: the value
         if isinstance(e, px.Div):
