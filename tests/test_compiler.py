@@ -1387,27 +1387,11 @@ def test_gemm_softmax_rows_too_wide_for_shared_memory_say_so_in_the_ops_words(mo
         softmax_kernels.get_gemm_softmax_kernel(a, b, out.half(), 1.0)
 
 
-def _ws_gemm(threads=128, stages=3, bM=128, bK=64, M=256, N=256, K=256, bN=128):
-    @T.prim_func
-    def main(A: T.Tensor((M, K), "float16"), B: T.Tensor((K, N), "float16"), C: T.Tensor((M, N), "float16")):
-        with T.Kernel(T.ceildiv(N, bN), T.ceildiv(M, bM), threads=threads) as (bx, by):
-            A_s = T.alloc_shared((bM, bK), "float16")
-            B_s = T.alloc_shared((bK, bN), "float16")
-            C_f = T.alloc_fragment((bM, bN), "float32")
-            T.clear(C_f)
-            for k in T.Pipelined(T.ceildiv(K, bK), num_stages=stages):
-                T.copy(A[by * bM, k * bK], A_s)
-                T.copy(B[k * bK, bx * bN], B_s)
-                T.gemm(A_s, B_s, C_f)
-            T.copy(C_f, C[by * bM, bx * bN])
-    return main
-
-
 @needs_nvcc
 def test_hopper_one_stage_pipeline_releases_its_stage_in_the_same_step():
     """A gemm-only loop keeps one wgmma group in flight and releases step k - 1's stage in step k, after step
     k's data came: with one stage that data can never come (a hang). One stage waits for its own gemms."""
-    one, three = (tile_ops.compile(_ws_gemm(stages=s), target="sm_90a").source for s in (1, 3))
+    one, three = (_hopper_gemm(256, 256, 256, block_K=64, num_stages=s).source for s in (1, 3))
     assert "wait_group_sync_aligned_1" in three and "wait_group_sync_aligned_1" not in one
     assert "wait_group_sync_aligned_0" in one and "mbarrier_wait" in one
 
@@ -1417,7 +1401,7 @@ def test_hopper_one_stage_pipeline_releases_its_stage_in_the_same_step():
 def test_hopper_setmaxnreg_fits_the_registers_a_640_thread_block_has():
     """ptxas gives a 640-thread block 96 registers a thread (65536 / 640, in 8s): 61440, not 65536. Asking
     the consumers for 112 after the producer's 40 needed 62464: setmaxnreg.inc would wait forever."""
-    k = tile_ops.compile(_ws_gemm(threads=512, stages=2, bM=256, bK=32, M=512), target="sm_90a")
+    k = _hopper_gemm(512, 256, 256, block_M=256, block_K=32, num_stages=2, threads=512)
     sass = k.sass()
     inc = [int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, (0x[0-9a-f]+)", sass)]
     dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\.CTAPOOL (0x[0-9a-f]+)", sass)]
@@ -1425,9 +1409,10 @@ def test_hopper_setmaxnreg_fits_the_registers_a_640_thread_block_has():
     assert inc[0] * 512 + dec[0] * 128 <= k.meta.resources["registers"] * 640, (inc, dec, k.meta.resources)
 
 
+@needs_nvcc
 def test_hopper_blocks_past_1024_threads_with_the_producer_are_not_warp_specialized():
     """The producer warpgroup made a 1152-thread block, which CUDA cannot launch: the loop runs unspecialized."""
-    src = compile_program(_ws_gemm(threads=1024, stages=2, bM=256, bK=32, M=512, bN=256), "sm_90a").source
+    src = _hopper_gemm(512, 256, 256, block_M=256, block_N=256, block_K=32, num_stages=2, threads=1024).source
     assert "__launch_bounds__(1024)" in src and "cp.async.bulk.tensor" not in src
 
 

@@ -59,19 +59,11 @@ def test_sm90_gemm_kernel_tma_store_epilogue_matches_numpy():
     """tile_ops.kernels.gemm with epilogue="shared": the accumulators go to a 128B-swizzled shared tile (named
     barriers between the consumer warps), then TMA stores (cp.async.bulk.tensor global <- shared, bulk groups
     waited for with .read) write C through its 3-d tensor map."""
-    from tile_ops.kernels.gemm import GemmConfig, gemm
+    from tile_ops.kernels.gemm import GemmConfig
 
-    M = N = K = 256
-    cfg = GemmConfig(128, 128, 64, 3, 128, 8, epilogue="shared")
-    lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", cfg), "sm_90a")
-    rng = np.random.default_rng(3)
-    a, b = (rng.integers(-16, 17, shape) / 8 for shape in ((M, K), (K, N)))
-    arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None],
-              "Bias": np.zeros(N, np.float16), "C": np.full((1, M, N), np.nan, np.float16)}
-    emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
-    emu.run(lk.grid)
+    C, ref, _, emu = run_library_gemm(256, 256, 256, GemmConfig(128, 128, 64, 3, 128, 8, epilogue="shared"), seed=3)
     assert {"tma.store.3d.swizzle128", "tma.load.3d.swizzle128"} <= set(emu.ran), sorted(emu.ran)
-    np.testing.assert_array_equal(arrays["C"][0], (a @ b).astype(np.float16))
+    np.testing.assert_array_equal(C, ref)
 
 
 @pytest.mark.parametrize("shape, cluster_kw, grid, cluster_dims, ran", [
@@ -108,21 +100,29 @@ def test_sm90_clustered_gemm_releasing_stages_only_locally_fails(monkeypatch):
     assert (C != ref).any()
 
 
-def run_clustered_gemm(M, N, K, **cluster_kw):
-    """tile_ops.kernels.gemm (64 x 128 x 64 tiles, one consumer warpgroup, TMA-store epilogue) with
-    ``cluster_kw`` lowered for sm_90a and run staggered on the emulator: C, the float64 reference rounded
-    once, the lowered kernel and the emulator."""
-    from tile_ops.kernels.gemm import GemmConfig, gemm
+def run_library_gemm(M, N, K, cfg, seed, stagger=False):
+    """tile_ops.kernels.gemm with ``cfg`` lowered for sm_90a and run on the emulator (a cluster's blocks
+    together; ``stagger``: rank r every (r + 1)-th round): C, the float64 reference rounded once, the lowered
+    kernel and the emulator."""
+    from tile_ops.kernels.gemm import gemm
 
-    cfg = GemmConfig(64, 128, 64, threads=128, swizzle=8, epilogue="shared", **cluster_kw)
     lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", cfg), "sm_90a")
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     a, b = (rng.integers(-16, 17, s) / 8 for s in ((M, K), (K, N)))
     arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None],
               "Bias": np.zeros(N, np.float16), "C": np.full((1, M, N), np.nan, np.float16)}
     emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
-    emu.run(lk.grid, lk.cluster_dims, stagger=True)
+    emu.run(lk.grid, lk.cluster_dims, stagger=stagger)
     return arrays["C"][0], (a @ b).astype(np.float16), lk, emu
+
+
+def run_clustered_gemm(M, N, K, **cluster_kw):
+    """tile_ops.kernels.gemm (64 x 128 x 64 tiles, one consumer warpgroup, TMA-store epilogue) with
+    ``cluster_kw``, run staggered (``run_library_gemm``)."""
+    from tile_ops.kernels.gemm import GemmConfig
+
+    cfg = GemmConfig(64, 128, 64, threads=128, swizzle=8, epilogue="shared", **cluster_kw)
+    return run_library_gemm(M, N, K, cfg, seed=5, stagger=True)
 
 
 # ---------------------------------------------------------------- instructions, against the PTX ISA

@@ -431,6 +431,7 @@ class Lowerer:
     # its TMA stores' writes: another thread re-reading them needs the barrier (and the wait) first
     written = frozenset()
     tma_written = frozenset()
+    ws = None  # the warp specialization, once the Hopper planner made it (it asks _global_writes before)
 
     def _is_tma_store(self, node) -> bool:
         return bool(self.ws) and any(node is c for c in self.ws.stores)

@@ -25,7 +25,7 @@ from tvm.tirx.script import builder as T
 
 from ..lang import MAX_CLUSTER
 from ..jit.kernel import FLAG_SLOTS
-from ..lang.ir import Copy, For, Gemm, RowSoftmaxStore, Store, error
+from ..lang.ir import Copy, For, Gemm, RowSoftmaxStore, error
 from .exprs import collect_loads, uses
 from .infer import dtype_bits, in_swizzled_panels, walk
 from .layout import MmaAccumLayout, SharedLayout
@@ -103,8 +103,7 @@ class Hopper:
                  and s.dst.buffer.scope == "shared"]
         if not loads or not all(self._tma_ok(c) for c in loads):
             return None
-        written = {id(n.dst.buffer if isinstance(n, Copy) else n.buffer) for n in walk(k.body)
-                   if isinstance(n, (Copy, Store))}
+        written = {id(b) for node in k.body for b in self.lw._global_writes(node)}
         if any(id(c.src.buffer) in written for c in loads):  # the producer joins no consumer barrier: its TMA
             return None  # loads would not wait for the block's own writes of what they read
         compute = [s for s in loop.body if s not in loads]
