@@ -100,19 +100,21 @@ def test_sm90_clustered_gemm_releasing_stages_only_locally_fails(monkeypatch):
     assert (C != ref).any()
 
 
-def run_library_gemm(M, N, K, cfg, seed, stagger=False):
+def run_library_gemm(M, N, K, cfg, seed, stagger=False, ctas=None, workspace=None):
     """tile_ops.kernels.gemm with ``cfg`` lowered for sm_90a and run on the emulator (a cluster's blocks
-    together; ``stagger``: rank r every (r + 1)-th round): C, the float64 reference rounded once, the lowered
-    kernel and the emulator."""
+    together, or with ``ctas`` (a persistent grid of that many CTAs) the whole grid; ``stagger``: see
+    Emulator.run; ``workspace``: a stream-K kernel's, zeroed): C, the float64 reference rounded once, the
+    lowered kernel and the emulator."""
     from tile_ops.kernels.gemm import gemm
 
     lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", cfg), "sm_90a")
     rng = np.random.default_rng(seed)
     a, b = (rng.integers(-16, 17, s) / 8 for s in ((M, K), (K, N)))
     arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None],
-              "Bias": np.zeros(N, np.float16), "C": np.full((1, M, N), np.nan, np.float16)}
+              "Bias": np.zeros(N, np.float16), "C": np.full((1, M, N), np.nan, np.float16),
+              "tile_ops_workspace": workspace}
     emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
-    emu.run(lk.grid, lk.cluster_dims, stagger=stagger)
+    emu.run(lk.grid if ctas is None else (ctas, 1, 1), lk.cluster_dims, stagger=stagger, resident=ctas is not None)
     return arrays["C"][0], (a @ b).astype(np.float16), lk, emu
 
 
@@ -123,6 +125,40 @@ def run_clustered_gemm(M, N, K, **cluster_kw):
 
     cfg = GemmConfig(64, 128, 64, threads=128, swizzle=8, epilogue="shared", **cluster_kw)
     return run_library_gemm(M, N, K, cfg, seed=5, stagger=True)
+
+
+def run_stream_k_gemm(stagger):
+    """The stream-K gemm (64 x 64 tiles, up to 2 K parts) at 128 x 128 x 512 on a persistent grid of 3 CTAs:
+    4 tiles leave one alone in the last wave, so it splits into two parts of 4 k-steps, CTA 0 writing its
+    partial to the workspace and counting it on the tile's flag, CTA 1 waiting for the flag and adding it."""
+    from tile_ops.kernels.gemm import GemmConfig
+
+    ws = np.zeros(4096 + 3 * 64 * 64, np.float32)
+    C, ref, lk, emu = run_library_gemm(128, 128, 512, GemmConfig(64, 64, 64, 3, 128, stream_k=2), seed=7,
+                                       stagger=stagger, ctas=3, workspace=ws)
+    return C, ref, emu, ws
+
+
+def test_sm90_stream_k_gemm_matches_numpy():
+    """The writer (CTA 0) runs three times slower than the owner (CTA 1), which must wait for the partial; the
+    flags are zero at the end, as the next launch sharing the workspace needs them."""
+    C, ref, emu, ws = run_stream_k_gemm(stagger=(3, 1, 1))
+    assert {"tile_ops_flag_signal", "tile_ops_flag_wait"} <= set(emu.ran), sorted(emu.ran)
+    np.testing.assert_array_equal(C, ref)
+    assert not ws[:4096].view(np.int32).any()
+
+
+def test_sm90_stream_k_gemm_without_the_flag_wait_fails(monkeypatch):
+    """A broken variant: the owner adds the workspace slot without waiting for the writer's flag."""
+    flag = Emulator._flag
+
+    def no_wait(self, call, env):
+        if call.args[0].value != "tile_ops_flag_wait":
+            yield from flag(self, call, env)
+
+    monkeypatch.setattr(Emulator, "_flag", no_wait)
+    C, ref, _, ws = run_stream_k_gemm(stagger=(3, 1, 1))
+    assert (C != ref).any() and ws[:4096].view(np.int32).any()
 
 
 # ---------------------------------------------------------------- instructions, against the PTX ISA
@@ -259,14 +295,15 @@ def test_multicast_tma_lands_in_every_block_of_the_mask():
     mask and completes its bytes on each one's mbarrier at the same offset; a block outside the mask sees
     nothing; a remote arrive on a block that has exited raises."""
     emu = Emulator.__new__(Emulator)
-    emu.ctas = [_Cta((i, 0, 0), i) for i in range(3)]
+    cluster = []
+    emu.ctas = [_Cta((i, 0, 0), i, cluster) for i in range(3)]
     for cta in emu.ctas:
         emu._enter(cta)
         cta.smem = emu.smem = np.full(4096, 0xFF, np.uint8)
         emu._mbarrier_init(2048, 1)
         emu._mbarrier(2048, arrivals=1, tx=1024)  # arrive.expect_tx
     data = np.arange(1024, dtype=np.uint16).astype(np.uint8)
-    emu.tma = [([emu.ctas[0], emu.ctas[2]], 0, data, 128, 2048)]  # ctaMask 0b101
+    emu.tma, emu.stores = [([emu.ctas[0], emu.ctas[2]], 0, data, 128, 2048)], []  # ctaMask 0b101
     emu._land_tma()
     addrs = _swizzled(np.arange(0, 1024, 16), 128)
     for cta, landed in zip(emu.ctas, (True, False, True)):
@@ -277,3 +314,34 @@ def test_multicast_tma_lands_in_every_block_of_the_mask():
     emu.tma = [([emu.ctas[1]], 0, data, 128, 2048)]
     with pytest.raises(RuntimeError, match="after it exited"):
         emu._land_tma()
+
+
+def test_st_async_lands_in_the_peer_at_the_round_end():
+    """st.async (tile_ops_cluster_put) writes into the peer's shared memory only when the round's stores land,
+    then completes its bytes on the peer's mbarrier at the same offset; nothing reaches the sender."""
+    emu = Emulator.__new__(Emulator)
+    cluster = []
+    emu.ctas = [_Cta((i, 0, 0), i, cluster) for i in range(2)]
+    for cta in emu.ctas:
+        emu._enter(cta)
+        cta.smem = emu.smem = np.full(256, 0xFF, np.uint8)
+        emu._mbarrier_init(128, 1)
+        emu._mbarrier(128, arrivals=1, tx=8)  # arrive.expect_tx of one v2.f32
+    data = np.array([1.5, -2.0], np.float32).view(np.uint8)
+    emu.tma, emu.stores = [], [(emu.ctas[1], 16, data, 128)]
+    assert np.isnan(emu.ctas[1].smem[16:24].view(np.float32)).all()  # not yet
+    emu._land_tma()
+    assert emu.ctas[1].smem[16:24].view(np.float32).tolist() == [1.5, -2.0]
+    assert emu.ctas[1].mbarriers[128]["phase"] == 1 and emu.ctas[0].mbarriers[128]["phase"] == 0
+    assert (emu.ctas[0].smem == 0xFF).all()
+
+
+def test_integer_division_truncates_toward_zero():
+    """TIR's truncdiv/truncmod are C's / and % (the persistent loops' tile counts use them); floordiv and
+    floormod round down."""
+    from tvm import tirx
+
+    emu, x = Emulator.__new__(Emulator), tirx.Var("x", "int32")
+    env = {x.__chandle__(): -7}
+    assert [emu._eval(e, env) for e in (tirx.truncdiv(x, 3), tirx.truncmod(x, 3))] == [-2, -1]
+    assert [emu._eval(e, env) for e in (tirx.floordiv(x, 3), tirx.floormod(x, 3))] == [-3, 2]

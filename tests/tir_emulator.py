@@ -28,7 +28,15 @@ barrier.cluster.arrives as the waiter; TMA loads with .multicast::cluster land a
 every block of the CTA mask and complete their bytes on each one's mbarrier at that offset; a remote arrive
 (tile_ops_cluster_release: mapa + mbarrier.arrive.shared::cluster) counts on the peer's mbarrier at the same
 offset; either one on a block whose threads have all exited raises.  ``stagger=True`` runs rank r only every
-(r + 1)-th scheduler round, so a peer's producer runs ahead (a stage released to it too soon shows)."""
+(r + 1)-th scheduler round, so a peer's producer runs ahead (a stage released to it too soon shows).
+
+Across clusters (``run(..., resident=True)``: the whole grid in one scheduler, as a persistent grid is
+resident): st.async to a peer (tile_ops_cluster_put, T.cluster_allreduce's exchange) lands at the round's
+end and completes its bytes on the peer's mbarrier; named-barrier bar.arrive counts without waiting
+(pingpong's hand-off); the workspace's int32 flags in global memory (stream-K's and T.row_softmax_store's
+signal, spin-wait, reset) and the row factor helper run as their CUDA does, on sequentially consistent
+memory, so a missing wait shows only where the blocks' drift (``stagger``) exposes it, and a flag left
+non-zero shows in the workspace."""
 
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ _BIN = {px.Add: operator.add, px.Sub: operator.sub, px.Mul: operator.mul, px.Min
         px.GT: operator.gt, px.GE: operator.ge, px.EQ: operator.eq, px.NE: operator.ne,
         px.And: np.logical_and, px.Or: np.logical_or}
 
+_FLAGS = {"tile_ops_flag_signal", "tile_ops_flag_wait", "tile_ops_row_stats_read"}
 _CP_ASYNC = {"tirx.ptx.cp_async_ca", "tirx.ptx.cp_async_cg", "tirx.ptx.cp_async_ca_src_size",
              "tirx.ptx.cp_async_cg_src_size"}
 _NO_OPS = {"tirx.ptx.cp_async_commit_group", "tirx.ptx.cp_async_wait_group",  # copies complete at issue here
@@ -171,7 +180,11 @@ def _mma(emu, ab, operands):
     return list(D.reshape(2, 8, 4, 2).transpose(1, 2, 0, 3).reshape(32, 4))
 
 
-_WARP = {"shfl": _shfl, "ldmatrix": _ldmatrix, "mma": _mma}
+def _syncwarp(emu, key, operands):
+    return [None] * 32  # __syncwarp(): the warp's lanes all got here
+
+
+_WARP = {"shfl": _shfl, "ldmatrix": _ldmatrix, "mma": _mma, "syncwarp": _syncwarp}
 
 
 # ---------------------------------------------------------------- sm_90a: swizzles, descriptors, wgmma, TMA
@@ -289,9 +302,11 @@ class _Cta:
     committed and its committed groups not yet retired), bulk queues (thread -> its TMA stores not yet
     committed and its bulk groups not yet waited for); done once all its threads have exited."""
 
-    def __init__(self, block, rank):
-        self.block, self.rank, self.smem, self.done = block, rank, None, False
+    def __init__(self, block, rank, cluster):
+        self.block, self.rank, self.cluster, self.smem, self.done = block, rank, cluster, None, False
+        cluster.append(self)  # its cluster's blocks, by rank
         self.mbarriers, self.wgmma, self.bulk = {}, {}, {}
+        self.bar_arrived = Counter()  # (named barrier id, count) -> threads past it by bar.arrive this phase
 
 
 class Emulator:
@@ -309,23 +324,32 @@ class Emulator:
             if _is_bf16(p.dtype) and self.mem[p.name].dtype != np.uint16:
                 raise TypeError(f"emulator: pass bfloat16 tensor {p.name} as a uint16 array of its bits")
 
-    def run(self, grid, cluster=1, stagger: bool = False):
+    def run(self, grid, cluster=1, stagger: bool | tuple = False, resident: bool = False):
         """Runs the kernel over ``grid`` (x, y, z).  ``cluster``: the thread-block cluster's dims (an int: along
         x; or the kernel's ``lk.cluster_dims``), as the launcher's __cluster_dims__: the blocks of a cluster
         are those of equal (x // cx, y // cy, z), of rank x % cx + (y % cy) cx, and run together in one
-        scheduler (each with its own shared arena, mbarriers and queues).  ``stagger``: the block of rank r
-        runs only every (r + 1)-th scheduler round, so a cluster's blocks drift apart (rank 0's producer runs
-        ahead and writes into its peers' stages early: a stage released to it too soon shows)."""
+        scheduler (each with its own shared arena, mbarriers and queues).  ``stagger``: the i-th block scheduled
+        together (a cluster's rank i) runs only every periods[i % len(periods)]-th scheduler round (True:
+        periods 1, 2, 3, 4), so the blocks drift apart (rank 0's producer runs ahead and writes into its peers'
+        stages early: a stage released to it too soon shows).  ``resident``: every block of the grid runs in
+        one scheduler, as a persistent grid sized to the device is all resident at once, so blocks that wait on
+        each other's flags in global memory (stream-K, T.row_softmax_store) can."""
         dims = (cluster,) if isinstance(cluster, int) else tuple(int(c) for c in cluster)
         dims += (1,) * (3 - len(dims))
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         if any(g % c for g, c in zip(grid, dims)) or dims[2] != 1:
             raise ValueError(f"emulator: grid {grid} is not made of clusters {dims}")
         cx, cy, _ = dims
+        self.grid, clusters = grid, []
         for z, y, x in np.ndindex(grid[2], grid[1] // cy, grid[0] // cx):
-            self.ctas = [_Cta((x * cx + i, y * cy + j, z), i + j * cx) for j in range(cy) for i in range(cx)]
+            cluster = []
+            clusters.append([_Cta((x * cx + i, y * cy + j, z), i + j * cx, cluster) for j in range(cy)
+                             for i in range(cx)])
+        for ctas in [sum(clusters, [])] if resident else clusters:
+            self.ctas = ctas  # the blocks scheduled together: thread g runs in block g // threads of them
             self.tma = []  # TMA loads issued this scheduler round, landing at its end (_land_tma)
-            self._run_cluster(stagger)
+            self.stores = []  # st.async stores to peers issued this round, landing at its end
+            self._run_cluster((1, 2, 3, 4) if stagger is True else stagger)
 
     def _enter(self, cta):
         """Makes ``cta`` the block whose state (shared arena, mbarriers, queues) the running code sees."""
@@ -340,13 +364,13 @@ class Emulator:
             body = next(s for s in body.seq if isinstance(s, ts.AttrStmt))
         return body.body
 
-    def _run_cluster(self, stagger=False):
+    def _run_cluster(self, stagger=()):
         """Runs a cluster's blocks (one, without clusters) together: thread g is thread g % threads of block
         (rank) g // threads, so warps and warpgroups stay inside their block."""
         body = self._device_entry()
         threads = next(int(getattr(s, "def").extents[0]) for s in body.seq
                        if isinstance(s, ts.ScopeIdDefStmt) and "thread_id" in str(s))
-        if len(self.ctas) > 1 and threads % 128:
+        if len(self.ctas[0].cluster) > 1 and threads % 128:
             raise NotImplementedError(f"emulator: clusters of blocks of {threads} threads (not whole warpgroups)")
         self.threads = threads
         self.arrived = Counter()  # thread -> its barrier.cluster.arrives
@@ -358,7 +382,7 @@ class Emulator:
         while gens:
             rounds += 1
             for g, answer in go.items():
-                if stagger and rounds % (g // threads + 1):
+                if stagger and rounds % stagger[g // threads % len(stagger)]:
                     held[g], at[g] = answer, _HELD  # released, not yet run: at no wait
                     continue
                 self._enter(self.ctas[g // threads])
@@ -408,22 +432,29 @@ class Emulator:
                 self._enter(self.ctas[t // threads])
                 if self._phase_done(*y[1:]):
                     go[t] = None
-        for t, y in at.items():
+            elif isinstance(y, tuple) and y[0] == "flag.wait" and y[1][y[2]] >= y[3]:
+                go[t] = None
+        for t, y in at.items():  # exited threads count as arrived
             if isinstance(y, tuple) and y[0] == "cluster.wait" and \
-                    all(self.arrived[g] >= y[1] for g in at):  # exited threads count as arrived
+                    all(self.arrived[g] >= y[1] for g in at if self.ctas[g // threads].cluster is
+                        self.ctas[t // threads].cluster):
                 go[t] = None
         bars = {(t // threads, *y[1:]) for t, y in at.items() if isinstance(y, tuple) and y[0] == "bar"}
-        for bar in sorted(bars):
+        bars |= {(i, *bar) for i, cta in enumerate(self.ctas) for bar, n in cta.bar_arrived.items() if n}
+        for bar in sorted(bars):  # bar.sync id, count: once count threads (whole warps) have reached barrier
             waiting = [t for t, y in at.items() if t // threads == bar[0] and y == ("bar", *bar[1:])]
-            if bar[2] % 32 or len(waiting) > bar[2]:  # bar.sync id, count: once count threads (whole warps)
-                self._enter(self.ctas[bar[0]])  # are at barrier id, they go on
-                raise RuntimeError(f"emulator: block {self.block}: {len(waiting)} threads at bar.sync {bar[1:]}")
-            if len(waiting) == bar[2]:
+            self._enter(self.ctas[bar[0]])  # id, waiting there or passing it with bar.arrive, they go on
+            reached = len(waiting) + self.cta.bar_arrived[bar[1:]]
+            if bar[2] % 32 or reached > bar[2]:
+                raise RuntimeError(f"emulator: block {self.block}: {len(waiting)} threads at bar.sync and "
+                                   f"{reached - len(waiting)} past bar.arrive {bar[1:]}")
+            if reached == bar[2]:
                 go.update(dict.fromkeys(waiting))
-        for rank in range(len(self.ctas)):
-            block = [y for t, y in at.items() if t // threads == rank]
+                self.cta.bar_arrived[bar[1:]] = 0
+        for i in range(len(self.ctas)):
+            block = [y for t, y in at.items() if t // threads == i]
             if block and all(y == "sync" for y in block):
-                go.update(dict.fromkeys(t for t in at if t // threads == rank))
+                go.update(dict.fromkeys(t for t in at if t // threads == i))
         if go or not at or _HELD in at.values():
             return go
         waits = sorted({y if y == "sync" else y[0] if y[0] not in ("mbarrier.wait", "bar") else str(y[:3]) if
@@ -484,10 +515,10 @@ class Emulator:
         if multicast:  # .multicast::cluster, ctaMask: the box lands at the same offset in each CTA of the mask
             *exprs, mask = exprs  # and completes its bytes on each one's mbarrier at the same offset
             mask = int(self._eval(mask, env))
-            if not 0 < mask < 1 << len(self.ctas):
+            if not 0 < mask < 1 << len(self.cta.cluster):
                 raise ValueError(f"emulator: block {self.block}: a multicast TMA load to CTA mask {mask:#x} in a "
-                                 f"cluster of {len(self.ctas)}")
-            targets = [c for c in self.ctas if mask >> c.rank & 1]
+                                 f"cluster of {len(self.cta.cluster)}")
+            targets = [c for c in self.cta.cluster if mask >> c.rank & 1]
         else:
             targets = [self.cta]
         dst, tmap, *coords, mbar = exprs
@@ -518,7 +549,14 @@ class Emulator:
                                        f"mbarrier")
                 self.smem[addrs[:, None] + np.arange(16)] = data.reshape(-1, 16)
                 self._mbarrier(bar, tx=-data.size)
-        self.tma = []
+        for cta, d, data, bar in self.stores:
+            self._enter(cta)
+            self._alive(cta, "an st.async lands in")
+            if any(d <= a < d + data.size for a in self.mbarriers):
+                raise RuntimeError(f"emulator: an st.async to shared byte {d} overwrites an mbarrier")
+            self.smem[d:d + data.size] = data
+            self._mbarrier(bar, tx=-data.size)
+        self.tma, self.stores = [], []
 
     def _alive(self, cta, what: str):
         """Raises if block ``cta`` has exited: a peer's TMA load or remote arrive on it is undefined."""
@@ -530,14 +568,75 @@ class Emulator:
         rank ``peer``, then mbarrier.arrive.shared::cluster.b64 there: one arrival on the peer's mbarrier at
         the same offset (the peer may be this block)."""
         addr, peer = self._shared_offset(call.args[1], env), int(self._eval(call.args[2], env))
-        if not 0 <= peer < len(self.ctas):
-            raise ValueError(f"emulator: block {self.block}: mapa to cluster rank {peer} of {len(self.ctas)}")
+        if not 0 <= peer < len(self.cta.cluster):
+            raise ValueError(f"emulator: block {self.block}: mapa to cluster rank {peer} of {len(self.cta.cluster)}")
         me = self.cta
-        self._enter(self.ctas[peer])
+        self._enter(me.cluster[peer])
         self._alive(self.cta, f"block {me.block} arrives remotely on")
         self._mbarrier(addr, arrivals=1)
         self._enter(me)
         self.ran["mbarrier.arrive.shared::cluster"] += 1
+
+    def _st_async(self, call, env):
+        """``tile_ops_cluster_put(p, bar, peer, v0[, v1])``: st.async.shared::cluster.mbarrier::complete_tx::bytes
+        of one or two float32 values to the mapa address of ``p`` in cluster rank ``peer``, completing their bytes
+        on the peer's mbarrier at ``bar``'s offset.  Asynchronous: it lands at the scheduler round's end, as a TMA
+        load does, so a peer that reads its slots before waiting on the barrier reads the old values."""
+        ptr, bar, peer, *values = [a for a in call.args[1:] if not isinstance(a, irx.StringImm)]  # not the source
+        peer = int(self._eval(peer, env))
+        if not 0 <= peer < len(self.cta.cluster):
+            raise ValueError(f"emulator: block {self.block}: st.async to cluster rank {peer} of {len(self.cta.cluster)}")
+        if str(ptr.args[0].source.dtype) != "float32" or len(values) not in (1, 2):
+            raise NotImplementedError(f"emulator: st.async of {len(values)} {ptr.args[0].source.dtype} values")
+        d = self._shared_offset(ptr, env)
+        if d % (4 * len(values)):
+            raise ValueError(f"emulator: block {self.block}: st.async of {4 * len(values)} bytes to shared byte {d}")
+        data = np.array([self._eval(v, env) for v in values], np.float32).view(np.uint8)
+        self.stores.append((self.cta.cluster[peer], d, data, self._shared_offset(bar, env)))
+        self.ran[f"st.async.{'v2.' * (len(values) == 2)}f32"] += 1
+
+    def _flag(self, call, env):
+        """The grid's flags in the global workspace (int32 counters; global memory is sequentially consistent
+        here, so the helpers' fences and acquire/release orders hold trivially):
+        ``tile_ops_flag_signal(flags, i)``: red.add 1 to flag i;
+        ``tile_ops_flag_wait(flags, i, count, reset)``: spin until flag i reaches count, then zero it if reset;
+        ``tile_ops_row_stats_read(flags, i, done, count)``: atom.add 1 to flag done; the count-th adder zeroes
+        both flags."""
+        name = call.args[0].value
+        ptr, *args = [a for a in call.args[1:] if not isinstance(a, irx.StringImm)]
+        mem, at = self._address(ptr, env, "global")
+        flags = mem[at:].view(np.int32)
+        args = [int(self._eval(a, env)) for a in args]
+        if name == "tile_ops_flag_signal":
+            flags[args[0]] += 1
+        elif name == "tile_ops_flag_wait":
+            flag, count, reset = args
+            yield ("flag.wait", flags, flag, count)
+            if reset:
+                flags[flag] = 0
+        else:
+            flag, done, count = args
+            flags[done] += 1
+            if flags[done] == count:
+                flags[flag] = flags[done] = 0
+        self.ran[name] += 1
+
+    def _row_factor(self, call, env):
+        """``tile_ops_row_factor(ws, at, stride, n, own)``: one row's softmax factor 2^(m_own - max) / sum over
+        the n (max, sum) pairs at ws[at + j stride], in the helper's float32 order (an online max and sum)."""
+        ptr, *args = [a for a in call.args[1:] if not isinstance(a, irx.StringImm)]
+        mem, base = self._address(ptr, env, "global")
+        at, stride, n, own = (int(self._eval(a, env)) for a in args)
+        ws, f = mem[base:].view(np.float32), np.float32
+        top, own_max, total = f(-np.inf), f(-np.inf), f(0)
+        with np.errstate(invalid="ignore", over="ignore"):
+            for j in range(n):
+                m, s = ws[at + j * stride], ws[at + j * stride + 1]
+                nxt = max(top, m)
+                total = (f(0) if nxt == -np.inf else total * np.exp2(top - nxt)) + \
+                    (f(0) if m == -np.inf else s * np.exp2(m - nxt))
+                top, own_max = nxt, m if j == own else own_max
+            return f(0) if own_max == -np.inf else np.exp2(own_max - top) / total
 
     def _tma_store(self, call, env):
         """``cp.async.bulk.tensor.Nd.global.shared::cta.bulk_group [tmap, {c0..}], [src]``: the tensor map's box
@@ -651,7 +750,10 @@ class Emulator:
                 yield from self._exec(s.else_case, env)
         elif isinstance(s, ts.BufferStore):
             env[_SHUFFLED] = []  # each shuffle waits for the warp's other lanes (_run_block), in _eval's order
-            for call in _shuffles(s.value):
+            h = ("shuffles", _key(s))
+            if h not in self.parsed:  # found once per statement (walking every store's expression is slow)
+                self.parsed[h] = _shuffles(s.value)
+            for call in self.parsed[h]:
                 value, mask = self._eval(call.args[1], env), int(self._eval(call.args[2], env))
                 env[_SHUFFLED].append((yield ("shfl", mask, value)))
             self._store(s.buffer, s.indices, self._eval(s.value, env), env)
@@ -685,6 +787,10 @@ class Emulator:
             self._bulk_wait(env["tid"], int(self._eval(s.value.args[0], env)))
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.bar_sync_count":  # bar.sync id, count
             yield ("bar", int(self._eval(s.value.args[0], env)), int(self._eval(s.value.args[1], env)))
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.bar_arrive":  # bar.arrive id, count: counts
+            bar = (int(self._eval(s.value.args[0], env)), int(self._eval(s.value.args[1], env)))  # at the barrier,
+            self.cta.bar_arrived[bar] += 1  # does not wait
+            self.ran["bar.arrive"] += 1
         elif isinstance(s, ts.Evaluate) and _op(s.value).startswith("tirx.ptx.wgmma_"):
             yield from self._issue_wgmma(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
@@ -702,6 +808,18 @@ class Emulator:
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
                 s.value.args[0].value == "tile_ops_cluster_release":
             self._remote_arrive(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.warp_sync":
+            yield ("syncwarp", None, None)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
+                s.value.args[0].value in _FLAGS:
+            yield from self._flag(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
+                s.value.args[0].value == "tile_ops_cluster_put":
+            self._st_async(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
+                s.value.args[0].value == "tile_ops_cluster_wait":  # a try_wait.parity loop at cluster scope
+            bar, parity = s.value.args[1:3]
+            yield ("mbarrier.wait", self._shared_offset(bar, env), int(self._eval(parity, env)) % 2)
         else:
             raise NotImplementedError(f"emulator: {type(s).__name__}: {s}")
 
@@ -817,7 +935,7 @@ class Emulator:
             return env[self._local(buf)].view(_storage(buf.dtype)), np.asarray(idx[0])
         if self._param(buf) in self.mem:
             return self.mem[self._param(buf)], tuple(np.asarray(i) for i in idx)
-        return self.smem.view(_storage(buf.dtype)), np.asarray(idx[0]) + int(buf.elem_offset)
+        return self.smem.view(_storage(buf.dtype)), np.asarray(idx[0]) + int(self._eval(buf.elem_offset, env))
 
     def _load(self, buf, indices, env):
         mem, at = self._memory(buf, indices, env)
@@ -837,7 +955,7 @@ class Emulator:
         buf, idx = load.source, [int(self._eval(i, env)) for i in load.indices]
         size = _storage(buf.dtype).itemsize
         if shared:
-            return self.smem, (idx[0] + int(buf.elem_offset)) * size
+            return self.smem, (idx[0] + int(self._eval(buf.elem_offset, env))) * size
         tensor = self.mem[self._param(buf)]
         return tensor.reshape(-1).view(np.uint8), int(np.ravel_multi_index(idx, tensor.shape)) * size
 
@@ -850,7 +968,7 @@ class Emulator:
         if not isinstance(load, irx.TensorLoad) or self._param(load.source) in self.mem or \
                 self._local(load.source) in env:
             raise NotImplementedError(f"emulator: a shared address: {ptr}")
-        return (int(self._eval(load.indices[0], env)) + int(load.source.elem_offset)) * \
+        return (int(self._eval(load.indices[0], env)) + int(self._eval(load.source.elem_offset, env))) * \
             _storage(load.source.dtype).itemsize
 
     # ---------------------------------------------------------------- expressions
@@ -886,8 +1004,20 @@ class Emulator:
             return self._shared_offset(e, env)
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_cluster_rank":  # %cluster_ctarank
             return self.cta.rank
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_grid_x":  # gridDim.x
+            return self.grid[0]
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_row_factor":
+            return self._row_factor(e, env)
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_warp_uniform":  # __shfl_sync(v, 0)
             return self._eval(e.args[1], env)  # of a value uniform over the warp by construction: the value
+        if isinstance(e, px.Select):  # both sides evaluated, as a SEL instruction's operands are
+            with np.errstate(invalid="ignore", over="ignore"):
+                t, f = self._eval(e.true_value, env), self._eval(e.false_value, env)
+            return np.where(self._eval(e.condition, env), t, f)[()]
+        if isinstance(e, (px.Div, px.Mod)) and "int" in str(e.ty.dtype):  # C's / and %: toward zero
+            x, y = self._eval(e.a, env), self._eval(e.b, env)
+            q = np.sign(x) * np.sign(y) * (np.abs(x) // np.abs(y))
+            return q if isinstance(e, px.Div) else x - q * y
         if isinstance(e, px.Div):
             return np.true_divide(self._eval(e.a, env), self._eval(e.b, env))
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_exp2":  # ex2.approx.ftz: exact
