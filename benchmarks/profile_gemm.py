@@ -1,7 +1,7 @@
 """Nsight Compute counters of our GEMM beside cuBLAS's at one shape: where the gap comes from.
 
     python benchmarks/profile_gemm.py [--shape 4096x4096x4096] [--dtype float16] [--config NAME] [--stalls N]
-                                      [--op gemm_softmax]
+                                      [--op gemm_softmax] [--l2-sources]
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling every kernel of
 the second call of ours and of cuBLAS (a cudaProfilerStart/Stop range), and prints per kernel: time, SM
@@ -32,7 +32,11 @@ METRICS = {
     "launch__registers_per_thread": "regs",
     "launch__occupancy_limit_shared_mem": "ctas_by_smem",
 }
-SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, "inst_M": 1e-6}  # from ns, Hz, bytes, instructions
+# --l2-sources: where the L2's requests come from, in 32-byte sectors: the SMs (L1/TEX, TMA included) and the
+# fabric between the two L2 partitions (a line the far partition holds is looked up in both)
+L2_SOURCES = {"lts__t_sectors_srcunit_tex.sum": "l2_from_sm_MB", "lts__t_sectors_srcunit_ltcfabric.sum": "l2_fabric_MB"}
+SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, "inst_M": 1e-6,  # from ns, Hz, bytes,
+         "l2_from_sm_MB": 32e-6, "l2_fabric_MB": 32e-6}  # instructions, sectors
 
 
 def parse_config(name, GemmConfig):
@@ -134,6 +138,8 @@ def main():
     p.add_argument("--config", help="a bench_gemm.py config name; default: the library's default config")
     p.add_argument("--stalls", type=int, default=0, help="also print the N SASS lines with the most stall samples")
     p.add_argument("--op", choices=sorted(KERNEL_REGEX), default="gemm", help="which of our kernels")
+    p.add_argument("--l2-sources", action="store_true",
+                   help="also split the L2's traffic by source: the SMs, the fabric between its partitions")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     shape = tuple(map(int, args.shape.split("x")))
@@ -142,8 +148,10 @@ def main():
     child = [sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape, "--dtype", args.dtype,
              "--op", args.op]
     child += ["--config", args.config] if args.config else []
-    for metrics in (list(METRICS), [m for m in METRICS if not m.endswith("pct_of_peak_sustained_active")]):
-        # the second try without the counters an older ncu or driver may lack (gmma, l1tex)
+    names = {**METRICS, **(L2_SOURCES if args.l2_sources else {})}
+    tries = [list(names), list(METRICS), [m for m in METRICS if not m.endswith("pct_of_peak_sustained_active")]]
+    for metrics in dict.fromkeys(map(tuple, tries)):
+        # then without the counters an older ncu or driver may lack (the L2 sources; gmma, l1tex)
         # the second call of ours and of cuBLAS, every kernel of each (a fixed launch window, "skip 4, count 2",
         # caught cuBLAS's splitKreduce_kernel instead of its GEMM at decode, and half of a split-K gemm of ours)
         proc = subprocess.run(ncu_cmd(metrics, child), capture_output=True, text=True)
@@ -156,13 +164,13 @@ def main():
     for r in csv.DictReader(io.StringIO(lines)):
         name = r["Kernel Name"][:40]
         full_names.setdefault(name, r["Kernel Name"])
-        col = METRICS[r["Metric Name"]]
+        col = names[r["Metric Name"]]
         try:
             value = round(float(r["Metric Value"].replace(",", "")) * SCALE.get(col, 1), 3)
         except ValueError:  # "n/a": the counter is not available for this kernel
             value = r["Metric Value"]
         rows.setdefault((r["ID"], name), {})[col] = value
-    cols = list(METRICS.values())
+    cols = [names[m] for m in metrics]
     print(f"ncu, {args.shape} {args.dtype}, every kernel of the second call of ours and of cuBLAS")
     print("kernel".ljust(42) + "  ".join(c.rjust(max(8, len(c))) for c in cols))
     for (_, name), vals in rows.items():

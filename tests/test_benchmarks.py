@@ -529,3 +529,35 @@ def test_l2_state_compile_only_builds_the_kernel_its_promotions_apply_to(tmp_pat
     assert any(p.suffix == ".cubin" for p in tmp_path.rglob("*"))
     out = subprocess.run(cmd + ["--promotions", "D:none"], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "'D' is no tensor this kernel loads through TMA; it has A, B, C" in out.stderr
+
+
+def test_profile_gemm_l2_sources_fall_back_when_ncu_lacks_them(monkeypatch, capsys):
+    """--l2-sources asks ncu for the L2's sectors by source as well; an ncu that rejects them still gets the base
+    counters, and the table shows the columns of the set that ran."""
+    import types
+
+    import profile_gemm
+
+    asked, ncu_knows_sources = [], [False]
+
+    def run(cmd, **_):
+        metrics = cmd[cmd.index("--metrics") + 1].split(",")
+        asked.append(metrics)
+        if "lts__t_sectors_srcunit_ltcfabric.sum" in metrics and not ncu_knows_sources[0]:
+            return types.SimpleNamespace(returncode=1, stdout="==ERROR== unknown metric", stderr="")
+        rows = "".join(f'"1","gemm_kernel_kernel","{m}","1000"\n' for m in metrics)
+        return types.SimpleNamespace(returncode=0, stdout='"ID","Kernel Name","Metric Name","Metric Value"\n' + rows,
+                                     stderr="")
+
+    def table_header():
+        profile_gemm.main()
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("kernel"))
+
+    monkeypatch.setattr(profile_gemm.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["profile_gemm.py", "--shape", "64x64x64", "--l2-sources"])
+    header = table_header()
+    assert len(asked) == 2 and set(profile_gemm.L2_SOURCES) <= set(asked[0]) and asked[1] == list(profile_gemm.METRICS)
+    assert "l2_MB" in header and "l2_fabric_MB" not in header
+    ncu_knows_sources[0] = True
+    header = table_header()
+    assert "l2_from_sm_MB" in header and "l2_fabric_MB" in header
