@@ -561,3 +561,82 @@ def test_profile_gemm_l2_sources_fall_back_when_ncu_lacks_them(monkeypatch, caps
     ncu_knows_sources[0] = True
     header = table_header()
     assert "l2_from_sm_MB" in header and "l2_fabric_MB" in header
+
+
+def _patch_of(path: pathlib.Path, old: str, new: str) -> str:
+    """A unified diff of the repository file ``path`` replacing ``old`` with ``new`` (git's a/ b/ paths)."""
+    import difflib
+
+    rel = path.relative_to(BENCHMARKS.parent).as_posix()
+    text = path.read_text()
+    assert old in text
+    return "".join(difflib.unified_diff(text.splitlines(True), text.replace(old, new, 1).splitlines(True),
+                                        f"a/{rel}", f"b/{rel}"))
+
+
+def test_ab_compiler_variant_imports_its_patched_copy_with_its_own_cache_keys(tmp_path):
+    """The variant's processes import the patched copy of tile_ops, whose compiler fingerprint (the JIT key's
+    hash of the compiler's sources) differs from main's, so both variants' kernels share one cache; main's
+    files stay as they were."""
+    import ab_compiler
+
+    sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
+    before = sm90.read_text()
+    patch = tmp_path / "v.patch"
+    patch.write_text(_patch_of(sm90, "SMS = 132", "SMS = 132  # a variant"))
+    root = ab_compiler.overlay(str(patch), str(tmp_path / "root"))
+    assert sm90.read_text() == before and "# a variant" in (tmp_path / "root/tile_ops/compiler/sm90.py").read_text()
+    probe = ("import tile_ops.compiler.sm90 as m; from tile_ops.jit import compiler_fingerprint as f; "
+             "print(m.__file__, f())")
+    seen = [subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
+                           check=True).stdout.split() for env in (ab_compiler.environ(), ab_compiler.environ(root))]
+    assert seen[0][0] == str(sm90) and seen[1][0] == str(tmp_path / "root/tile_ops/compiler/sm90.py")
+    assert seen[0][1] != seen[1][1]
+
+
+def test_ab_compiler_refuses_a_patch_that_does_not_apply(tmp_path):
+    import ab_compiler
+
+    sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
+    patch = tmp_path / "stale.patch"
+    patch.write_text(_patch_of(sm90, "SMS = 132", "SMS = 114").replace("-SMS = 132", "-SMS = 108"))
+    with pytest.raises(SystemExit, match="does not apply to this tile_ops"):
+        ab_compiler.overlay(str(patch), str(tmp_path / "root"))
+
+
+def test_ab_compiler_rounds_alternate_and_the_summary_takes_medians(tmp_path, monkeypatch, capsys):
+    """Rounds alternate main and variant processes of bench_gemm.py; --compile-only builds both for sm_90a; the
+    table shows every process's ratio, the medians, and µs from TFLOP/s."""
+    import ab_compiler
+
+    sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
+    patch = tmp_path / "v.patch"
+    patch.write_text(_patch_of(sm90, "SMS = 132", "SMS = 132  # a variant"))
+    ratios = {"main": iter([0.90, 0.95, 0.93]), "variant": iter([1.00, 0.97, 0.99])}
+    calls, real_run = [], subprocess.run
+
+    def run(cmd, env=None, check=False, **kw):
+        if cmd[0] == "git":  # the overlay's git apply
+            return real_run(cmd, env=env, check=check, **kw)
+        calls.append((cmd, env["PYTHONPATH"].split(os.pathsep)[0]))
+        if "--json" in cmd:
+            path = cmd[cmd.index("--json") + 1]
+            r = next(ratios[pathlib.Path(path).stem.rstrip("0123456789")])
+            row = {"dtype": "float16", "shape": "1000x1000x1000", "tile_ops": 200.0 * r, "cuBLAS": 200.0,
+                   "vs_cuBLAS": r}
+            pathlib.Path(path).write_text(json.dumps({"rows": [row]}))
+
+    monkeypatch.setattr(ab_compiler.subprocess, "run", run)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["ab_compiler.py", str(patch), "--out", str(out), "--compile-only"])
+    ab_compiler.main()
+    assert [c[0][-3:] for c in calls] == [["--arch", "sm_90a", "--compile-only"]] * 2
+    assert calls[0][1] == str(BENCHMARKS.parent) and calls[1][1] == str(out / "variant_root")
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["ab_compiler.py", str(patch), "--out", str(out)])
+    ab_compiler.main()
+    assert [pathlib.Path(c[0][-1]).stem for c in calls] == ["main1", "variant1", "main2", "variant2", "main3",
+                                                            "variant3"]
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row[2:8] == ["0.900", "0.950", "0.930", "1.000", "0.970", "0.990"] and row[8:10] == ["0.93", "0.99"]
+    assert float(row[-1]) == pytest.approx(2 * 1000 ** 3 / 200.0 / 1e6, abs=1e-3)  # cuBLAS µs
