@@ -81,12 +81,16 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/ab_compiler", help="JSON of every process")
     p.add_argument("--compile-only", action="store_true", help="build both variants' kernels into the cache, stop")
     args = p.parse_args()
+    args.out = os.path.abspath(args.out)  # it goes on the processes' PYTHONPATH
     os.makedirs(args.out, exist_ok=True)
     variant = environ(overlay(args.patch, os.path.join(args.out, "variant_root")))
     if args.compile_only:  # the architecture the GPU runs: bench_gemm.py's default there
         for env in (environ(), variant):
             bench(env, args.shapes, "--arch", "sm_90a", "--compile-only")
         return
+    for name in ("main", "variant"):  # an earlier run's rounds would join this one's medians
+        for old in glob.glob(os.path.join(args.out, f"{name}[0-9]*.json")):
+            os.remove(old)
     for i in range(1, args.rounds + 1):
         for name, env in (("main", environ()), ("variant", variant)):
             bench(env, args.shapes, "--json", os.path.join(args.out, f"{name}{i}.json"))

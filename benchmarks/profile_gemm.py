@@ -149,7 +149,9 @@ def main():
              "--op", args.op]
     child += ["--config", args.config] if args.config else []
     names = {**METRICS, **(L2_SOURCES if args.l2_sources else {})}
-    tries = [list(names), list(METRICS), [m for m in METRICS if not m.endswith("pct_of_peak_sustained_active")]]
+    base = [m for m in METRICS if not m.endswith("pct_of_peak_sustained_active")]
+    extra = list(L2_SOURCES) if args.l2_sources else []
+    tries = [list(METRICS) + extra, list(METRICS), base + extra, base]
     for metrics in dict.fromkeys(map(tuple, tries)):
         # then without the counters an older ncu or driver may lack (the L2 sources; gmma, l1tex)
         # the second call of ours and of cuBLAS, every kernel of each (a fixed launch window, "skip 4, count 2",
@@ -158,8 +160,12 @@ def main():
         lines = proc.stdout[proc.stdout.find('"ID"'):] if '"ID"' in proc.stdout else ""
         if proc.returncode == 0 and lines:
             break
+        print(f"ncu refused counters ({proc.returncode}: {(proc.stdout + proc.stderr).strip()[-300:]}); "
+              f"trying without some")
     else:
         sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    if missing := [names[m] for m in names if m not in metrics]:
+        print(f"(this ncu gave no {', '.join(missing)})")
     rows, full_names = {}, {}
     for r in csv.DictReader(io.StringIO(lines)):
         name = r["Kernel Name"][:40]

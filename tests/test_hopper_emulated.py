@@ -157,8 +157,8 @@ def test_sm90_stream_k_gemm_without_the_flag_wait_fails(monkeypatch):
             yield from flag(self, call, env)
 
     monkeypatch.setattr(Emulator, "_flag", no_wait)
-    C, ref, _, ws = run_stream_k_gemm(stagger=(3, 1, 1))
-    assert (C != ref).any() and ws[:4096].view(np.int32).any()
+    C, ref, _, _ = run_stream_k_gemm(stagger=(3, 1, 1))
+    assert (C != ref).any()
 
 
 # ---------------------------------------------------------------- instructions, against the PTX ISA

@@ -56,9 +56,10 @@ def assert_softmax(out, ref):
     # 2 tiles a block (the walk: earlier tiles rescaled from the stored output), ragged K, 3 k-steps on 2 stages
     pytest.param((64, 256, 136), SoftmaxConfig(**SMALL, num_stages=2, split=2), None, 0.5, {"st.async.v2.f32"},
                  id="walk-pair"),
-    # two consumer warpgroups on alternate row blocks, 2 clusters walking 4 row blocks: the exchange's slot
-    # sets and barrier phases alternate, the warpgroups hand the epilogue over with bar.arrive
-    pytest.param((256, 128, 136), SoftmaxConfig(**SMALL, num_stages=3, split=2, pingpong=True), 2, -0.75,
+    # two consumer warpgroups on alternate row blocks; a resident grid of 2 clusters, each walking 4 of the 8
+    # row blocks: each warpgroup's exchange slot sets and barrier phases alternate over its two, the warpgroups
+    # hand the main loop over with bar.arrive
+    pytest.param((512, 128, 136), SoftmaxConfig(**SMALL, num_stages=3, split=2, pingpong=True), 4, -0.75,
                  {"st.async.v2.f32", "bar.arrive"}, id="pingpong-pair-persistent"),
 ])
 def test_clustered_softmax_matches_float64(shape, cfg, ctas, scale, ran):
@@ -75,7 +76,8 @@ def test_clustered_softmax_matches_float64(shape, cfg, ctas, scale, ran):
 
 def test_clustered_softmax_without_the_peers_values_fails(monkeypatch):
     """A broken exchange: each block's st.async lands in its own slots only (the peer's rank ignored), so the
-    exchange mbarrier completes (the bytes arrive) but the rows are normalized by half their statistics."""
+    exchange mbarrier completes (the bytes arrive) but the peer's slots are never written: the merge reads
+    them as they were (the emulator's unwritten shared memory is NaN)."""
     put = Emulator._st_async
 
     def local_put(self, call, env):
@@ -120,3 +122,14 @@ def test_deferred_softmax_without_waiting_for_the_row_fails(monkeypatch):
     out, ref, *_ = run_softmax(192, 128, 128, SoftmaxConfig(**SMALL, num_stages=3, deferred=True), ctas=4,
                                stagger=(1, 3, 3, 3))
     assert not np.allclose(out.astype(np.float64), ref, rtol=1e-3, atol=1e-7)
+
+
+def test_deferred_softmax_without_its_warp_sync_deadlocks(monkeypatch):
+    """The statistics warp's __syncwarp keeps every lane past its spin on the row block's flag before lane 0,
+    the row block's last reader, resets it. Without it lane 0 runs ahead and resets the flag, and the lanes still
+    to leave their spin read 0 and wait for good: the hang the GPU would show."""
+    import tir_emulator
+
+    monkeypatch.setattr(tir_emulator, "_NO_OPS", tir_emulator._NO_OPS | {"tirx.cuda.warp_sync"})
+    with pytest.raises(RuntimeError, match=r"deadlock.*flag\.wait"):
+        run_softmax(192, 128, 128, SoftmaxConfig(**SMALL, num_stages=3, deferred=True), ctas=4, stagger=(3, 1, 2))

@@ -28,7 +28,7 @@ barrier.cluster.arrives as the waiter; TMA loads with .multicast::cluster land a
 every block of the CTA mask and complete their bytes on each one's mbarrier at that offset; a remote arrive
 (tile_ops_cluster_release: mapa + mbarrier.arrive.shared::cluster) counts on the peer's mbarrier at the same
 offset; either one on a block whose threads have all exited raises.  ``stagger=True`` runs rank r only every
-(r + 1)-th scheduler round, so a peer's producer runs ahead (a stage released to it too soon shows).
+(r % 4 + 1)-th scheduler round, so a peer's producer runs ahead (a stage released to it too soon shows).
 
 Across clusters (``run(..., resident=True)``: the whole grid in one scheduler, as a persistent grid is
 resident): st.async to a peer (tile_ops_cluster_put, T.cluster_allreduce's exchange) lands at the round's
@@ -329,7 +329,8 @@ class Emulator:
         x; or the kernel's ``lk.cluster_dims``), as the launcher's __cluster_dims__: the blocks of a cluster
         are those of equal (x // cx, y // cy, z), of rank x % cx + (y % cy) cx, and run together in one
         scheduler (each with its own shared arena, mbarriers and queues).  ``stagger``: the i-th block scheduled
-        together (a cluster's rank i) runs only every periods[i % len(periods)]-th scheduler round (True:
+        together (a cluster's rank i; with ``resident``, the i-th of the grid) runs only every
+        periods[i % len(periods)]-th scheduler round (True:
         periods 1, 2, 3, 4), so the blocks drift apart (rank 0's producer runs ahead and writes into its peers'
         stages early: a stage released to it too soon shows).  ``resident``: every block of the grid runs in
         one scheduler, as a persistent grid sized to the device is all resident at once, so blocks that wait on
@@ -370,8 +371,9 @@ class Emulator:
         body = self._device_entry()
         threads = next(int(getattr(s, "def").extents[0]) for s in body.seq
                        if isinstance(s, ts.ScopeIdDefStmt) and "thread_id" in str(s))
-        if len(self.ctas[0].cluster) > 1 and threads % 128:
-            raise NotImplementedError(f"emulator: clusters of blocks of {threads} threads (not whole warpgroups)")
+        if len(self.ctas) > 1 and threads % 128:  # thread g's warp and warpgroup must stay in its block
+            raise NotImplementedError(f"emulator: blocks of {threads} threads scheduled together (a cluster, a "
+                                      f"resident grid): whole warpgroups only")
         self.threads = threads
         self.arrived = Counter()  # thread -> its barrier.cluster.arrives
         gens = {g: self._exec(body, {"tid": g % threads, "g": g}) for g in range(threads * len(self.ctas))}
@@ -406,10 +408,13 @@ class Emulator:
 
     def _resumable(self, at) -> dict:
         """The waiting threads that go on, with their answers: the warps all of whose lanes are at one warp
-        instruction get its results, and so do the warpgroups (4 aligned warps) all of whose 128 threads are
-        at one wgmma instruction; threads waiting on an mbarrier phase that has completed go on, and so do
-        those at a barrier.cluster.wait once every thread of the cluster that has not exited has arrived as
-        often as they; a block's threads go on once every one of them is at the block barrier (cta_sync)."""
+        instruction (a shuffle, ldmatrix, mma.sync, __syncwarp) get its results, and so do the warpgroups (4
+        aligned warps) all of whose 128 threads are at one wgmma instruction; threads waiting on an mbarrier
+        phase that has completed go on, and those spinning on a global flag that has reached their count (they
+        read it again when they run); those at a barrier.cluster.wait go on once every thread of their cluster
+        that has not exited has arrived as often as they; those at a named barrier once the threads there and
+        the ones past it by bar.arrive make its count; a block's threads once every one of them is at the
+        block barrier (cta_sync)."""
         go, threads = {}, self.threads
         for table, width in ((_WARP, 32), (_WARPGROUP, 128)):
             for u in sorted({t // width for t, y in at.items() if isinstance(y, tuple) and y[0] in table}):
@@ -611,7 +616,8 @@ class Emulator:
             flags[args[0]] += 1
         elif name == "tile_ops_flag_wait":
             flag, count, reset = args
-            yield ("flag.wait", flags, flag, count)
+            while flags[flag] < count:  # read again when the thread runs: a lane released with the others may
+                yield ("flag.wait", flags, flag, count)  # find it reset by one that ran ahead of it
             if reset:
                 flags[flag] = 0
         else:
