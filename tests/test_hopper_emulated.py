@@ -290,18 +290,24 @@ def test_mbarrier_phases_and_transaction_counts():
         emu._mbarrier(64, arrivals=3)
 
 
+def cluster_emulator(blocks, arena, bar, tx):
+    """An emulator holding one cluster of ``blocks`` blocks, each with an ``arena``-byte shared arena of 0xFF and
+    an mbarrier at byte ``bar`` whose one arrival has come (arrive.expect_tx) and that awaits ``tx`` bytes."""
+    emu, cluster = Emulator.__new__(Emulator), []
+    emu.ctas = [_Cta((i, 0, 0), i, cluster) for i in range(blocks)]
+    for cta in emu.ctas:
+        emu._enter(cta)
+        cta.smem = emu.smem = np.full(arena, 0xFF, np.uint8)
+        emu._mbarrier_init(bar, 1)
+        emu._mbarrier(bar, arrivals=1, tx=tx)
+    return emu
+
+
 def test_multicast_tma_lands_in_every_block_of_the_mask():
     """A .multicast::cluster TMA box lands at the same (swizzled) shared offset in each block of the CTA
     mask and completes its bytes on each one's mbarrier at the same offset; a block outside the mask sees
     nothing; a remote arrive on a block that has exited raises."""
-    emu = Emulator.__new__(Emulator)
-    cluster = []
-    emu.ctas = [_Cta((i, 0, 0), i, cluster) for i in range(3)]
-    for cta in emu.ctas:
-        emu._enter(cta)
-        cta.smem = emu.smem = np.full(4096, 0xFF, np.uint8)
-        emu._mbarrier_init(2048, 1)
-        emu._mbarrier(2048, arrivals=1, tx=1024)  # arrive.expect_tx
+    emu = cluster_emulator(3, arena=4096, bar=2048, tx=1024)
     data = np.arange(1024, dtype=np.uint16).astype(np.uint8)
     emu.tma, emu.stores = [([emu.ctas[0], emu.ctas[2]], 0, data, 128, 2048)], []  # ctaMask 0b101
     emu._land_tma()
@@ -319,14 +325,7 @@ def test_multicast_tma_lands_in_every_block_of_the_mask():
 def test_st_async_lands_in_the_peer_at_the_round_end():
     """st.async (tile_ops_cluster_put) writes into the peer's shared memory only when the round's stores land,
     then completes its bytes on the peer's mbarrier at the same offset; nothing reaches the sender."""
-    emu = Emulator.__new__(Emulator)
-    cluster = []
-    emu.ctas = [_Cta((i, 0, 0), i, cluster) for i in range(2)]
-    for cta in emu.ctas:
-        emu._enter(cta)
-        cta.smem = emu.smem = np.full(256, 0xFF, np.uint8)
-        emu._mbarrier_init(128, 1)
-        emu._mbarrier(128, arrivals=1, tx=8)  # arrive.expect_tx of one v2.f32
+    emu = cluster_emulator(2, arena=256, bar=128, tx=8)  # the bytes of one v2.f32
     data = np.array([1.5, -2.0], np.float32).view(np.uint8)
     emu.tma, emu.stores = [], [(emu.ctas[1], 16, data, 128)]
     assert np.isnan(emu.ctas[1].smem[16:24].view(np.float32)).all()  # not yet

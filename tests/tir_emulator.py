@@ -587,7 +587,7 @@ class Emulator:
         of one or two float32 values to the mapa address of ``p`` in cluster rank ``peer``, completing their bytes
         on the peer's mbarrier at ``bar``'s offset.  Asynchronous: it lands at the scheduler round's end, as a TMA
         load does, so a peer that reads its slots before waiting on the barrier reads the old values."""
-        ptr, bar, peer, *values = [a for a in call.args[1:] if not isinstance(a, irx.StringImm)]  # not the source
+        ptr, bar, peer, *values = _operands(call)[0]  # after the helper's name, before its source
         peer = int(self._eval(peer, env))
         if not 0 <= peer < len(self.cta.cluster):
             raise ValueError(f"emulator: block {self.block}: st.async to cluster rank {peer} of {len(self.cta.cluster)}")
@@ -608,7 +608,7 @@ class Emulator:
         ``tile_ops_row_stats_read(flags, i, done, count)``: atom.add 1 to flag done; the count-th adder zeroes
         both flags."""
         name = call.args[0].value
-        ptr, *args = [a for a in call.args[1:] if not isinstance(a, irx.StringImm)]
+        ptr, *args = _operands(call)[0]
         mem, at = self._address(ptr, env, "global")
         flags = mem[at:].view(np.int32)
         args = [int(self._eval(a, env)) for a in args]
@@ -630,7 +630,7 @@ class Emulator:
     def _row_factor(self, call, env):
         """``tile_ops_row_factor(ws, at, stride, n, own)``: one row's softmax factor 2^(m_own - max) / sum over
         the n (max, sum) pairs at ws[at + j stride], in the helper's float32 order (an online max and sum)."""
-        ptr, *args = [a for a in call.args[1:] if not isinstance(a, irx.StringImm)]
+        ptr, *args = _operands(call)[0]
         mem, base = self._address(ptr, env, "global")
         at, stride, n, own = (int(self._eval(a, env)) for a in args)
         ws, f = mem[base:].view(np.float32), np.float32
@@ -824,7 +824,7 @@ class Emulator:
             self._st_async(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
                 s.value.args[0].value == "tile_ops_cluster_wait":  # a try_wait.parity loop at cluster scope
-            bar, parity = s.value.args[1:3]
+            bar, parity = _operands(s.value)[0]
             yield ("mbarrier.wait", self._shared_offset(bar, env), int(self._eval(parity, env)) % 2)
         else:
             raise NotImplementedError(f"emulator: {type(s).__name__}: {s}")
