@@ -1,7 +1,7 @@
 """Nsight Compute counters of our GEMM beside cuBLAS's at one shape: where the gap comes from.
 
     python benchmarks/profile_gemm.py [--shape 4096x4096x4096] [--dtype float16] [--config NAME] [--stalls N]
-                                      [--op gemm_softmax] [--l2-sources]
+                                      [--op gemm_softmax] [--l2-sources] [--l2 clean|dirty]
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling every kernel of
 the second call of ours and of cuBLAS (a cudaProfilerStart/Stop range), and prints per kernel: time, SM
@@ -10,6 +10,9 @@ warp instructions.  A loop that keeps neither the tensor pipe nor a memory unit 
 operand reuse; more instructions, spinning or index arithmetic.  ``--config`` takes bench_gemm.py's config names
 (``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
 instructions with the most warp-stall samples (ncu's source view), and where the warps' time goes.
+``--l2 dirty`` profiles the kernels as bench_gemm.py times them: each after a zeroed 256 MB buffer (Triton's
+flush), whose dirty lines the kernel's misses must write back; ncu then leaves the caches alone and replays
+the whole process for each pass.  The default (``clean``) lets ncu flush and invalidate the caches.
 """
 
 import argparse
@@ -61,6 +64,8 @@ def parse_config(name, GemmConfig):
 
 
 # our kernels' names: gemm_kernel, gemm_swapped_kernel (swap configs), gemm_splitk_kernel (split-K), gemm_softmax_kernel
+# torch's fill kernel, which zeroes the flush buffer (its name has "FillFunctor")
+FLUSH_KERNEL = "FillFunctor"
 KERNEL_REGEX = {"gemm": "regex:^gemm_(swapped_|splitk_)?kernel", "gemm_softmax": "regex:^gemm_softmax_kernel"}
 
 
@@ -101,26 +106,33 @@ def our_launch(op, shape, dtype, config):
     return lambda a, b, c: k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()], a.device)
 
 
-def profiled_calls(ours, theirs, torch):
+def profiled_calls(ours, theirs, torch, flush=lambda: None):
     """``ours()`` and ``theirs()`` once each, then once more each between ``torch.cuda.profiler.start()`` and
     ``stop()``: under ``ncu --profile-from-start off`` exactly the kernels of the second calls are profiled,
-    however many each launches (a split-K or padded gemm of ours, cuBLAS's splitKreduce_kernel at decode)."""
+    however many each launches (a split-K or padded gemm of ours, cuBLAS's splitKreduce_kernel at decode).
+    ``flush()`` runs before each call (its kernels are profiled too; main() leaves them out)."""
     ours()
     theirs()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
+    flush()
     ours()
+    flush()
     theirs()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
 
-def ncu_cmd(metrics, child):
-    """ncu over ``child`` (which runs ``profiled_calls``): the listed metrics of the kernels in its profiled range."""
-    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--csv", "--metrics", ",".join(metrics)] + child
+def ncu_cmd(metrics, child, l2="clean"):
+    """ncu over ``child`` (which runs ``profiled_calls``): the listed metrics of the kernels in its profiled range.
+    A dirty L2 must survive to each profiled kernel: no cache control, and each pass replays the whole process
+    (kernel replay would restore memory between passes)."""
+    state = ["--cache-control", "none", "--replay-mode", "application"] if l2 == "dirty" else []
+    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", *state, "--csv",
+            "--metrics", ",".join(metrics)] + child
 
 
-def run_kernels(op, shape, dtype, config):
+def run_kernels(op, shape, dtype, config, l2):
     import torch
 
     M, N, K = shape
@@ -128,7 +140,13 @@ def run_kernels(op, shape, dtype, config):
     dt = getattr(torch, dtype)
     a, b = torch.randn(M, K, dtype=dt, device="cuda"), torch.randn(K, N, dtype=dt, device="cuda")
     c = torch.empty(M, N, dtype=dt, device="cuda")
-    profiled_calls(lambda: launch(a, b, c), lambda: torch.matmul(a, b), torch)
+    flush = lambda: None  # noqa: E731
+    if l2 == "dirty":
+        sys.path.insert(0, os.path.dirname(__file__))
+        from common import l2_flusher
+
+        flush = l2_flusher()
+    profiled_calls(lambda: launch(a, b, c), lambda: torch.matmul(a, b), torch, flush)
 
 
 def main():
@@ -140,13 +158,15 @@ def main():
     p.add_argument("--op", choices=sorted(KERNEL_REGEX), default="gemm", help="which of our kernels")
     p.add_argument("--l2-sources", action="store_true",
                    help="also split the L2's traffic by source: the SMs, the fabric between its partitions")
+    p.add_argument("--l2", choices=("clean", "dirty"), default="clean",
+                   help="the L2 before each kernel: flushed clean by ncu, or dirty as bench_gemm.py leaves it")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     shape = tuple(map(int, args.shape.split("x")))
     if args.child:
-        return run_kernels(args.op, shape, args.dtype, args.config)
+        return run_kernels(args.op, shape, args.dtype, args.config, args.l2)
     child = [sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape, "--dtype", args.dtype,
-             "--op", args.op]
+             "--op", args.op, "--l2", args.l2]
     child += ["--config", args.config] if args.config else []
     names = {**METRICS, **(L2_SOURCES if args.l2_sources else {})}
     base = [m for m in METRICS if not m.endswith("pct_of_peak_sustained_active")]
@@ -156,7 +176,7 @@ def main():
         # then without the counters an older ncu or driver may lack (the L2 sources; gmma, l1tex)
         # the second call of ours and of cuBLAS, every kernel of each (a fixed launch window, "skip 4, count 2",
         # caught cuBLAS's splitKreduce_kernel instead of its GEMM at decode, and half of a split-K gemm of ours)
-        proc = subprocess.run(ncu_cmd(metrics, child), capture_output=True, text=True)
+        proc = subprocess.run(ncu_cmd(metrics, child, args.l2), capture_output=True, text=True)
         lines = proc.stdout[proc.stdout.find('"ID"'):] if '"ID"' in proc.stdout else ""
         if proc.returncode == 0 and lines:
             break
@@ -168,6 +188,8 @@ def main():
         print(f"(this ncu gave no {', '.join(missing)})")
     rows, full_names = {}, {}
     for r in csv.DictReader(io.StringIO(lines)):
+        if FLUSH_KERNEL in r["Kernel Name"]:  # --l2 dirty: the flush's own kernels
+            continue
         name = r["Kernel Name"][:40]
         full_names.setdefault(name, r["Kernel Name"])
         col = names[r["Metric Name"]]
@@ -177,7 +199,7 @@ def main():
             value = r["Metric Value"]
         rows.setdefault((r["ID"], name), {})[col] = value
     cols = [names[m] for m in metrics]
-    print(f"ncu, {args.shape} {args.dtype}, every kernel of the second call of ours and of cuBLAS")
+    print(f"ncu, {args.shape} {args.dtype}, L2 {args.l2}, every kernel of the second call of ours and of cuBLAS")
     print("kernel".ljust(42) + "  ".join(c.rjust(max(8, len(c))) for c in cols))
     for (_, name), vals in rows.items():
         print(name.ljust(42) + "  ".join(f"{vals.get(c, '')}".rjust(max(8, len(c))) for c in cols))

@@ -414,6 +414,26 @@ def test_profile_gemm_profiles_every_kernel_of_the_second_calls():
     assert cmd[cmd.index("--profile-from-start") + 1] == "off" and "--launch-skip" not in cmd
 
 
+def test_profile_gemm_dirty_l2_flushes_before_each_profiled_call_and_keeps_the_state():
+    """--l2 dirty profiles each kernel after Triton's zeroed flush, as bench_gemm.py times it: the flush runs
+    before each profiled call, and ncu neither cleans the caches nor restores memory between passes."""
+    import types
+
+    import profile_gemm
+
+    log = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        synchronize=lambda: None,
+        profiler=types.SimpleNamespace(start=lambda: log.append("start"), stop=lambda: log.append("stop"))))
+    profile_gemm.profiled_calls(lambda: log.append("ours"), lambda: log.append("cublas"), fake,
+                                lambda: log.append("flush"))
+    assert log == ["ours", "cublas", "start", "flush", "ours", "flush", "cublas", "stop"]
+    dirty = profile_gemm.ncu_cmd(["gpu__time_duration.sum"], ["python", "child"], "dirty")
+    assert dirty[dirty.index("--cache-control") + 1] == "none"
+    assert dirty[dirty.index("--replay-mode") + 1] == "application"
+    assert "--cache-control" not in profile_gemm.ncu_cmd(["gpu__time_duration.sum"], ["python", "child"])
+
+
 def test_paired_medians_alternate_call_by_call_and_take_each_ones_median(monkeypatch):
     """bench_gemm.py (ours, cuBLAS) and bench_gemm_softmax.py (fused, torch) time the two call by call in turn,
     each call after the L2 flush, and report each one's median: blocks of 200 ms, one function's at a time,
