@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install (TVM from the carried kit), GPU tests, then the benchmarks; logs under $OUT.
-#   TESTS="tests/test_kernels_gpu.py"  narrows the tests (TESTS=none: none, e.g. without TVM);
+#   TESTS="tests/test_kernels_gpu.py"  narrows the tests (TESTS=none: none, e.g. without TVM; TEST_WORKERS: -n);
 #   BENCHES="softmax overhead"  picks benchmarks: gemm gemm80 softmax overhead compile (the default list),
 #     also sanitize, profile and sustained (seconds-long runs with clock and power; SUSTAINED_ARGS);
 #     BENCH_ARGS  goes to bench_gemm.py (default --configs), SOFTMAX_ARGS to bench_gemm_softmax.py (e.g. --configs).
@@ -38,7 +38,7 @@ python -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log
 python -c "from tile_ops.jit.launcher import get_launcher as g; print('launcher:', g().__name__)" 2>&1 | tail -1
 grep -A3 "WARNING: building the tile_ops._C" "$OUT/install.log" | head -4
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-[ "${TESTS:-}" = none ] || { python -m pytest ${TESTS:-tests} -m gpu -q -n 8 ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4; note tests ${PIPESTATUS[0]}; }
+[ "${TESTS:-}" = none ] || { python -m pytest ${TESTS:-tests} -m gpu -q -n ${TEST_WORKERS:-8} ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4; note tests ${PIPESTATUS[0]}; }
 T=${BENCH_TIMEOUT:-400}
 for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
   case $b in
