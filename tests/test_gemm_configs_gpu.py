@@ -6,7 +6,7 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import _HALF_WAVE, _PAIRED_128, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config
+from tile_ops.kernels.gemm import _HALF_WAVE, _HALF_WAVE_K128, _PAIRED_128, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -79,13 +79,15 @@ def test_gemm_config_on_hopper(cfg, shape, variant):
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("shape", [(1000, 1000, 999), (1024, 1001, 1000), (768, 1024, 2048)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_half_wave_pairs_on_unaligned_and_short_grids(shape, variant, pad):
-    """Short grids default to clustered pairs of 64x128 tiles, rows that are not 16 bytes included: padded
-    for TMA, or (pad=False) read by the synchronous-copy path."""
-    assert default_config(*shape, "sm_90a") == _HALF_WAVE
-    check(_HALF_WAVE, shape, variant, "sm_90a", pad)
+@pytest.mark.parametrize("shape, cfg", [((1000, 1000, 999), _HALF_WAVE_K128), ((1024, 1001, 1000), _HALF_WAVE_K128),
+                                        ((768, 1024, 2048), _HALF_WAVE_K128), ((1000, 1000, 4000), _HALF_WAVE),
+                                        ((1000, 1000, 200), _HALF_WAVE)],
+                         ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
+def test_half_wave_pairs_on_unaligned_and_short_grids(shape, cfg, variant, pad):
+    """Short grids default to clustered pairs of 64x128 tiles (128-deep k-steps where K is 512-2048), rows
+    that are not 16 bytes included: padded for TMA, or (pad=False) read by the synchronous-copy path."""
+    assert default_config(*shape, "sm_90a") == cfg
+    check(cfg, shape, variant, "sm_90a", pad)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")

@@ -233,13 +233,14 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     ((2048, 2048, 2048), "_PAIRED_128"), ((2048, 2560, 2048), "_PAIRED_128"), ((2048, 2048, 2044), "_PAIRED_128"),
     ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_PAIRED"), ((1500, 2000, 2000), "_WIDE_PAIRED"),
     ((2000, 3000, 1000), "_WIDE_PAIRED"), ((1152, 2048, 2048), "_WIDE"), ((4096, 4096, 4096), None),
-    ((1000, 1000, 1000), "_HALF_WAVE"), ((1000, 1000, 999), "_HALF_WAVE")])
+    ((1000, 1000, 1000), "_HALF_WAVE_K128"), ((1000, 1000, 999), "_HALF_WAVE_K128"),
+    ((1000, 1000, 2048), "_HALF_WAVE_K128"), ((1000, 1000, 4000), "_HALF_WAVE"), ((1000, 1000, 256), "_HALF_WAVE")])
 def test_default_tiles_fit_the_waves(shape, default):
     """128x128 tiles in clustered pairs where there are more of them than SMs (1024x2048: 128, one wave,
     stays unclustered); 128x192 tiles where they fill one wave and 128x128 or 128x256 ones would leave
     most of a second idle (1536x2048: 132 against 192 of 128x128; 2000x3000: 256 against 192 of 128x256),
-    paired where the M tiles pair up (1152: 9 do not); rows that are not 16 bytes (2044, 999) change
-    nothing: build_gemm pads them for TMA."""
+    paired where the M tiles pair up (1152: 9 do not); short grids in pairs of 64-row tiles, 128-deep k-steps
+    where K is 512-2048; rows that are not 16 bytes (2044, 999) change nothing: build_gemm pads them for TMA."""
     cfg = default_config(*shape, "sm_90a")
     if default is None:
         assert cfg in gemm_kernels._HOPPER_TILES
@@ -259,7 +260,7 @@ def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
     gemm_kernels.get_gemm_kernel(a, b, a)
     gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
     # three 1000x1000 matrices: 192 tiles of 128x128, more than a wave, so the 128x128 pairs
-    assert built[0] == gemm_kernels._HALF_WAVE and built[1] == gemm_kernels._PAIRED_128
+    assert built[0] == gemm_kernels._HALF_WAVE_K128 and built[1] == gemm_kernels._PAIRED_128
     # one 1536x2048 matrix fills a wave of 128x192 tiles; three fill 3 waves of them, or 4.4 of 128x128 pairs
     a, b = torch.zeros(3, 1536, 2048, dtype=torch.float16), torch.zeros(3, 2048, 2048, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.empty(1, 1536, 2048, dtype=torch.float16))

@@ -90,7 +90,7 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
                 if cfg.block_N == 128 and _half_wave(M, N, batch):
-                    return _HALF_WAVE
+                    return _HALF_WAVE_K128 if 512 <= K <= 2048 else _HALF_WAVE
                 if cfg.block_N >= 128 and _waves(M, N, 192, batch) <= 0.8 * _waves(M, N, cfg.block_N, batch):
                     return _WIDE_PAIRED if -(-M // 128) % 2 == 0 else _WIDE
                 return _PAIRED_128 if cfg.block_N == 128 and _paired_waves(M, N, batch) else cfg
@@ -106,6 +106,10 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
 # tiles a cluster that multicasts their shared 16 KiB B tile; 8 stages won 4 of the 5 short grids measured
 # by 10-23 % over 6 stages, and lost 1000^3 by 6 % (NOTES v9)
 _HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
+# ... in 128-deep k-steps (4 stages, the same shared memory) where K is 512-2048: half the k-steps and stage
+# hand-offs; on the H200, 8 processes each beside cuBLAS, medians 0.88 -> 1.00 at 1000^3 and 0.87 -> 0.95 at
+# 1000x1000x2000; it lost at K = 64 (+14 %) and K = 4000 (+4 %) (NOTES v19, v20, v23)
+_HALF_WAVE_K128 = GemmConfig(64, 128, 128, 4, 128, 8, epilogue="shared", cluster=2)
 
 
 def _half_wave(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
@@ -227,6 +231,7 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
     if not decode and -(-M // 64) % 2 == 0 and _pow2(N) >= 128:  # pairs of 64-row tiles sharing B: short grids
         space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
+        space.append(_HALF_WAVE_K128)
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
         if _pow2(N) >= 256:  # ... and of 128x192 tiles (one wave where 128x128 would fill two, NOTES v12)
