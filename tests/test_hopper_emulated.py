@@ -88,6 +88,21 @@ def test_sm90_clustered_gemm_kernel_matches_numpy(shape, cluster_kw, grid, clust
     np.testing.assert_array_equal(C, ref)
 
 
+@pytest.mark.parametrize("operands", [{}, dict(trans_A=True, trans_B=True, bias=True)],
+                         ids=["plain", "transposed-with-bias"])
+def test_sm90_short_grid_default_in_128_deep_k_steps_matches_numpy(operands):
+    """The library's default for short grids with K of 512-2048 (1000^3): pairs of 64x128 tiles multicasting
+    B, 128-deep k-steps (two 64-column boxes of each operand a stage) on 4 stages; ragged M and K, 5 k-steps,
+    so the pipeline wraps, with the ranks run at different rates; A and B as stored or transposed, a bias."""
+    from tile_ops.kernels.gemm import _HALF_WAVE_K128, default_config
+
+    assert default_config(1000, 1000, 1000, "sm_90a") == _HALF_WAVE_K128
+    C, ref, lk, emu = run_library_gemm(200, 256, 600, _HALF_WAVE_K128, seed=11, stagger=True, **operands)
+    assert (lk.grid, lk.cluster_dims) == ((4, 2, 1), (2, 1, 1))
+    assert "tma.load.3d.swizzle128.multicast" in emu.ran, sorted(emu.ran)
+    np.testing.assert_array_equal(C, ref)
+
+
 def test_sm90_clustered_gemm_releasing_stages_only_locally_fails(monkeypatch):
     """A broken variant: consumers that release a stage only on their own block (the remote arrive lands on
     the local mbarrier) let a peer's multicast overwrite it before its wgmmas retire; with the blocks
@@ -100,22 +115,25 @@ def test_sm90_clustered_gemm_releasing_stages_only_locally_fails(monkeypatch):
     assert (C != ref).any()
 
 
-def run_library_gemm(M, N, K, cfg, seed, stagger=False, ctas=None, workspace=None):
+def run_library_gemm(M, N, K, cfg, seed, stagger=False, ctas=None, workspace=None, trans_A=False, trans_B=False,
+                     bias=False):
     """tile_ops.kernels.gemm with ``cfg`` lowered for sm_90a and run on the emulator (a cluster's blocks
     together, or with ``ctas`` (a persistent grid of that many CTAs) the whole grid; ``stagger``: see
-    Emulator.run; ``workspace``: a stream-K kernel's, zeroed): C, the float64 reference rounded once, the
-    lowered kernel and the emulator."""
+    Emulator.run; ``workspace``: a stream-K kernel's, zeroed; A or B stored transposed, a bias row): C, the
+    float64 reference rounded once, the lowered kernel and the emulator."""
     from tile_ops.kernels.gemm import gemm
 
-    lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16", cfg), "sm_90a")
+    lk = lower(gemm.fn(M, N, K, 1, 1, 1, trans_A, trans_B, bias, "float16", "float16", cfg), "sm_90a")
     rng = np.random.default_rng(seed)
     a, b = (rng.integers(-16, 17, s) / 8 for s in ((M, K), (K, N)))
-    arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None],
-              "Bias": np.zeros(N, np.float16), "C": np.full((1, M, N), np.nan, np.float16),
+    bias_row = rng.integers(-16, 17, N) / 8 if bias else np.zeros(N)
+    arrays = {"A": np.ascontiguousarray(a.T if trans_A else a).astype(np.float16)[None],
+              "B": np.ascontiguousarray(b.T if trans_B else b).astype(np.float16)[None],
+              "Bias": bias_row.astype(np.float16), "C": np.full((1, M, N), np.nan, np.float16),
               "tile_ops_workspace": workspace}
     emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
     emu.run(lk.grid if ctas is None else (ctas, 1, 1), lk.cluster_dims, stagger=stagger, resident=ctas is not None)
-    return arrays["C"][0], (a @ b).astype(np.float16), lk, emu
+    return arrays["C"][0], (a @ b + bias_row).astype(np.float16), lk, emu
 
 
 def run_clustered_gemm(M, N, K, **cluster_kw):
