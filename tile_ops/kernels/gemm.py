@@ -107,7 +107,7 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
 # by 10-23 % over 6 stages, and lost 1000^3 by 6 % (NOTES v9)
 _HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
 # ... in 128-deep k-steps (4 stages, the same shared memory) where K is 512-2048: half the k-steps and stage
-# hand-offs; on the H200, 8 processes each beside cuBLAS, medians 0.88 -> 1.00 at 1000^3 and 0.87 -> 0.95 at
+# hand-offs; on the H200, 8 processes each beside cuBLAS, medians 0.88 -> 0.96 at 1000^3 and 0.86 -> 0.94 at
 # 1000x1000x2000; it lost at K = 64 (+14 %) and K = 4000 (+4 %) (NOTES v19, v20, v23)
 _HALF_WAVE_K128 = GemmConfig(64, 128, 128, 4, 128, 8, epilogue="shared", cluster=2)
 
