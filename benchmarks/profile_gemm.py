@@ -69,9 +69,11 @@ FLUSH_KERNEL = "FillFunctor"
 KERNEL_REGEX = {"gemm": "regex:^gemm_(swapped_|splitk_)?kernel", "gemm_softmax": "regex:^gemm_softmax_kernel"}
 
 
-def print_stalls(child, top, op):
-    """ncu's source view of our kernel (second launch): the ``top`` SASS instructions by warp-stall samples."""
-    cmd = ["ncu", "--clock-control", "none", "-k", KERNEL_REGEX[op], "--launch-skip", "1", "--launch-count", "1",
+def print_stalls(child, top, op, l2="clean"):
+    """ncu's source view of our kernel (second launch): the ``top`` SASS instructions by warp-stall samples,
+    under the same L2 state as the counters."""
+    cmd = ["ncu", "--clock-control", "none", *l2_state_flags(l2), "-k", KERNEL_REGEX[op], "--launch-skip", "1",
+           "--launch-count", "1",
            "--section", "SourceCounters", "--page", "source", "--print-source", "sass", "--csv"] + child
     proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [r for r in csv.reader(io.StringIO(proc.stdout)) if len(r) > 3]
@@ -123,12 +125,16 @@ def profiled_calls(ours, theirs, torch, flush=lambda: None):
     torch.cuda.profiler.stop()
 
 
+def l2_state_flags(l2):
+    """ncu's flags for the L2 state: a dirty L2 must survive to each profiled kernel, so no cache control, and
+    each pass replays the whole process (kernel replay would restore memory between passes)."""
+    return ["--cache-control", "none", "--replay-mode", "application"] if l2 == "dirty" else []
+
+
 def ncu_cmd(metrics, child, l2="clean"):
     """ncu over ``child`` (which runs ``profiled_calls``): the listed metrics of the kernels in its profiled range.
-    A dirty L2 must survive to each profiled kernel: no cache control, and each pass replays the whole process
-    (kernel replay would restore memory between passes)."""
-    state = ["--cache-control", "none", "--replay-mode", "application"] if l2 == "dirty" else []
-    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", *state, "--csv",
+    Names print demangled (ncu's default), so the flush's fill kernel shows its FillFunctor."""
+    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", *l2_state_flags(l2), "--csv",
             "--metrics", ",".join(metrics)] + child
 
 
@@ -207,7 +213,7 @@ def main():
         if full != name:
             print(f"{name}: {full}")
     if args.stalls:
-        print_stalls(child, args.stalls, args.op)
+        print_stalls(child, args.stalls, args.op, args.l2)
 
 
 if __name__ == "__main__":

@@ -87,9 +87,10 @@ def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_f
         k_steps = -(-shapes[kernel, label][2] // cfg.block_K)
         return cfg, k_steps
 
-    for kernel, label in (("gemm", "short-grid-wrap"), ("gemm_softmax", "cluster-wrap")):
+    for kernel, label in (("gemm", "short-grid-wrap"), ("gemm", "short-grid-long-k"), ("gemm_softmax", "cluster-wrap")):
         cfg, k_steps = config(kernel, label)
         assert (cfg.cluster if kernel == "gemm" else cfg.split) > 1 and k_steps > cfg.num_stages, (label, cfg)
+    assert {config("gemm", lb)[0].block_K for lb in ("short-grid-wrap", "short-grid-long-k")} == {64, 128}  # both depths
     cfg, k_steps = config("gemm_softmax", "cluster-walk-1k")
     tiles = gemm_softmax.block_columns(shapes["gemm_softmax", "cluster-walk-1k"][1], cfg) // cfg.block_N
     assert tiles > 1 and k_steps * tiles <= cfg.num_stages, cfg  # each block walks, its pipeline never wraps

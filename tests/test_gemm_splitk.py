@@ -234,7 +234,8 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_PAIRED"), ((1500, 2000, 2000), "_WIDE_PAIRED"),
     ((2000, 3000, 1000), "_WIDE_PAIRED"), ((1152, 2048, 2048), "_WIDE"), ((4096, 4096, 4096), None),
     ((1000, 1000, 1000), "_HALF_WAVE_K128"), ((1000, 1000, 999), "_HALF_WAVE_K128"),
-    ((1000, 1000, 2048), "_HALF_WAVE_K128"), ((1000, 1000, 4000), "_HALF_WAVE"), ((1000, 1000, 256), "_HALF_WAVE")])
+    ((1000, 1000, 512), "_HALF_WAVE_K128"), ((1000, 1000, 2048), "_HALF_WAVE_K128"), ((1000, 1000, 511), "_HALF_WAVE"),
+    ((1000, 1000, 2049), "_HALF_WAVE"), ((1000, 1000, 4000), "_HALF_WAVE"), ((1000, 1000, 256), "_HALF_WAVE")])
 def test_default_tiles_fit_the_waves(shape, default):
     """128x128 tiles in clustered pairs where there are more of them than SMs (1024x2048: 128, one wave,
     stays unclustered); 128x192 tiles where they fill one wave and 128x128 or 128x256 ones would leave

@@ -108,7 +108,8 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
 _HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
 # ... in 128-deep k-steps (4 stages, the same shared memory) where K is 512-2048: half the k-steps and stage
 # hand-offs; on the H200, 8 processes each beside cuBLAS, medians 0.88 -> 0.96 at 1000^3 and 0.86 -> 0.94 at
-# 1000x1000x2000; it lost at K = 64 (+14 %) and K = 4000 (+4 %) (NOTES v19, v20, v23)
+# 1000x1000x2000; it lost at K = 64 (+14 %) and K = 4000 (+4 %) (NOTES v19, v20, v23); in the window,
+# 1000x1000x1500 (-0.6 % in µs) and 768x1024x2048 (-4 %, +4.5 % in v19) moved within the process spread
 _HALF_WAVE_K128 = GemmConfig(64, 128, 128, 4, 128, 8, epilogue="shared", cluster=2)
 
 
