@@ -435,6 +435,34 @@ def test_profile_gemm_dirty_l2_flushes_before_each_profiled_call_and_keeps_the_s
     assert "--cache-control" not in profile_gemm.ncu_cmd(["gpu__time_duration.sum"], ["python", "child"])
 
 
+def test_profile_gemm_dirty_run_tells_the_child_and_leaves_the_flush_out_of_the_table(monkeypatch, capsys):
+    """The child process learns the L2 state (it runs the flush), and the flush's fill kernel, profiled in the
+    same range, is not a row of the table: only ours and cuBLAS's."""
+    import types
+
+    import profile_gemm
+
+    seen = []
+    rows = [("1", "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>", "9.9"),
+            ("2", "gemm_kernel_kernel", "9.15"), ("3", "void at::native::vectorized_elementwise_kernel<4, "
+                                                   "at::native::FillFunctor<int>>", "9.9"),
+            ("4", "nvjet_sm90_hsh_128x72_64x8_4x2_h_bz_NNT", "8.29")]
+    csv_text = '"ID","Kernel Name","Metric Name","Metric Value"\n' + "".join(
+        f'"{i}","{name}","gpu__time_duration.sum","{float(us) * 1e3}"\n' for i, name, us in rows)
+
+    def run(cmd, **_):
+        seen.append(cmd)
+        return types.SimpleNamespace(returncode=0, stdout=csv_text, stderr="")
+
+    monkeypatch.setattr(profile_gemm.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["profile_gemm.py", "--shape", "1000x1000x1000", "--l2", "dirty"])
+    profile_gemm.main()
+    child = seen[0][seen[0].index("--child"):]
+    assert child[child.index("--l2") + 1] == "dirty"
+    out = capsys.readouterr().out
+    assert "FillFunctor" not in out and "gemm_kernel_kernel" in out and "nvjet_sm90" in out
+
+
 def test_paired_medians_alternate_call_by_call_and_take_each_ones_median(monkeypatch):
     """bench_gemm.py (ours, cuBLAS) and bench_gemm_softmax.py (fused, torch) time the two call by call in turn,
     each call after the L2 flush, and report each one's median: blocks of 200 ms, one function's at a time,
