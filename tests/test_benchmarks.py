@@ -393,18 +393,23 @@ def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
     assert "Traceback: boom" in (out / "bench_gemm.log").read_text()
 
 
+def _torch_logging_the_profiler_range(log):
+    """A stand-in for torch in profile_gemm.profiled_calls: its profiler start/stop append to ``log``."""
+    import types
+
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(
+        synchronize=lambda: None,
+        profiler=types.SimpleNamespace(start=lambda: log.append("start"), stop=lambda: log.append("stop"))))
+
+
 def test_profile_gemm_profiles_every_kernel_of_the_second_calls():
     """profile_gemm.py profiles the second call of ours and of cuBLAS whatever number of kernels each launches:
     a profiler range around them, not a fixed launch window ("skip 4, count 2" after the two randn kernels,
     which at decode, where cuBLAS launches its GEMM and a splitKreduce_kernel, profiled the reduce and ours)."""
-    import types
-
     import profile_gemm
 
     log = []
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        synchronize=lambda: None,
-        profiler=types.SimpleNamespace(start=lambda: log.append("start"), stop=lambda: log.append("stop"))))
+    fake = _torch_logging_the_profiler_range(log)
     ours = lambda: log.extend(["splitk_partial", "splitk_reduce"])  # noqa: E731
     cublas = lambda: log.extend(["nvjet_gemm", "splitKreduce_kernel"])  # noqa: E731
     profile_gemm.profiled_calls(ours, cublas, fake)
@@ -418,14 +423,10 @@ def test_profile_gemm_profiles_every_kernel_of_the_second_calls():
 def test_profile_gemm_dirty_l2_flushes_before_each_profiled_call_and_keeps_the_state():
     """--l2 dirty profiles each kernel after Triton's zeroed flush, as bench_gemm.py times it: the flush runs
     before each profiled call, and ncu neither cleans the caches nor restores memory between passes."""
-    import types
-
     import profile_gemm
 
     log = []
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        synchronize=lambda: None,
-        profiler=types.SimpleNamespace(start=lambda: log.append("start"), stop=lambda: log.append("stop"))))
+    fake = _torch_logging_the_profiler_range(log)
     profile_gemm.profiled_calls(lambda: log.append("ours"), lambda: log.append("cublas"), fake,
                                 lambda: log.append("flush"))
     assert log == ["ours", "cublas", "start", "flush", "ours", "flush", "cublas", "stop"]
