@@ -297,7 +297,7 @@ def test_bench_gemm_says_where_issue_4s_targets_stand():
     assert lines[0].startswith("geomean of 4096^3") and "0.994, target >= 1.00: NOT met" in lines[0]
     assert "lowest of those four: 0.979, target >= 0.95: met" == lines[1]
     assert lines[2] == ("lowest of 1000^3 and the ragged shapes: 0.904, target >= 0.90: met "
-                        "(only 2 of its 4 shapes ran)")
+                        "(only 2 of its 5 shapes ran)")
     assert len(lines) == 3  # no fp16 2048^3 and no decode row with B stored K x N
     assert bench_gemm.target_lines([row("16x8192x8192", 1.1)]) == ["decode 16x8192x8192: 1.100, target >= 1.00: met"]
 
