@@ -470,9 +470,20 @@ def test_nested_forward_mode_is_refused():
     (lambda a, b: tile_ops.gemm(torch.quantize_per_tensor(a, 0.1, 0, torch.qint8), b),
      r"a must be a dense .*got a quantized tensor .*a\.dequantize\(\)"),
     (lambda a, b: tile_ops.nn.Linear(4, 5)(a.to_sparse()), r"a must be a dense tensor .*got a sparse_coo"),
+    # the same through the dispatcher (ops/dense_only.py), autograd's path included
+    (lambda a, b: torch.ops.tile_ops.gemm(a.to_sparse(), b), r"a must be a dense tensor .*got a sparse_coo"),
+    (lambda a, b: torch.ops.tile_ops.gemm(a, b.to_sparse_csr().requires_grad_()), r"b must be a dense .*sparse_csr"),
+    (lambda a, b: torch.ops.tile_ops.gemm(a, b, torch.randn(5).to_sparse()), r"bias must be a dense .*sparse_coo"),
+    (lambda a, b: torch.ops.tile_ops.gemm_softmax(torch.nested.nested_tensor([a, a[:2]]), b),
+     r"a must be a dense .*got a nested tensor"),
+    (lambda a, b: torch.ops.tile_ops.gemm(torch.nested.nested_tensor([a, a[:2]], layout=torch.jagged), b),
+     r"a must be a dense .*got a nested tensor .*to_padded_tensor"),
+    (lambda a, b: torch.ops.tile_ops.gemm_softmax(torch.quantize_per_tensor(a, 0.1, 0, torch.qint8), b),
+     r"a must be a dense .*got a quantized tensor"),
 ])
 @pytest.mark.filterwarnings("ignore::UserWarning")  # nested and quantized tensors' prototype / deprecation notes
 def test_sparse_nested_and_quantized_operands_are_refused_in_the_ops_words(call, message):
-    """Not the dispatcher's "Could not run 'tile_ops::gemm' with arguments from the 'SparseCPU' backend"."""
+    """Not the dispatcher's "Could not run 'tile_ops::gemm' with arguments from the 'SparseCPU' backend", nor a
+    jagged nested tensor's bare NotImplementedError."""
     with pytest.raises(ValueError, match=r"tile_ops\.gemm(_softmax)?: " + message):
         call(torch.randn(3, 4), torch.randn(4, 5))

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, fastpath, forward_ad, functorch, sharding
+from . import checks, dense_only, fastpath, forward_ad, functorch, sharding
 
 OP = "tile_ops.gemm"
 
@@ -247,6 +247,7 @@ def _gemm_op_jvp(a, b, bias=None, out_dtype=None):
 
 
 forward_ad.register_forward_mode(gemm_op, _gemm_op_jvp)
+dense_only.refuse_non_dense("gemm", OP)
 
 
 def _gemm_jvp(ctx, ta, tb, tbias, _):

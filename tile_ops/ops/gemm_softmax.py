@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, fastpath, forward_ad, functorch
+from . import checks, dense_only, fastpath, forward_ad, functorch
 from .gemm import _compute_dtype, gemm, load_kernel_module, matmul_input_grads, needs_input_grad
 
 OP = "tile_ops.gemm_softmax"
@@ -207,6 +207,7 @@ def _gemm_softmax_op_jvp(a, b, scale=1.0, out_dtype=None):
 
 
 forward_ad.register_forward_mode(gemm_softmax_op, _gemm_softmax_op_jvp)
+dense_only.refuse_non_dense("gemm_softmax", OP)
 
 
 def _gemm_softmax_jvp(ctx, ta, tb, *_):
