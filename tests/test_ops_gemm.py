@@ -474,6 +474,7 @@ def test_nested_forward_mode_is_refused():
     (lambda a, b: torch.ops.tile_ops.gemm(a.to_sparse(), b), r"a must be a dense tensor .*got a sparse_coo"),
     (lambda a, b: torch.ops.tile_ops.gemm(a, b.to_sparse_csr().requires_grad_()), r"b must be a dense .*sparse_csr"),
     (lambda a, b: torch.ops.tile_ops.gemm(a, b, torch.randn(5).to_sparse()), r"bias must be a dense .*sparse_coo"),
+    (lambda a, b: torch.ops.tile_ops.gemm(a.to_sparse().to("meta"), b.to("meta")), r"a must be a dense .*sparse_coo"),
     (lambda a, b: torch.ops.tile_ops.gemm_softmax(torch.nested.nested_tensor([a, a[:2]]), b),
      r"a must be a dense .*got a nested tensor"),
     (lambda a, b: torch.ops.tile_ops.gemm(torch.nested.nested_tensor([a, a[:2]], layout=torch.jagged), b),

@@ -3,7 +3,8 @@
 Importing this package registers, under the ``tile_ops`` namespace, each op's
 schema, CUDA implementation (JIT kernels from ``tile_ops.kernels``, imported on
 first CUDA call), CPU reference implementation, fake (meta) implementation for
-``torch.compile``, autograd formula, and its own error for sparse, nested and quantized tensors.
+``torch.compile``, autograd formula, and its own error for sparse, nested, quantized and MKL-DNN
+tensors.
 
     tile_ops.gemm(a, b, bias=None, out_dtype=None)          torch.ops.tile_ops.gemm
     tile_ops.gemm_softmax(a, b, scale=1.0, out_dtype=None)  torch.ops.tile_ops.gemm_softmax

@@ -8,8 +8,9 @@ import torch
 from . import checks
 
 # the dispatch keys of the tensors the ops have no kernels for (each op's kernels are dense CPU/CUDA)
-NON_DENSE_KEYS = ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA", "NestedTensorCPU",
-                  "NestedTensorCUDA", "QuantizedCPU", "QuantizedCUDA", "MkldnnCPU")
+NON_DENSE_KEYS = ("SparseCPU", "SparseCUDA", "SparseMeta", "SparseCsrCPU", "SparseCsrCUDA", "SparseCsrMeta",
+                  "NestedTensorCPU", "NestedTensorCUDA", "NestedTensorMeta", "QuantizedCPU", "QuantizedCUDA",
+                  "MkldnnCPU")
 _LIB = torch.library.Library("tile_ops", "IMPL")
 
 
@@ -32,6 +33,7 @@ def refuse_non_dense(op_name: str, public_name: str) -> None:
         for name, value in zip(names, values):
             if isinstance(value, torch.Tensor):
                 checks.check_is_tensor(public_name, name, value)
+        # not reached while every key above belongs to a non-dense tensor: the check has raised
         raise ValueError(f"{public_name}: takes dense (torch.strided) CPU or CUDA tensors only")
 
     for key in NON_DENSE_KEYS:
