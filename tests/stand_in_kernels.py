@@ -113,11 +113,19 @@ class StandInGemmSoftmax(types.ModuleType):
         return lambda a_ptr, b_ptr, out_ptr, c_ptr: launch(a_ptr, b_ptr, out_ptr)
 
 
+class _NoDeviceSwitch(contextlib.nullcontext):
+    """torch.cuda.device on CPU tensors: no switch.  A class, as torch's is: on a CUDA machine dynamo's own
+    ``isinstance(x, torch.cuda.device)`` checks run while the stand-in is installed."""
+
+    def __init__(self, device):
+        super().__init__()
+
+
 def install(monkeypatch):
     """Stand-in kernel modules, no CUDA device switch, and no plans; returns the two modules."""
     gemm, softmax = StandInGemm(), StandInGemmSoftmax()
     monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm", gemm)
     monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_softmax", softmax)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", _NoDeviceSwitch)
     fastpath.clear()
     return gemm, softmax
