@@ -128,7 +128,7 @@ def config_name(cfg):
             + (f"/k{cfg.split_k}" if cfg.split_k > 1 else "") + (f"/sk{cfg.stream_k}" if cfg.stream_k else "") + ("/tma-store" if cfg.epilogue == "shared" else "")
             + (f"/cluster{cfg.cluster}" if cfg.cluster * cfg.cluster_n > 1 else "")
             + (f"x{cfg.cluster_n}" if cfg.cluster_n > 1 else "") + ("/pingpong" if cfg.pingpong else "")
-            + ("/swap" if cfg.swap_ab else "")
+            + ("/swap" if cfg.swap_ab else "") + (f"/{cfg.policy}" if cfg.policy != "square" else "")
             + ("/no-raster" if not cfg.swizzle else "" if cfg.swizzle == 8 else f"/raster{cfg.swizzle}"))
 
 

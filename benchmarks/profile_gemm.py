@@ -36,19 +36,24 @@ METRICS = {
     "launch__occupancy_limit_shared_mem": "ctas_by_smem",
 }
 # --l2-sources: where the L2's requests come from, in 32-byte sectors: the SMs (L1/TEX, TMA included) and the
-# fabric between the two L2 partitions (a line the far partition holds is looked up in both)
-L2_SOURCES = {"lts__t_sectors_srcunit_tex.sum": "l2_from_sm_MB", "lts__t_sectors_srcunit_ltcfabric.sum": "l2_fabric_MB"}
+# fabric between the two L2 partitions (a line the far partition holds is looked up in both); the SMs' reads
+# the L2 served, against the bytes that arrived in the SMs: every CTA's whole tiles, a multicast counted in
+# each receiver.  The L2 serves fewer: a multicast once, and (H100, NOTES v25) reads of one line by several SMs
+# at about the same time once too, so an unclustered 64x128 kernel's 201 MB arrived on 95 MB of L2 reads
+L2_SOURCES = {"lts__t_sectors_srcunit_tex.sum": "l2_from_sm_MB", "lts__t_sectors_srcunit_ltcfabric.sum": "l2_fabric_MB",
+              "lts__t_sectors_srcunit_tex_op_read.sum": "l2_reads_MB", "l1tex__m_xbar2l1tex_read_bytes.sum": "into_sms_MB"}
 SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, "inst_M": 1e-6,  # from ns, Hz, bytes,
-         "l2_from_sm_MB": 32e-6, "l2_fabric_MB": 32e-6}  # instructions, sectors
+         "l2_from_sm_MB": 32e-6, "l2_fabric_MB": 32e-6, "l2_reads_MB": 32e-6, "into_sms_MB": 1e-6}  # instructions, sectors
 
 
 def parse_config(name, GemmConfig):
     """A GemmConfig from bench_gemm.py's ``config_name``: BMxBNxBK/sS/tT[/kK][/skP][/tma-store][/clusterC[xN]]
-    [/pingpong][/swap][/no-raster|/rasterR]."""
+    [/pingpong][/swap][/full_col|/full_row][/no-raster|/rasterR]."""
     tile, stages, threads, *flags = name.split("/")
     bm, bn, bk = map(int, tile.split("x"))
     kw = dict(swizzle=0 if "no-raster" in flags else 8, epilogue="shared" if "tma-store" in flags else "direct",
-              pingpong="pingpong" in flags, swap_ab="swap" in flags)
+              pingpong="pingpong" in flags, swap_ab="swap" in flags,
+              policy=next((f for f in flags if f in ("full_col", "full_row")), "square"))
     for f in flags:
         if f.startswith("raster") and f[len("raster"):].isdigit():
             kw["swizzle"] = int(f[len("raster"):])

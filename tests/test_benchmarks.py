@@ -239,17 +239,18 @@ def test_bench_sustained_variants_change_the_named_fields_and_build(tmp_path, mo
 
 
 def test_profile_gemm_reads_back_every_config_name_bench_gemm_prints():
-    """profile_gemm.py --config takes bench_gemm.py's names: each default and extra config (warp policies
-    aside, which the names do not carry) reads back as itself, rasterization and swapping included."""
+    """profile_gemm.py --config takes bench_gemm.py's names: each default and extra config reads back as
+    itself, rasterization, swapping and warp policy included."""
     import bench_gemm
     import profile_gemm
 
     from tile_ops.kernels.gemm import GemmConfig, default_config
 
     shapes = [(4096, 4096, 4096), (1000, 1000, 1000), (16, 8192, 8192), (2048, 2048, 2048), (1500, 2000, 2000)]
-    configs = [default_config(*s, "sm_90a") for s in shapes] + [
-        c for c in bench_gemm.EXTRA_CONFIGS["sm_90a"] if c.policy == "square"]
+    configs = [default_config(*s, "sm_90a") for s in shapes] + bench_gemm.EXTRA_CONFIGS["sm_90a"] + [
+        GemmConfig(64, 128, 64, 8, 256, 8, epilogue="shared", cluster=2, policy="full_col")]
     assert {c.swizzle for c in configs} >= {0, 4, 8} and any(c.swap_ab for c in configs)
+    assert {c.policy for c in configs} >= {"square", "full_col"}
     for cfg in configs:
         assert profile_gemm.parse_config(bench_gemm.config_name(cfg), GemmConfig) == cfg
 
@@ -690,3 +691,25 @@ def test_ab_compiler_rounds_alternate_and_the_summary_takes_medians(tmp_path, mo
     row = capsys.readouterr().out.splitlines()[-1].split()
     assert row[2:8] == ["0.900", "0.950", "0.930", "1.000", "0.970", "0.990"] and row[8:10] == ["0.93", "0.99"]
     assert float(row[-1]) == pytest.approx(2 * 1000 ** 3 / 200.0 / 1e6, abs=1e-3)  # cuBLAS µs
+
+
+def test_compare_configs_summarizes_rounds_and_reads_every_name():
+    """compare_configs.py: each config's ratio per process and their median; a config wrong or refused in
+    a process shows there as "-" and does not count; its names are bench_gemm.py's (warp policy included)."""
+    import bench_gemm
+    import compare_configs
+    import profile_gemm
+
+    from tile_ops.kernels.gemm import GemmConfig
+
+    r = lambda cfg, ratio, us: {"shape": "1000x1000x4000", "config": cfg, "vs_cuBLAS": ratio, "us": us}  # noqa: E731
+    rounds = [[r("cuBLAS", 1.0, 20.0), r("default", 0.9, 22.2), r("x", None, None)],
+              [r("cuBLAS", 1.0, 20.4), r("default", 0.94, 21.7), r("x", 0.5, 40.0)],
+              [r("cuBLAS", 1.0, 20.2), r("default", 0.92, 22.0), r("x", 0.7, 29.0)]]
+    rows = {row["config"]: row for row in compare_configs.summary(rounds)}
+    assert rows["default"] == {"shape": "1000x1000x4000", "config": "default", "per_process": "0.900 0.940 0.920",
+                               "median": 0.92, "us": 22.0}
+    assert rows["x"]["per_process"] == "- 0.500 0.700" and rows["x"]["median"] == 0.6
+    cfg = GemmConfig(64, 128, 64, 8, 256, 8, epilogue="shared", cluster=2, policy="full_col")
+    assert bench_gemm.config_name(cfg) == "64x128x64/s8/t256/tma-store/cluster2/full_col"
+    assert profile_gemm.parse_config(bench_gemm.config_name(cfg), GemmConfig) == cfg

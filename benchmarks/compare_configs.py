@@ -1,0 +1,124 @@
+"""Several GEMM configs of ours beside cuBLAS at the same shapes, all timed call by call in one loop.
+
+    python benchmarks/compare_configs.py --configs NAME[,NAME...] [--shapes MxNxK,...] [--dtype float16]
+                                         [--rounds 2] [--json FILE]
+
+NAMEs are bench_gemm.py's config names (``64x128x64/s8/t128/tma-store/cluster2``, ``.../full_col``) or
+``default`` (the library's default for the shape). Each config is checked against float64 first (a wrong
+one is reported and not timed); then every config and cuBLAS run in turn, each call after the same L2
+flush (``common.paired_medians``), so clock and power drift hit all of them alike: the ratios compare
+kernels, not moments. bench_gemm.py times configs one after the other and pairs only the winner.
+
+Each round is a process of its own (a short grid's speed is drawn per process, NOTES v19-v20); the table
+gives every process's ratio to cuBLAS and their median.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def run_round(shapes, names, dtype, rep_ms):
+    """One process's medians: [{shape, config, us, vs_cuBLAS}] (vs_cuBLAS None: wrong or not built)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from common import paired_medians
+    from profile_gemm import parse_config
+
+    from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config
+
+    rows = []
+    for M, N, K in shapes:
+        cfgs = {n: default_config(M, N, K, "sm_90a") if n == "default" else parse_config(n, GemmConfig)
+                for n in names}
+
+        def build(name):
+            try:
+                return build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfgs[name], target="sm_90a")
+            except Exception as e:  # noqa: BLE001  (a config the shape refuses: said, and left out)
+                print(f"{M}x{N}x{K} {name}: {type(e).__name__}: {e}", file=sys.stderr)
+                return None
+
+        with ThreadPoolExecutor(os.cpu_count()) as pool:
+            kernels = dict(zip(names, pool.map(build, names)))
+        dt = getattr(torch, dtype)
+        a, b = torch.randn(M, K, dtype=dt, device="cuda"), torch.randn(K, N, dtype=dt, device="cuda")
+        ref = a.double() @ b.double()
+        fns = {"cuBLAS": lambda: torch.matmul(a, b)}
+        for name, k in kernels.items():
+            if k is None:
+                continue
+            c = torch.full((M, N), float("nan"), dtype=dt, device="cuda")
+            launch = (lambda k=k, c=c: k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()],
+                                                     a.device))
+            launch()
+            err = ((c.double() - ref).norm() / ref.norm()).item()
+            if not err < 5e-3:
+                print(f"WRONG {M}x{N}x{K} {name}: relative error {err:.1e}", file=sys.stderr)
+                continue
+            fns[name] = launch
+        ms = paired_medians(fns, rep_ms=rep_ms)
+        rows += [{"shape": f"{M}x{N}x{K}", "config": name, "us": round(ms[name] * 1e3, 2) if name in ms else None,
+                  "vs_cuBLAS": round(ms["cuBLAS"] / ms[name], 3) if name in ms else None}
+                 for name in ["cuBLAS", *names]]
+    return rows
+
+
+def summary(rounds):
+    """[{shape, config, per-process ratios, median ratio, median µs}] over the rounds."""
+    table = {}
+    for rows in rounds:
+        for r in rows:
+            table.setdefault((r["shape"], r["config"]), []).append(r)
+    med = lambda xs: round(statistics.median(xs), 3) if xs else "-"  # noqa: E731
+    return [{"shape": shape, "config": config,
+             "per_process": " ".join("-" if r["vs_cuBLAS"] is None else f"{r['vs_cuBLAS']:.3f}" for r in rs),
+             "median": med([r["vs_cuBLAS"] for r in rs if r["vs_cuBLAS"] is not None]),
+             "us": med([r["us"] for r in rs if r["us"] is not None])}
+            for (shape, config), rs in table.items()]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", required=True, help="comma-separated config names (bench_gemm.py's), or default")
+    p.add_argument("--shapes", default="1000x1000x1000,1000x1000x4000", help="comma-separated MxNxK")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    p.add_argument("--rounds", type=int, default=2, help="processes, each timing every config")
+    p.add_argument("--rep-ms", type=int, default=1500, help="paired timing per shape and process")
+    p.add_argument("--json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    names = list(dict.fromkeys(["default"] + [n for n in args.configs.split(",") if n]))
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("compare_configs.py times kernels on a CUDA GPU; this machine has none")
+    if args.child:
+        print(json.dumps(run_round(shapes, names, args.dtype, args.rep_ms)))
+        return
+    argv = [sys.executable, os.path.abspath(__file__), "--child", "--configs", args.configs, "--shapes", args.shapes,
+            "--dtype", args.dtype, "--rep-ms", str(args.rep_ms)]
+    rounds = []
+    for i in range(args.rounds):
+        out = subprocess.run(argv, capture_output=True, text=True)
+        sys.stderr.write(out.stderr)
+        if out.returncode:
+            sys.exit(f"compare_configs.py: round {i + 1} failed (exit status {out.returncode})")
+        rounds.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    from common import print_table
+
+    rows = summary(rounds)
+    print_table(rows, ["shape", "config", "per_process", "median", "us"],
+                f"{args.dtype}, ours / cuBLAS paired call by call, {args.rounds} processes (median µs)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": rounds, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
