@@ -29,6 +29,7 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=2),  # A and B multicast
     GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster=4, cluster_n=2),
     GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2),  # short grids: 64-row pairs
+    GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared"),  # ... and the tuner's unclustered alternative
     _HALF_WAVE_K128,  # ... in 128-deep k-steps (K of 512-2048)
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),

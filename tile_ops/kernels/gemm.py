@@ -233,6 +233,11 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
     if not decode and -(-M // 64) % 2 == 0 and _pow2(N) >= 128:  # pairs of 64-row tiles sharing B: short grids
         space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
         space.append(_HALF_WAVE_K128)
+        # ... and the same 8 stages without a cluster: the L2 serves concurrent reads of a line by several SMs
+        # once anyway, and a multicast to one pair does not combine with the other pairs' (1024x1024x4096 on an
+        # H100: 95 MB of L2 reads for 201 MB into the SMs, against the pairs' 121; NOTES v25); it beat the pairs
+        # where rows are 128-byte aligned and lost by 19 % where they are not (1000^3 on the H200, NOTES v15)
+        space.append(GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared"))
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
         if _pow2(N) >= 256:  # ... and of 128x192 tiles (one wave where 128x128 would fill two, NOTES v12)
