@@ -5,9 +5,10 @@
 
 NAMEs are bench_gemm.py's config names (``64x128x64/s8/t128/tma-store/cluster2``, ``.../full_col``) or
 ``default`` (the library's default for the shape). Each config is checked against float64 first (a wrong
-one is reported and not timed); then every config and cuBLAS run in turn, each call after the same L2
-flush (``common.paired_medians``), so clock and power drift hit all of them alike: the ratios compare
-kernels, not moments. bench_gemm.py times configs one after the other and pairs only the winner.
+one, or one the shape refuses, is reported and not timed); then every config and cuBLAS run in turn, each
+call after the same L2 flush (``common.paired_medians``), so clock and power drift hit all of them alike:
+the ratios compare kernels, not moments. bench_gemm.py times configs one after the other and pairs only
+the winner.
 
 Each round is a process of its own (a short grid's speed is drawn per process, NOTES v19-v20); the table
 gives every process's ratio to cuBLAS and their median.
@@ -19,15 +20,17 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+
+from profile_gemm import parse_config
 
 
 def run_round(shapes, names, dtype, rep_ms):
-    """One process's medians: [{shape, config, us, vs_cuBLAS}] (vs_cuBLAS None: wrong or not built)."""
+    """One process's medians: [{shape, config, us, vs_cuBLAS}] (None where a config was wrong or refused)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
     from common import paired_medians
-    from profile_gemm import parse_config
 
     from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config
 
@@ -55,8 +58,12 @@ def run_round(shapes, names, dtype, rep_ms):
             c = torch.full((M, N), float("nan"), dtype=dt, device="cuda")
             launch = (lambda k=k, c=c: k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()],
                                                      a.device))
-            launch()
-            err = ((c.double() - ref).norm() / ref.norm()).item()
+            try:
+                launch()
+                err = ((c.double() - ref).norm() / ref.norm()).item()
+            except Exception as e:  # noqa: BLE001  (a launch the device refuses: said, and left out)
+                print(f"{M}x{N}x{K} {name}: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
             if not err < 5e-3:
                 print(f"WRONG {M}x{N}x{K} {name}: relative error {err:.1e}", file=sys.stderr)
                 continue
@@ -82,7 +89,8 @@ def summary(rounds):
             for (shape, config), rs in table.items()]
 
 
-def main():
+def parse_args(argv=None):
+    """The arguments, with every config name and shape checked before any GPU work."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", required=True, help="comma-separated config names (bench_gemm.py's), or default")
     p.add_argument("--shapes", default="1000x1000x1000,1000x1000x4000", help="comma-separated MxNxK")
@@ -90,34 +98,59 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="processes, each timing every config")
     p.add_argument("--rep-ms", type=int, default=1500, help="paired timing per shape and process")
     p.add_argument("--json")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    names = list(dict.fromkeys(["default"] + [n for n in args.configs.split(",") if n]))
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    p.add_argument("--child-out", help=argparse.SUPPRESS)  # a round's process: its rows go to this file
+    args = p.parse_args(argv)
+    from tile_ops.kernels.gemm import GemmConfig
+
+    args.names = list(dict.fromkeys(["default"] + [n for n in args.configs.split(",") if n]))
+    for name in args.names[1:]:
+        try:
+            parse_config(name, GemmConfig)
+        except (ValueError, TypeError) as e:
+            p.error(f"--configs: {e}")
+    try:
+        args.shape_list = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        args.shape_list = []
+    if not args.shape_list or any(len(s) != 3 or min(s) < 1 for s in args.shape_list):
+        p.error(f"--shapes {args.shapes!r}: accepted: comma-separated MxNxK of positive integers (1000x1000x4000)")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("compare_configs.py times kernels on a CUDA GPU; this machine has none")
-    if args.child:
-        print(json.dumps(run_round(shapes, names, args.dtype, args.rep_ms)))
+    if args.child_out:
+        with open(args.child_out, "w") as f:
+            json.dump(run_round(args.shape_list, args.names, args.dtype, args.rep_ms), f)
         return
-    argv = [sys.executable, os.path.abspath(__file__), "--child", "--configs", args.configs, "--shapes", args.shapes,
-            "--dtype", args.dtype, "--rep-ms", str(args.rep_ms)]
-    rounds = []
-    for i in range(args.rounds):
-        out = subprocess.run(argv, capture_output=True, text=True)
-        sys.stderr.write(out.stderr)
-        if out.returncode:
-            sys.exit(f"compare_configs.py: round {i + 1} failed (exit status {out.returncode})")
-        rounds.append(json.loads(out.stdout.strip().splitlines()[-1]))
     from common import print_table
 
-    rows = summary(rounds)
-    print_table(rows, ["shape", "config", "per_process", "median", "us"],
-                f"{args.dtype}, ours / cuBLAS paired call by call, {args.rounds} processes (median µs)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rounds": rounds, "rows": rows}, f, indent=1)
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            out = os.path.join(tmp, f"round{i}.json")
+            child = [sys.executable, os.path.abspath(__file__), "--configs", args.configs, "--shapes", args.shapes,
+                     "--dtype", args.dtype, "--rep-ms", str(args.rep_ms), "--child-out", out]
+            rc = subprocess.run(child).returncode  # its stderr (refused or wrong configs) shows as it goes
+            if rc or not os.path.exists(out):
+                print(f"compare_configs.py: round {i + 1} failed (exit status {rc})", file=sys.stderr)
+                break
+            with open(out) as f:
+                rounds.append(json.load(f))
+            if args.json:  # what has run so far survives a timeout
+                with open(args.json, "w") as f:
+                    json.dump({"rounds": rounds, "rows": summary(rounds)}, f, indent=1)
+    if rounds:
+        print_table(summary(rounds), ["shape", "config", "per_process", "median", "us"],
+                    f"{args.dtype}, ours / cuBLAS paired call by call, {len(rounds)} processes (median µs)")
+    if len(rounds) < args.rounds:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import argparse
 import csv
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -48,24 +49,30 @@ SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, 
 
 def parse_config(name, GemmConfig):
     """A GemmConfig from bench_gemm.py's ``config_name``: BMxBNxBK/sS/tT[/kK][/skP][/tma-store][/clusterC[xN]]
-    [/pingpong][/swap][/full_col|/full_row][/no-raster|/rasterR]."""
-    tile, stages, threads, *flags = name.split("/")
+    [/pingpong][/swap][/full_col|/full_row][/no-raster|/rasterR].  A part it does not know is an error (a
+    misspelt flag would otherwise time another kernel under the name given)."""
+    tile, stages, threads, *flags = (name.split("/") + ["", ""])[:3] + name.split("/")[3:]
+    if not (re.fullmatch(r"\d+x\d+x\d+", tile) and re.fullmatch(r"s\d+", stages) and re.fullmatch(r"t\d+", threads)):
+        raise ValueError(f"config name {name!r}: must start BMxBNxBK/sSTAGES/tTHREADS (e.g. 64x128x64/s8/t128)")
     bm, bn, bk = map(int, tile.split("x"))
-    kw = dict(swizzle=0 if "no-raster" in flags else 8, epilogue="shared" if "tma-store" in flags else "direct",
-              pingpong="pingpong" in flags, swap_ab="swap" in flags,
-              policy=next((f for f in flags if f in ("full_col", "full_row")), "square"))
+    kw = dict(swizzle=8, epilogue="direct", pingpong=False, swap_ab=False, policy="square")
     for f in flags:
-        if f.startswith("raster") and f[len("raster"):].isdigit():
-            kw["swizzle"] = int(f[len("raster"):])
-            continue
-        if f.startswith("cluster") and "x" in f:  # clusterCxN
-            kw["cluster"], kw["cluster_n"] = map(int, f[len("cluster"):].split("x"))
-            continue
-        for prefix, key in (("sk", "stream_k"), ("k", "split_k"), ("cluster", "cluster")):
-            if f.startswith(prefix) and f[len(prefix):].isdigit():
-                kw[key] = int(f[len(prefix):])
-                break
+        if f in _FLAGS:
+            kw.update(_FLAGS[f])
+        elif m := re.fullmatch(r"raster(\d+)", f):
+            kw["swizzle"] = int(m[1])
+        elif m := re.fullmatch(r"cluster(\d+)(?:x(\d+))?", f):
+            kw["cluster"], kw["cluster_n"] = int(m[1]), int(m[2] or 1)
+        elif m := re.fullmatch(r"(sk|k)(\d+)", f):
+            kw["stream_k" if m[1] == "sk" else "split_k"] = int(m[2])
+        else:
+            raise ValueError(f"config name {name!r}: unknown part {f!r} (accepted: kK, skP, clusterC, clusterCxN, "
+                             f"rasterR, {', '.join(_FLAGS)})")
     return GemmConfig(bm, bn, bk, int(stages[1:]), int(threads[1:]), **kw)
+
+
+_FLAGS = {"tma-store": dict(epilogue="shared"), "pingpong": dict(pingpong=True), "swap": dict(swap_ab=True),
+          "full_col": dict(policy="full_col"), "full_row": dict(policy="full_row"), "no-raster": dict(swizzle=0)}
 
 
 # our kernels' names: gemm_kernel, gemm_swapped_kernel (swap configs), gemm_splitk_kernel (split-K), gemm_softmax_kernel
@@ -167,7 +174,8 @@ def main():
     p.add_argument("--stalls", type=int, default=0, help="also print the N SASS lines with the most stall samples")
     p.add_argument("--op", choices=sorted(KERNEL_REGEX), default="gemm", help="which of our kernels")
     p.add_argument("--l2-sources", action="store_true",
-                   help="also split the L2's traffic by source: the SMs, the fabric between its partitions")
+                   help="also split the L2's traffic by source (the SMs, the fabric between its partitions) and give "
+                        "the SMs' reads the L2 served beside the bytes that arrived in the SMs")
     p.add_argument("--l2", choices=("clean", "dirty"), default="clean",
                    help="the L2 before each kernel: flushed clean by ncu, or dirty as bench_gemm.py leaves it")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -181,7 +189,8 @@ def main():
     names = {**METRICS, **(L2_SOURCES if args.l2_sources else {})}
     base = [m for m in METRICS if not m.endswith("pct_of_peak_sustained_active")]
     extra = list(L2_SOURCES) if args.l2_sources else []
-    tries = [list(METRICS) + extra, list(METRICS), base + extra, base]
+    older = extra[:2]  # the two sources an older ncu had before the read and into-the-SMs counters
+    tries = [list(METRICS) + extra, list(METRICS) + older, list(METRICS), base + extra, base + older, base]
     for metrics in dict.fromkeys(map(tuple, tries)):
         # then without the counters an older ncu or driver may lack (the L2 sources; gmma, l1tex)
         # the second call of ours and of cuBLAS, every kernel of each (a fixed launch window, "skip 4, count 2",

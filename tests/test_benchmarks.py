@@ -583,35 +583,41 @@ def test_l2_state_compile_only_builds_the_kernel_its_promotions_apply_to(tmp_pat
 
 
 def test_profile_gemm_l2_sources_fall_back_when_ncu_lacks_them(monkeypatch, capsys):
-    """--l2-sources asks ncu for the L2's sectors by source as well; an ncu that rejects them still gets the base
+    """--l2-sources asks ncu for the L2's sectors by source and its reads beside the bytes into the SMs as well;
+    an ncu that lacks the newer two keeps the older two sources, one that lacks all of them still gets the base
     counters, and the table shows the columns of the set that ran."""
     import types
 
     import profile_gemm
 
-    asked, ncu_knows_sources = [], [False]
+    sources = list(profile_gemm.L2_SOURCES)
+    asked, known = [], set()
 
     def run(cmd, **_):
         metrics = cmd[cmd.index("--metrics") + 1].split(",")
         asked.append(metrics)
-        if "lts__t_sectors_srcunit_ltcfabric.sum" in metrics and not ncu_knows_sources[0]:
+        if any(m in sources and m not in known for m in metrics):
             return types.SimpleNamespace(returncode=1, stdout="==ERROR== unknown metric", stderr="")
         rows = "".join(f'"1","gemm_kernel_kernel","{m}","1000"\n' for m in metrics)
         return types.SimpleNamespace(returncode=0, stdout='"ID","Kernel Name","Metric Name","Metric Value"\n' + rows,
                                      stderr="")
 
     def table_header():
+        asked.clear()
         profile_gemm.main()
         return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("kernel"))
 
     monkeypatch.setattr(profile_gemm.subprocess, "run", run)
     monkeypatch.setattr(sys, "argv", ["profile_gemm.py", "--shape", "64x64x64", "--l2-sources"])
     header = table_header()
-    assert len(asked) == 2 and set(profile_gemm.L2_SOURCES) <= set(asked[0]) and asked[1] == list(profile_gemm.METRICS)
+    assert len(asked) == 3 and set(sources) <= set(asked[0]) and asked[2] == list(profile_gemm.METRICS)
     assert "l2_MB" in header and "l2_fabric_MB" not in header
-    ncu_knows_sources[0] = True
+    known.update(sources[:2])  # an ncu with the two older sources only
     header = table_header()
-    assert "l2_from_sm_MB" in header and "l2_fabric_MB" in header
+    assert len(asked) == 2 and "l2_fabric_MB" in header and "into_sms_MB" not in header
+    known.update(sources)
+    header = table_header()
+    assert len(asked) == 1 and {"l2_from_sm_MB", "l2_fabric_MB", "l2_reads_MB", "into_sms_MB"} <= set(header.split())
 
 
 def _patch_of(path: pathlib.Path, old: str, new: str) -> str:
@@ -713,3 +719,50 @@ def test_compare_configs_summarizes_rounds_and_reads_every_name():
     cfg = GemmConfig(64, 128, 64, 8, 256, 8, epilogue="shared", cluster=2, policy="full_col")
     assert bench_gemm.config_name(cfg) == "64x128x64/s8/t256/tma-store/cluster2/full_col"
     assert profile_gemm.parse_config(bench_gemm.config_name(cfg), GemmConfig) == cfg
+
+
+def test_compare_configs_runs_a_process_per_round_and_keeps_what_finished(monkeypatch, tmp_path, capsys):
+    """The parent checks names and shapes before any GPU work, runs one child per round (each writes its rows
+    to the file it is given), prints the table and the JSON; a failed round stops the rounds, the finished
+    ones are still reported, and the exit status says it failed."""
+    import compare_configs
+
+    calls = []
+
+    def child(cmd, **kw):
+        calls.append(cmd)
+        out = cmd[cmd.index("--child-out") + 1]
+        if len(calls) == 3:  # the third round dies
+            return subprocess.CompletedProcess(cmd, 1)
+        rows = [{"shape": "64x64x64", "config": c, "us": 5.0, "vs_cuBLAS": r}
+                for c, r in (("cuBLAS", 1.0), ("default", 0.9 + 0.02 * len(calls)))]
+        pathlib.Path(out).write_text(json.dumps(rows))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compare_configs.subprocess, "run", child)
+    report = tmp_path / "c.json"
+    with pytest.raises(SystemExit) as exit_:
+        compare_configs.main(["--configs", "default,default", "--shapes", "64x64x64", "--rounds", "4",
+                              "--json", str(report)])
+    assert exit_.value.code == 1 and len(calls) == 3
+    assert all(c[c.index("--shapes") + 1] == "64x64x64" for c in calls)
+    out = capsys.readouterr()
+    assert "round 3 failed" in out.err and "0.920 0.940" in out.out and "2 processes" in out.out
+    assert [r["median"] for r in json.loads(report.read_text())["rows"] if r["config"] == "default"] == [0.93]
+    for bad in (["--configs", "64x128x64/s8/t128/tma_store"], ["--configs", "default", "--shapes", "64x64"]):
+        with pytest.raises(SystemExit):
+            compare_configs.main(bad)
+    assert len(calls) == 3  # refused before any child ran
+
+
+@pytest.mark.parametrize("name, why", [("64x128/s8", "must start BMxBNxBK"), ("64x128x64/s8/t128/tma_store",
+                                       "unknown part 'tma_store'"), ("64x128x64/s8/t128/fullcol", "unknown part")])
+def test_profile_gemm_refuses_a_config_name_it_cannot_read(name, why):
+    """A misspelt part is an error, not a silently different kernel timed under the name given."""
+    import profile_gemm
+
+    from tile_ops.kernels.gemm import GemmConfig
+
+    with pytest.raises(ValueError, match=why):
+        profile_gemm.parse_config(name, GemmConfig)

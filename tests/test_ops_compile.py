@@ -185,7 +185,7 @@ def test_gemm_softmax_with_a_varying_scale_compiles_fullgraph(dynamic):
         grads = [torch.autograd.grad((p * w).sum(), (a, b)) for p in (y, want)]
         for got, expected in zip(*grads):
             torch.testing.assert_close(got, expected)
-    # torch 2.13 re-raises the op's ValueError; earlier releases wrap it in dynamo's TorchRuntimeError
+    # torch 2.13 re-raises the op's ValueError; 2.11 (the GPU machine's) wraps it in dynamo's TorchRuntimeError
     refused = (ValueError, torch._dynamo.exc.TorchRuntimeError)
     with pytest.raises(refused, match="scale must be a finite float, got inf"):
         f(a, b, float("inf"))
