@@ -75,10 +75,15 @@ def fastest_correct(kernels, check, run, tolerance, name, unit):
     """``(ms, relative error, config)`` of the fastest of ``kernels`` ({config: kernel}) that passes its check,
     or ``(inf, None, None)``.  ``check(kernel)`` launches once and returns the relative error against the
     float64 reference; a kernel at or over ``tolerance`` is reported WRONG and never timed (a wrong kernel
-    never wins).  ``run(kernel)`` is what gets timed; each timing is printed as ``name(config): unit(ms)``."""
+    never wins), one whose launch fails is reported FAILED and left out (the others still run).  ``run(kernel)``
+    is what gets timed; each timing is printed as ``name(config): unit(ms)``."""
     best = (float("inf"), None, None)
     for cfg, kernel in kernels.items():
-        err = check(kernel)
+        try:
+            err = check(kernel)
+        except Exception as e:  # noqa: BLE001  (e.g. a cluster shape the device cannot schedule)
+            print(f"FAILED {name(cfg)}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
         if not err < tolerance:
             print(f"WRONG {name(cfg)}: relative error {err:.1e}", file=sys.stderr)
             continue

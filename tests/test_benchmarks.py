@@ -766,3 +766,20 @@ def test_profile_gemm_refuses_a_config_name_it_cannot_read(name, why):
 
     with pytest.raises(ValueError, match=why):
         profile_gemm.parse_config(name, GemmConfig)
+
+
+def test_fastest_correct_leaves_out_wrong_and_failed_kernels(monkeypatch, capsys):
+    """A kernel whose check launch raises is reported FAILED, a wrong one WRONG; neither is timed, and the
+    fastest of the rest wins."""
+    times = {"fast": 1.0, "slow": 2.0, "wrong": 0.1, "fails": 0.1}
+    monkeypatch.setattr(common, "bench_ms", lambda fn: fn())
+
+    def check(k):
+        if k == "fails":
+            raise RuntimeError("cuLaunchKernelEx: cluster misconfiguration")
+        return 1.0 if k == "wrong" else 1e-4
+
+    best = common.fastest_correct({k: k for k in times}, check, lambda k: times[k], 5e-3, str, str)
+    assert best == (1.0, 1e-4, "fast")
+    err = capsys.readouterr().err
+    assert "FAILED fails: RuntimeError: cuLaunchKernelEx: cluster misconfiguration" in err and "WRONG wrong" in err
