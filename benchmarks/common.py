@@ -71,22 +71,31 @@ def _rounds(fns, flush, rounds):
             fn()
 
 
-def fastest_correct(kernels, check, run, tolerance, name, unit):
-    """``(ms, relative error, config)`` of the fastest of ``kernels`` ({config: kernel}) that passes its check,
-    or ``(inf, None, None)``.  ``check(kernel)`` launches once and returns the relative error against the
-    float64 reference; a kernel at or over ``tolerance`` is reported WRONG and never timed (a wrong kernel
-    never wins), one whose launch fails is reported FAILED and left out (the others still run).  ``run(kernel)``
-    is what gets timed; each timing is printed as ``name(config): unit(ms)``."""
-    best = (float("inf"), None, None)
+def passing(kernels, check, tolerance, name):
+    """{config: (kernel, relative error)} of ``kernels`` ({config: kernel}) whose check passes.  ``check(kernel)``
+    launches once and returns the relative error against the float64 reference; a kernel at or over
+    ``tolerance`` is reported WRONG, one whose launch raises FAILED (e.g. a cluster shape the device cannot
+    schedule), and both are left out: a wrong kernel is never timed, and the others still run."""
+    ok = {}
     for cfg, kernel in kernels.items():
         try:
             err = check(kernel)
-        except Exception as e:  # noqa: BLE001  (e.g. a cluster shape the device cannot schedule)
+        except Exception as e:  # noqa: BLE001
             print(f"FAILED {name(cfg)}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         if not err < tolerance:
             print(f"WRONG {name(cfg)}: relative error {err:.1e}", file=sys.stderr)
             continue
+        ok[cfg] = (kernel, err)
+    return ok
+
+
+def fastest_correct(kernels, check, run, tolerance, name, unit):
+    """``(ms, relative error, config)`` of the fastest of ``kernels`` ({config: kernel}) that passes its check
+    (``passing``), or ``(inf, None, None)``.  ``run(kernel)`` is what gets timed; each timing is printed as
+    ``name(config): unit(ms)``."""
+    best = (float("inf"), None, None)
+    for cfg, (kernel, err) in passing(kernels, check, tolerance, name).items():
         ms = bench_ms(lambda: run(kernel))
         print(f"{name(cfg)}: {unit(ms)}", file=sys.stderr)
         if ms < best[0]:

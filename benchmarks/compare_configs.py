@@ -30,45 +30,31 @@ def run_round(shapes, names, dtype, rep_ms):
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
-    from common import paired_medians
+    from bench_gemm import kernels_for
+    from common import paired_medians, passing
 
-    from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config
+    from tile_ops.kernels.gemm import GemmConfig, default_config
 
     rows = []
     for M, N, K in shapes:
         cfgs = {n: default_config(M, N, K, "sm_90a") if n == "default" else parse_config(n, GemmConfig)
                 for n in names}
-
-        def build(name):
-            try:
-                return build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfgs[name], target="sm_90a")
-            except Exception as e:  # noqa: BLE001  (a config the shape refuses: said, and left out)
-                print(f"{M}x{N}x{K} {name}: {type(e).__name__}: {e}", file=sys.stderr)
-                return None
-
-        with ThreadPoolExecutor(os.cpu_count()) as pool:
-            kernels = dict(zip(names, pool.map(build, names)))
+        with ThreadPoolExecutor(os.cpu_count()) as pool:  # built in parallel; a config the shape refuses is said
+            built = dict(zip(names, pool.map(lambda n: kernels_for(M, N, K, dtype, False, [cfgs[n]], "sm_90a"),
+                                             names)))
         dt = getattr(torch, dtype)
         a, b = torch.randn(M, K, dtype=dt, device="cuda"), torch.randn(K, N, dtype=dt, device="cuda")
         ref = a.double() @ b.double()
-        fns = {"cuBLAS": lambda: torch.matmul(a, b)}
-        for name, k in kernels.items():
-            if k is None:
-                continue
+
+        def launcher(k):  # a launch into an output of its own, which it returns (NaN before the first)
             c = torch.full((M, N), float("nan"), dtype=dt, device="cuda")
-            launch = (lambda k=k, c=c: k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()],
-                                                     a.device))
-            try:
-                launch()
-                err = ((c.double() - ref).norm() / ref.norm()).item()
-            except Exception as e:  # noqa: BLE001  (a launch the device refuses: said, and left out)
-                print(f"{M}x{N}x{K} {name}: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
-                continue
-            if not err < 5e-3:
-                print(f"WRONG {M}x{N}x{K} {name}: relative error {err:.1e}", file=sys.stderr)
-                continue
-            fns[name] = launch
-        ms = paired_medians(fns, rep_ms=rep_ms)
+            return lambda: (k.launch_ptrs([a.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()], a.device), c)[1]
+
+        launches = {n: launcher(k[cfgs[n]]) for n, k in built.items() if k}
+        ok = passing(launches, lambda launch: ((launch().double() - ref).norm() / ref.norm()).item(), 5e-3,
+                     lambda n: f"{M}x{N}x{K} {n}")
+        ms = paired_medians({"cuBLAS": lambda: torch.matmul(a, b), **{n: launch for n, (launch, _) in ok.items()}},
+                            rep_ms=rep_ms)
         rows += [{"shape": f"{M}x{N}x{K}", "config": name, "us": round(ms[name] * 1e3, 2) if name in ms else None,
                   "vs_cuBLAS": round(ms["cuBLAS"] / ms[name], 3) if name in ms else None}
                  for name in ["cuBLAS", *names]]

@@ -783,3 +783,53 @@ def test_fastest_correct_leaves_out_wrong_and_failed_kernels(monkeypatch, capsys
     assert best == (1.0, 1e-4, "fast")
     err = capsys.readouterr().err
     assert "FAILED fails: RuntimeError: cuLaunchKernelEx: cluster misconfiguration" in err and "WRONG wrong" in err
+
+
+def test_compare_configs_round_times_only_configs_that_build_launch_and_are_right(monkeypatch, capsys):
+    """One round on CPU stand-ins: a config the shape refuses, one whose launch raises and one that computes
+    the wrong product are said and left out (None in the rows); cuBLAS and the right ones are timed together."""
+    import bench_gemm
+    import compare_configs
+    import common
+
+    tensors = {}
+
+    def on_cpu(make):
+        def made(*args, device=None, **kw):
+            t = make(*args, **kw)
+            tensors[t.data_ptr()] = t
+            return t
+        return made
+
+    class Kernel:
+        def __init__(self, how):
+            self.how = how
+
+        def launch_ptrs(self, ptrs, device):
+            a, b, c = (tensors[p] for p in ptrs[:3])
+            if self.how == "fails":
+                raise RuntimeError("cluster misconfiguration")
+            c.copy_(a @ b if self.how == "right" else a @ b + 1)
+
+    how = {(64, 128, 64): "right", (128, 128, 64): "wrong", (128, 64, 64): "fails"}
+
+    def kernels_for(M, N, K, dtype, trans_B, configs, arch):
+        cfg = configs[0]
+        if cfg.block_M == 256:
+            return {}  # refused by the shape
+        return {cfg: Kernel(how.get((cfg.block_M, cfg.block_N, cfg.block_K), "right"))}
+
+    timed = []
+    monkeypatch.setattr(torch, "randn", on_cpu(torch.randn))
+    monkeypatch.setattr(torch, "full", on_cpu(torch.full))
+    monkeypatch.setattr(bench_gemm, "kernels_for", kernels_for)
+    monkeypatch.setattr(common, "paired_medians", lambda fns, rep_ms: timed.append(set(fns)) or
+                        {n: (2.0 if n == "cuBLAS" else 2.5) for n in fns})
+    names = ["default", "64x128x64/s8/t128", "128x128x64/s4/t128", "128x64x64/s4/t128", "256x128x64/s3/t256"]
+    rows = compare_configs.run_round([(64, 64, 64)], names, "float32", 10)
+    assert timed == [{"cuBLAS", "default", "64x128x64/s8/t128"}]
+    ratio = {r["config"]: r["vs_cuBLAS"] for r in rows}
+    assert ratio == {"cuBLAS": 1.0, "default": 0.8, "64x128x64/s8/t128": 0.8, "128x128x64/s4/t128": None,
+                     "128x64x64/s4/t128": None, "256x128x64/s3/t256": None}
+    err = capsys.readouterr().err
+    assert "WRONG 64x64x64 128x128x64/s4/t128" in err and "FAILED 64x64x64 128x64x64/s4/t128: RuntimeError" in err
