@@ -51,9 +51,11 @@ def parse_config(name, GemmConfig):
     """A GemmConfig from bench_gemm.py's ``config_name``: BMxBNxBK/sS/tT[/kK][/skP][/tma-store][/clusterC[xN]]
     [/pingpong][/swap][/full_col|/full_row][/no-raster|/rasterR].  A part it does not know is an error (a
     misspelt flag would otherwise time another kernel under the name given)."""
-    tile, stages, threads, *flags = (name.split("/") + ["", ""])[:3] + name.split("/")[3:]
-    if not (re.fullmatch(r"\d+x\d+x\d+", tile) and re.fullmatch(r"s\d+", stages) and re.fullmatch(r"t\d+", threads)):
+    parts = name.split("/")
+    if len(parts) < 3 or not all(re.fullmatch(pattern, part) for pattern, part in
+                                 zip((r"\d+x\d+x\d+", r"s\d+", r"t\d+"), parts)):
         raise ValueError(f"config name {name!r}: must start BMxBNxBK/sSTAGES/tTHREADS (e.g. 64x128x64/s8/t128)")
+    tile, stages, threads, *flags = parts
     bm, bn, bk = map(int, tile.split("x"))
     kw = dict(swizzle=8, epilogue="direct", pingpong=False, swap_ab=False, policy="square")
     for f in flags:
