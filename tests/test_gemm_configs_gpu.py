@@ -6,7 +6,7 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import _HALF_WAVE, _HALF_WAVE_K128, _PAIRED_128, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config
+from tile_ops.kernels.gemm import _HALF_WAVE, _HALF_WAVE_K128, _HALF_WAVE_LINES, _HALF_WAVE_LINES_K128, _PAIRED_128, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -29,8 +29,9 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=2),  # A and B multicast
     GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster=4, cluster_n=2),
     GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2),  # short grids: 64-row pairs
-    GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared"),  # ... and the tuner's unclustered alternative
+    _HALF_WAVE_LINES,  # ... unclustered: the default where rows are whole 128-byte lines
     _HALF_WAVE_K128,  # ... in 128-deep k-steps (K of 512-2048)
+    _HALF_WAVE_LINES_K128,
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
@@ -82,12 +83,13 @@ def test_gemm_config_on_hopper(cfg, shape, variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("shape, cfg", [((1000, 1000, 999), _HALF_WAVE_K128), ((1024, 1001, 1000), _HALF_WAVE_K128),
-                                        ((768, 1024, 2048), _HALF_WAVE_K128), ((1000, 1000, 4000), _HALF_WAVE),
-                                        ((1000, 1000, 200), _HALF_WAVE)],
+                                        ((1000, 1000, 4000), _HALF_WAVE), ((1000, 1000, 200), _HALF_WAVE),
+                                        ((768, 1024, 2048), _HALF_WAVE_LINES_K128), ((960, 1024, 4096), _HALF_WAVE_LINES)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
-def test_half_wave_pairs_on_unaligned_and_short_grids(shape, cfg, variant, pad):
-    """Short grids default to clustered pairs of 64x128 tiles (128-deep k-steps where K is 512-2048), rows
-    that are not 16 bytes included: padded for TMA, or (pad=False) read by the synchronous-copy path."""
+def test_half_wave_defaults_on_short_grids(shape, cfg, variant, pad):
+    """Short grids default to 64x128 tiles (128-deep k-steps where K is 512-2048), in clustered pairs unless
+    every row is whole 128-byte lines; rows that are not 16 bytes included: padded for TMA, or (pad=False)
+    read by the synchronous-copy path."""
     assert default_config(*shape, "sm_90a") == cfg
     check(cfg, shape, variant, "sm_90a", pad)
 

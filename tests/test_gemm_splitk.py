@@ -235,20 +235,26 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     ((2000, 3000, 1000), "_WIDE_PAIRED"), ((1152, 2048, 2048), "_WIDE"), ((4096, 4096, 4096), None),
     ((1000, 1000, 1000), "_HALF_WAVE_K128"), ((1000, 1000, 999), "_HALF_WAVE_K128"),
     ((1000, 1000, 512), "_HALF_WAVE_K128"), ((1000, 1000, 2048), "_HALF_WAVE_K128"), ((1000, 1000, 511), "_HALF_WAVE"),
-    ((1000, 1000, 2049), "_HALF_WAVE"), ((1000, 1000, 4000), "_HALF_WAVE"), ((1000, 1000, 256), "_HALF_WAVE")])
+    ((1000, 1000, 2049), "_HALF_WAVE"), ((1000, 1000, 4000), "_HALF_WAVE"), ((1000, 1000, 256), "_HALF_WAVE"),
+    ((1024, 1024, 4096), "_HALF_WAVE_LINES"), ((1024, 1024, 1024), "_HALF_WAVE_LINES_K128"),
+    ((768, 1024, 2048), "_HALF_WAVE_LINES_K128"), ((1024, 1024, 256), "_HALF_WAVE_LINES"),
+    ((1024, 1024, 4000), "_HALF_WAVE"), ((1024, 1000, 1024), "_HALF_WAVE_K128"), ((960, 1024, 1024), "_HALF_WAVE_LINES_K128"),
+    ((900, 1024, 1024), None)])
 def test_default_tiles_fit_the_waves(shape, default):
     """128x128 tiles in clustered pairs where there are more of them than SMs (1024x2048: 128, one wave,
     stays unclustered); 128x192 tiles where they fill one wave and 128x128 or 128x256 ones would leave
     most of a second idle (1536x2048: 132 against 192 of 128x128; 2000x3000: 256 against 192 of 128x256),
     paired where the M tiles pair up (1152: 9 do not); short grids in pairs of 64-row tiles, 128-deep k-steps
-    where K is 512-2048; rows that are not 16 bytes (2044, 999) change nothing: build_gemm pads them for TMA."""
+    where K is 512-2048, unclustered where M, N and K are multiples of 64 (every row whole 128-byte lines,
+    however A and B are stored: 960's 15 row tiles too; 900's 15 do not pair, so 128x128 tiles); rows that are not 16 bytes (2044, 999) change
+    nothing: build_gemm pads them for TMA."""
     cfg = default_config(*shape, "sm_90a")
     if default is None:
         assert cfg in gemm_kernels._HOPPER_TILES
         return
     assert cfg == getattr(gemm_kernels, default)
     if default != "_WIDE":
-        assert (cfg.cluster, cfg.epilogue) == (2, "shared")
+        assert (cfg.cluster, cfg.epilogue) == (1 if "LINES" in default else 2, "shared")
     assert cfg in gemm_kernels.config_space(*shape, arch="sm_90a")  # the tuner measures it too
 
 

@@ -89,8 +89,8 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
             return _decode_config(M, N, K, batch)
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
-                if cfg.block_N == 128 and _half_wave(M, N, batch):
-                    return _HALF_WAVE_K128 if 512 <= K <= 2048 else _HALF_WAVE
+                if cfg.block_N == 128 and (short := _half_wave_config(M, N, K, batch)):
+                    return short
                 if cfg.block_N >= 128 and _waves(M, N, 192, batch) <= 0.8 * _waves(M, N, cfg.block_N, batch):
                     return _WIDE_PAIRED if -(-M // 128) % 2 == 0 else _WIDE
                 return _PAIRED_128 if cfg.block_N == 128 and _paired_waves(M, N, batch) else cfg
@@ -113,10 +113,29 @@ _HALF_WAVE = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
 _HALF_WAVE_K128 = GemmConfig(64, 128, 128, 4, 128, 8, epilogue="shared", cluster=2)
 
 
-def _half_wave(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
-    """One wave of 64x128 tiles in pairs (TMA loads them: build_gemm pads rows that are not 16-byte)."""
-    tiles = batch * -(-M // 64) * -(-N // 128)
-    return tiles <= sms and -(-M // 64) % 2 == 0
+# ... and both without a cluster where every operand row is whole 128-byte lines (M, N and K multiples of 64,
+# whichever way A and B are stored), also for an odd count of M tiles (960: 15): on the H200, paired beside
+# cuBLAS, 0.864 -> 0.949 at 1024x1024x4096, 0.894 -> 0.950 at 768x1024x2048, 0.957 -> 1.036 at 1024^3,
+# 0.853 -> 1.082 at 960x1024x1024 (from 128x128 tiles). With B's rows 2000 bytes (1000 columns) they lose
+# 12-27 % (1000x1000x4000: 0.92 -> 0.67; ncu: 181 MB of L2 reads against the pairs' 139), so unaligned rows
+# keep the pairs (NOTES v26)
+_HALF_WAVE_LINES = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared")
+_HALF_WAVE_LINES_K128 = GemmConfig(64, 128, 128, 4, 128, 8, epilogue="shared")
+
+
+def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> GemmConfig | None:
+    """One wave of 64x128 tiles (at most one per SM), or None: 128-deep k-steps where K is 512-2048; unclustered
+    where rows are whole lines, else in pairs, which need an even count of M tiles (TMA loads every row:
+    build_gemm pads rows that are not 16-byte)."""
+    m_tiles = -(-M // 64)
+    if batch * m_tiles * -(-N // 128) > sms:
+        return None
+    deep = 512 <= K <= 2048
+    if M % 64 == 0 and N % 64 == 0 and K % 64 == 0:
+        return _HALF_WAVE_LINES_K128 if deep else _HALF_WAVE_LINES
+    if m_tiles % 2:
+        return None
+    return _HALF_WAVE_K128 if deep else _HALF_WAVE
 
 
 # 128x128 tiles over more than one wave (2048^3: 256): pairs of M tiles multicast their B tile, six stages,
@@ -233,11 +252,12 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
     if not decode and -(-M // 64) % 2 == 0 and _pow2(N) >= 128:  # pairs of 64-row tiles sharing B: short grids
         space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
         space.append(_HALF_WAVE_K128)
-        # ... and the same 8 stages without a cluster: the L2 serves concurrent reads of a line by several SMs
-        # once anyway, and a multicast to one pair does not combine with the other pairs' (1024x1024x4096 on an
-        # H100: 95 MB of L2 reads for 201 MB into the SMs, against the pairs' 121; NOTES v25); it beat the pairs
-        # where rows are 128-byte aligned and lost by 19 % where they are not (1000^3 on the H200, NOTES v15)
-        space.append(GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared"))
+    if not decode and _pow2(N) >= 128:
+        # ... and both depths without a cluster: the L2 serves concurrent reads of a line by several SMs once
+        # anyway, and a multicast to one pair does not combine with the other pairs' (1024x1024x4096 on an
+        # H100: 95 MB of L2 reads for 201 MB into the SMs, against the pairs' 121; NOTES v25); the default
+        # where rows are whole lines, candidates elsewhere
+        space += [_HALF_WAVE_LINES, _HALF_WAVE_LINES_K128]
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
         if _pow2(N) >= 256:  # ... and of 128x192 tiles (one wave where 128x128 would fill two, NOTES v12)
