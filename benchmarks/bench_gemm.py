@@ -164,7 +164,7 @@ def kernels_for(M, N, K, dtype, trans_B, configs, arch):
         try:
             out[cfg] = build_gemm(M, N, K, 1, 1, 1, False, trans_B, False, dtype, dtype, cfg, target=arch)
         except ValueError as e:
-            print(f"{M}x{N}x{K} {dtype} {config_name(cfg)}: {e}", file=sys.stderr)
+            sys.stderr.write(f"{M}x{N}x{K} {dtype} {config_name(cfg)}: {e}\n")  # one write: built in threads
     return out
 
 

@@ -70,8 +70,10 @@ SHAPES = {
     "pad_rows": [("small", (16, 120, 128)), ("ragged", (1234, 3001, 3008))],
     "gemm": [("small", (128, 128, 128)), ("ragged", (127, 255, 129)), ("ragged-tma", (200, 136, 72)),
              ("short-grid", (768, 1024, 136)),  # sm_90a: pairs of 64-row tiles in clusters (B multicast)
-             ("short-grid-wrap", (768, 1024, 1024)),  # the same pairs, 128-deep: 8 k-steps on 4 stages (wraps)
-             ("short-grid-long-k", (768, 1024, 2304)),  # K > 2048: 64-deep, 36 k-steps on 8 stages (wraps)
+             # the same pairs (2000-byte B rows keep them), 128-deep: 8 k-steps on 4 stages (wraps); K > 2048:
+             # 64-deep, 36 k-steps on 8 stages (wraps); rows of whole 128-byte lines: the same tiles unclustered
+             ("short-grid-wrap", (768, 1000, 1024)), ("short-grid-long-k", (768, 1000, 2304)),
+             ("short-grid-lines", (768, 1024, 1024)),
              ("wide", (1500, 1704, 72)),  # sm_90a: one wave of 128x192 tiles in pairs, ragged
              ("padded", (127, 255, 129)),  # sm_90a: the gemm build_gemm runs after pad_rows (rows of 136, 256)
              ("decode", (5, 4104, 200))],  # sm_90a: the swapped kernel (C^T = B^T A^T), 65 ragged column tiles

@@ -74,7 +74,8 @@ def test_sanitize_child_checks_a_shape_outside_its_table():
 
 def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_fewer():
     """The labels say what the sanitizers cover, so they must stay true as defaults change: the clustered
-    ``*-wrap`` shapes wait on released stages (k-steps > stages), ``cluster-walk-1k`` never does."""
+    ``*-wrap`` shapes wait on released stages (k-steps > stages), ``short-grid-lines`` does unclustered,
+    ``cluster-walk-1k`` never does."""
     from tile_ops.kernels import gemm_softmax
     from tile_ops.kernels.gemm import default_config
 
@@ -91,6 +92,8 @@ def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_f
         cfg, k_steps = config(kernel, label)
         assert (cfg.cluster if kernel == "gemm" else cfg.split) > 1 and k_steps > cfg.num_stages, (label, cfg)
     assert {config("gemm", lb)[0].block_K for lb in ("short-grid-wrap", "short-grid-long-k")} == {64, 128}  # both depths
+    cfg, k_steps = config("gemm", "short-grid-lines")
+    assert cfg.cluster == cfg.cluster_n == 1 and cfg.block_M == 64 and k_steps > cfg.num_stages, cfg
     cfg, k_steps = config("gemm_softmax", "cluster-walk-1k")
     tiles = gemm_softmax.block_columns(shapes["gemm_softmax", "cluster-walk-1k"][1], cfg) // cfg.block_N
     assert tiles > 1 and k_steps * tiles <= cfg.num_stages, cfg  # each block walks, its pipeline never wraps

@@ -512,7 +512,7 @@ def test_sm90a_kernels_wait_for_their_predecessor_and_the_later_steps_launch_pro
 @needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (2048, 2048, 2048), (1000, 1000, 1000), (16, 8192, 8192),
-                                   (704, 704, 4096), (1536, 2048, 2048), (1152, 2048, 2048)])
+                                   (704, 704, 4096), (1024, 1024, 1024), (1536, 2048, 2048), (1152, 2048, 2048)])
 def test_library_gemm_default_configs_on_hopper_have_no_spills(shape):
     """The configs the ops launch by default on sm_90a: TMA + wgmma + mbarriers in SASS, no register spills."""
     from tile_ops.kernels.gemm import default_config
