@@ -249,10 +249,10 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
     if not decode and min(M, N) >= 128:  # two consumer warpgroups on alternate 128x128 tiles (NOTES v6)
         swizzles = (0, 8) if -(-N // 128) > 8 and -(-M // 128) > 1 else (0,)
         space += [GemmConfig(128, 128, 64, 4, 128, sw, epilogue="shared", pingpong=True) for sw in swizzles]
-    if not decode and -(-M // 64) % 2 == 0 and _pow2(N) >= 128:  # pairs of 64-row tiles sharing B: short grids
-        space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
-        space.append(_HALF_WAVE_K128)
-    if not decode and _pow2(N) >= 128:
+    if not decode and _pow2(N) >= 128:  # short grids: 64x128 tiles
+        if -(-M // 64) % 2 == 0:  # pairs of them sharing B
+            space += [GemmConfig(64, 128, 64, stages, 128, 8, epilogue="shared", cluster=2) for stages in (4, 6, 8)]
+            space.append(_HALF_WAVE_K128)
         # ... and both depths without a cluster: the L2 serves concurrent reads of a line by several SMs once
         # anyway, and a multicast to one pair does not combine with the other pairs' (1024x1024x4096 on an
         # H100: 95 MB of L2 reads for 201 MB into the SMs, against the pairs' 121; NOTES v25); the default
