@@ -1,7 +1,7 @@
 """Nsight Compute counters of our GEMM beside cuBLAS's at one shape: where the gap comes from.
 
     python benchmarks/profile_gemm.py [--shape 4096x4096x4096] [--dtype float16] [--config NAME] [--stalls N]
-                                      [--op gemm_softmax] [--l2-sources] [--l2 clean|dirty]
+                                      [--stalls-csv FILE] [--op gemm_softmax] [--l2-sources] [--l2 clean|dirty]
 
 Runs itself under ``ncu --clock-control none`` (the card's clocks untouched), profiling every kernel of
 the second call of ours and of cuBLAS (a cudaProfilerStart/Stop range), and prints per kernel: time, SM
@@ -9,7 +9,10 @@ clock, tensor-pipe (wgmma) utilization, SM, L1/shared and L2 throughput (% of pe
 warp instructions.  A loop that keeps neither the tensor pipe nor a memory unit busy waits on latency.  A clock below the other kernel's means power throttling; more L2 bytes for the same FLOPs means less
 operand reuse; more instructions, spinning or index arithmetic.  ``--config`` takes bench_gemm.py's config names
 (``128x128x64/s4/t128/sk2/tma-store/cluster2``); ``--stalls N`` also prints our kernel's N SASS
-instructions with the most warp-stall samples (ncu's source view), and where the warps' time goes.
+instructions with the most warp-stall samples (ncu's source view), and each kernel's (ours and cuBLAS's)
+stall reasons per issued instruction: a loop whose warps mostly wait on data shows long_scoreboard, one
+that waits on its own instructions wait/selected/math (``--stalls-csv``: the whole source view, every
+instruction's samples by reason).
 ``--l2 dirty`` profiles the kernels as bench_gemm.py times them: each after a zeroed 256 MB buffer (Triton's
 flush), whose dirty lines the kernel's misses must write back; ncu then leaves the caches alone and replays
 the whole process for each pass.  The default (``clean``) lets ncu flush and invalidate the caches.
@@ -80,12 +83,13 @@ _FLAGS = {"tma-store": dict(epilogue="shared"), "pingpong": dict(pingpong=True),
 # our kernels' names: gemm_kernel, gemm_swapped_kernel (swap configs), gemm_splitk_kernel (split-K), gemm_softmax_kernel
 # torch's fill kernel, which zeroes the flush buffer (its name has "FillFunctor")
 FLUSH_KERNEL = "FillFunctor"
+STALL_REASONS = r"regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$"
 KERNEL_REGEX = {"gemm": "regex:^gemm_(swapped_|splitk_)?kernel", "gemm_softmax": "regex:^gemm_softmax_kernel"}
 
 
-def print_stalls(child, top, op, l2="clean"):
+def print_stalls(child, top, op, l2="clean", csv_path=None):
     """ncu's source view of our kernel (second launch): the ``top`` SASS instructions by warp-stall samples,
-    under the same L2 state as the counters."""
+    under the same L2 state as the counters; ``csv_path``: the whole source view written there."""
     cmd = ["ncu", "--clock-control", "none", *l2_state_flags(l2), "-k", KERNEL_REGEX[op], "--launch-skip", "1",
            "--launch-count", "1",
            "--section", "SourceCounters", "--page", "source", "--print-source", "sass", "--csv"] + child
@@ -104,6 +108,33 @@ def print_stalls(child, top, op, l2="clean"):
     print(f"{header[col]} by SASS instruction ({total:.0f} in all), top {top}:")
     for r in sorted(body, key=value, reverse=True)[:top]:
         print(f"{100 * value(r) / total:5.1f}%  {r[src][:100]}")
+    if csv_path:  # every column of the source view (per-instruction stall reasons where this ncu gives them)
+        with open(csv_path, "w") as f:
+            f.write(proc.stdout)
+        print(f"the source view's columns ({', '.join(header)}) in {csv_path}")
+
+
+def print_stall_reasons(child, l2="clean"):
+    """Why the warps of each kernel in the profiled range (ours and cuBLAS's) did not issue: ncu's warp-state
+    sampling, in warps per issued instruction by reason, largest first (a spin-wait shows as issued work)."""
+    proc = subprocess.run(ncu_cmd([STALL_REASONS], child, l2), capture_output=True, text=True)
+    lines = proc.stdout[proc.stdout.find('"ID"'):] if '"ID"' in proc.stdout else ""
+    if proc.returncode or not lines:
+        print(f"ncu stall reasons unavailable ({proc.returncode}): {(proc.stdout + proc.stderr).strip()[-600:]}")
+        return
+    kernels = {}
+    for r in csv.DictReader(io.StringIO(lines)):
+        if FLUSH_KERNEL in r["Kernel Name"]:
+            continue
+        reason = re.sub(r"^smsp__average_warps_issue_stalled_|_per_issue_active\.ratio$", "", r["Metric Name"])
+        try:
+            kernels.setdefault((r["ID"], r["Kernel Name"][:40]), {})[reason] = float(r["Metric Value"].replace(",", ""))
+        except ValueError:
+            pass
+    for (_, name), reasons in kernels.items():
+        top = sorted(((v, k) for k, v in reasons.items() if v >= 0.05), reverse=True)
+        print(f"stalls per issued instruction, {name}: {sum(reasons.values()):.2f} in all; "
+              + ", ".join(f"{k} {v:.2f}" for v, k in top))
 
 
 def our_launch(op, shape, dtype, config):
@@ -173,7 +204,9 @@ def main():
     p.add_argument("--shape", default="4096x4096x4096")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--config", help="a bench_gemm.py config name; default: the library's default config")
-    p.add_argument("--stalls", type=int, default=0, help="also print the N SASS lines with the most stall samples")
+    p.add_argument("--stalls", type=int, default=0, help="also print the N SASS lines with the most stall samples, "
+                   "and each kernel's stall reasons")
+    p.add_argument("--stalls-csv", help="with --stalls: write ncu's whole source view (CSV) to this file")
     p.add_argument("--op", choices=sorted(KERNEL_REGEX), default="gemm", help="which of our kernels")
     p.add_argument("--l2-sources", action="store_true",
                    help="also split the L2's traffic by source (the SMs, the fabric between its partitions) and give "
@@ -228,7 +261,8 @@ def main():
         if full != name:
             print(f"{name}: {full}")
     if args.stalls:
-        print_stalls(child, args.stalls, args.op, args.l2)
+        print_stalls(child, args.stalls, args.op, args.l2, args.stalls_csv)
+        print_stall_reasons(child, args.l2)
 
 
 if __name__ == "__main__":
