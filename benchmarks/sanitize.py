@@ -74,6 +74,8 @@ SHAPES = {
              # 64-deep, 36 k-steps on 8 stages (wraps); rows of whole 128-byte lines: the same tiles unclustered
              ("short-grid-wrap", (768, 1000, 1024)), ("short-grid-long-k", (768, 1000, 2304)),
              ("short-grid-lines", (768, 1024, 1024)),
+             # not whole lines, 14 x 8 tiles of 72x128: swapped, 2x4 clusters, 16 k-steps on 8 stages
+             ("short-grid-swapped", (1000, 1000, 1024)),
              ("wide", (1500, 1704, 72)),  # sm_90a: one wave of 128x192 tiles in pairs, ragged
              ("padded", (127, 255, 129)),  # sm_90a: the gemm build_gemm runs after pad_rows (rows of 136, 256)
              ("decode", (5, 4104, 200))],  # sm_90a: the swapped kernel (C^T = B^T A^T), 65 ragged column tiles

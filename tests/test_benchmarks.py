@@ -75,6 +75,7 @@ def test_sanitize_child_checks_a_shape_outside_its_table():
 def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_fewer():
     """The labels say what the sanitizers cover, so they must stay true as defaults change: the clustered
     ``*-wrap`` shapes wait on released stages (k-steps > stages), ``short-grid-lines`` does unclustered,
+    ``short-grid-swapped`` runs the swapped 2x4 clusters past their stages,
     ``cluster-walk-1k`` never does."""
     from tile_ops.kernels import gemm_softmax
     from tile_ops.kernels.gemm import default_config
@@ -94,6 +95,8 @@ def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_f
     assert {config("gemm", lb)[0].block_K for lb in ("short-grid-wrap", "short-grid-long-k")} == {64, 128}  # both depths
     cfg, k_steps = config("gemm", "short-grid-lines")
     assert cfg.cluster == cfg.cluster_n == 1 and cfg.block_M == 64 and k_steps > cfg.num_stages, cfg
+    cfg, k_steps = config("gemm", "short-grid-swapped")
+    assert cfg.swap_ab and cfg.cluster_n > 1 and k_steps > cfg.num_stages, cfg
     cfg, k_steps = config("gemm_softmax", "cluster-walk-1k")
     tiles = gemm_softmax.block_columns(shapes["gemm_softmax", "cluster-walk-1k"][1], cfg) // cfg.block_N
     assert tiles > 1 and k_steps * tiles <= cfg.num_stages, cfg  # each block walks, its pipeline never wraps
@@ -275,7 +278,7 @@ def test_profile_gemm_stall_view_finds_each_of_our_gemm_kernels():
     def pattern(op):
         return profile_gemm.KERNEL_REGEX[op].removeprefix("regex:")
 
-    configs = [default_config(1000, 1000, 1000, "sm_90a"),
+    configs = [default_config(1024, 1024, 1024, "sm_90a"),
                GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=2, swap_ab=True),
                GemmConfig(128, 128, 64, 4, 128, split_k=2)]
     names = {cuda_name(gemm.fn(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16", c))

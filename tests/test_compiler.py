@@ -690,8 +690,11 @@ def test_two_dimensional_cluster_multicasts_a_along_n_and_b_along_m(persistent):
     assert f"__cluster_dims__{dims}" in k.source and k.meta.grid == ((128, 1, 1) if persistent else (8, 8, 1))
     masks = re.findall(r"bytes_multicast__cluster\(.*\(\(ushort\)\((\d+) << ([^;]*)\);", k.source)
     assert sorted({m[0] for m in masks}) == ["15", "17"], masks  # a row of 4 ranks; a column: ranks r, r + 4
-    releases = re.findall(r"tile_ops_cluster_release\(\(&", k.source)  # calls, not the definition
-    assert len(releases) == 2 * 5, len(releases)  # 5 peers, in the loop and after it
+    # a stage's release: lanes 0-4 of each consumer warp arrive at once, each on one of the 5 blocks that
+    # write into the stage (its cluster row and column), mapped once before the loop; in the loop and after it
+    assert len(re.findall(r"tile_ops_peer_barrier\(\(&", k.source)) == 1
+    releases = re.findall(r"tile_ops_cluster_arrive_if\(\(peer_empty \+ [^;]*& 31\) < 5\)\)\);", k.source)
+    assert len(releases) == 2, releases
     assert k.meta.resources["spill_stores"] == 0
     with pytest.raises(ValueError, match=r"cluster_n=2 must divide the 5 column tiles of N=640"):
         gemm(1024, 640, 256, cfg=cfg, target="sm_90a")
@@ -721,7 +724,7 @@ def test_multicast_needs_lockstep_pipelines_along_its_axis():
     same = compile_program(_column_multicast(lambda by: 4), "sm_90a")
     assert "multicast::cluster" in same.source and "__cluster_dims__(1, 2, 1)" in same.source
     apart = compile_program(_column_multicast(lambda by: by * 4 + 4), "sm_90a")
-    assert "multicast::cluster" not in apart.source and "tile_ops_cluster_release((" not in apart.source
+    assert "multicast::cluster" not in apart.source and "tile_ops_cluster_arrive_if((" not in apart.source
 
 
 @needs_nvcc

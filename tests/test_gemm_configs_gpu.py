@@ -6,7 +6,9 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import _HALF_WAVE, _HALF_WAVE_K128, _HALF_WAVE_LINES, _HALF_WAVE_LINES_K128, _PAIRED_128, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config
+from tile_ops.kernels.gemm import (_HALF_WAVE, _HALF_WAVE_K128, _HALF_WAVE_LINES, _HALF_WAVE_LINES_K128, _PAIRED_128,
+                                   _SWAPPED_2X4, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config,
+                                   launch_config)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,6 +34,7 @@ CONFIGS = [
     _HALF_WAVE_LINES,  # ... unclustered: the default where rows are whole 128-byte lines
     _HALF_WAVE_K128,  # ... in 128-deep k-steps (K of 512-2048)
     _HALF_WAVE_LINES_K128,
+    _SWAPPED_2X4,  # ... swapped 72x128 tiles in 2x4 clusters where rows are not whole lines
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
@@ -82,8 +85,8 @@ def test_gemm_config_on_hopper(cfg, shape, variant):
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("shape, cfg", [((1000, 1000, 999), _HALF_WAVE_K128), ((1024, 1001, 1000), _HALF_WAVE_K128),
-                                        ((1000, 1000, 4000), _HALF_WAVE), ((1000, 1000, 200), _HALF_WAVE),
+@pytest.mark.parametrize("shape, cfg", [((1000, 700, 999), _HALF_WAVE_K128), ((1024, 1001, 1000), _HALF_WAVE_K128),
+                                        ((1000, 700, 4000), _HALF_WAVE), ((1000, 1000, 200), _HALF_WAVE),
                                         ((768, 1024, 2048), _HALF_WAVE_LINES_K128), ((960, 1024, 4096), _HALF_WAVE_LINES)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
 def test_half_wave_defaults_on_short_grids(shape, cfg, variant, pad):
@@ -91,6 +94,22 @@ def test_half_wave_defaults_on_short_grids(shape, cfg, variant, pad):
     every row is whole 128-byte lines; rows that are not 16 bytes included: padded for TMA, or (pad=False)
     read by the synchronous-copy path."""
     assert default_config(*shape, "sm_90a") == cfg
+    check(cfg, shape, variant, "sm_90a", pad)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("variant", list(VARIANTS) + list(MORE_VARIANTS))
+@pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (1000, 1000, 4000), (1001, 1001, 512), (1000, 1024, 2000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_swapped_2x4_default_on_unaligned_short_grids(shape, variant, pad):
+    """Short grids whose rows are not whole lines launch cuBLAS's swapped 72x128 tiles in 2x4 clusters (each
+    stage released on its 5 writers by one predicated arrive a warp); with A stored transposed (72 rows are
+    not whole 16-column panels) the pairs; a batch of 2-3 refits the waves."""
+    batch, ta, _, _, dtype, _ = {**VARIANTS, **MORE_VARIANTS}[variant]
+    cfg = launch_config(*shape, _dt(dtype), batch, ta, arch="sm_90a")
+    if batch == 1:
+        assert (cfg == _SWAPPED_2X4) == (not ta), cfg
     check(cfg, shape, variant, "sm_90a", pad)
 
 

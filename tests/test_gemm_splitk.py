@@ -189,7 +189,7 @@ def test_default_config_splits_only_short_decode_grids(shape, split):
     SMs and every split keeps >= 8 k-steps of 64; everything else is unsplit."""
     M, N, K = shape
     cfg = default_config(M, N, K, "sm_90a")
-    assert cfg.split_k == split and not cfg.swap_ab
+    assert cfg.split_k == split and (not cfg.swap_ab or M > 64)  # swapped: short grids' 2x4 clusters
     if M <= 64:
         assert (cfg.block_M, cfg.block_N) == (64, 256)
         assert -(-N // 256) * split <= 132 or split == 1
@@ -233,9 +233,10 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     ((2048, 2048, 2048), "_PAIRED_128"), ((2048, 2560, 2048), "_PAIRED_128"), ((2048, 2048, 2044), "_PAIRED_128"),
     ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_PAIRED"), ((1500, 2000, 2000), "_WIDE_PAIRED"),
     ((2000, 3000, 1000), "_WIDE_PAIRED"), ((1152, 2048, 2048), "_WIDE"), ((4096, 4096, 4096), None),
-    ((1000, 1000, 1000), "_HALF_WAVE_K128"), ((1000, 1000, 999), "_HALF_WAVE_K128"),
-    ((1000, 1000, 512), "_HALF_WAVE_K128"), ((1000, 1000, 2048), "_HALF_WAVE_K128"), ((1000, 1000, 511), "_HALF_WAVE"),
-    ((1000, 1000, 2049), "_HALF_WAVE"), ((1000, 1000, 4000), "_HALF_WAVE"), ((1000, 1000, 256), "_HALF_WAVE"),
+    ((1000, 1000, 1000), "_SWAPPED_2X4"), ((1000, 1000, 999), "_SWAPPED_2X4"), ((1000, 1000, 512), "_SWAPPED_2X4"),
+    ((1000, 1000, 4000), "_SWAPPED_2X4"), ((1001, 1001, 2048), "_SWAPPED_2X4"), ((1000, 1000, 511), "_HALF_WAVE"),
+    ((1000, 1000, 256), "_HALF_WAVE"), ((1000, 700, 1000), "_HALF_WAVE_K128"), ((1000, 700, 2048), "_HALF_WAVE_K128"),
+    ((1000, 700, 2049), "_HALF_WAVE"), ((1000, 700, 4000), "_HALF_WAVE"), ((700, 1000, 1000), None),
     ((1024, 1024, 4096), "_HALF_WAVE_LINES"), ((1024, 1024, 1024), "_HALF_WAVE_LINES_K128"),
     ((768, 1024, 2048), "_HALF_WAVE_LINES_K128"), ((1024, 1024, 256), "_HALF_WAVE_LINES"),
     ((1024, 1024, 4000), "_HALF_WAVE"), ((1024, 1000, 1024), "_HALF_WAVE_K128"), ((960, 1024, 1024), "_HALF_WAVE_LINES_K128"),
@@ -246,8 +247,10 @@ def test_default_tiles_fit_the_waves(shape, default):
     most of a second idle (1536x2048: 132 against 192 of 128x128; 2000x3000: 256 against 192 of 128x256),
     paired where the M tiles pair up (1152: 9 do not); short grids in pairs of 64-row tiles, 128-deep k-steps
     where K is 512-2048, unclustered where M, N and K are multiples of 64 (every row whole 128-byte lines,
-    however A and B are stored: 960's 15 row tiles too; 900's 15 do not pair, so 128x128 tiles); rows that are not 16 bytes (2044, 999) change
-    nothing: build_gemm pads them for TMA."""
+    however A and B are stored: 960's 15 row tiles too; 900's 15 do not pair, so 128x128 tiles); elsewhere
+    swapped 72x128 tiles in 2x4 clusters where they make 3/4 of a wave to a whole one and K >= 512 (1000x700's
+    6 column tiles and 1024x1000's 15 row tiles of 72 do not divide into clusters; 700x1000 makes 80 CTAs);
+    rows that are not 16 bytes (2044, 999, 1001) change nothing: build_gemm pads them for TMA."""
     cfg = default_config(*shape, "sm_90a")
     if default is None:
         assert cfg in gemm_kernels._HOPPER_TILES
@@ -267,7 +270,7 @@ def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
     gemm_kernels.get_gemm_kernel(a, b, a)
     gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
     # three 1000x1000 matrices: 192 tiles of 128x128, more than a wave, so the 128x128 pairs
-    assert built[0] == gemm_kernels._HALF_WAVE_K128 and built[1] == gemm_kernels._PAIRED_128
+    assert built[0] == gemm_kernels._SWAPPED_2X4 and built[1] == gemm_kernels._PAIRED_128
     # one 1536x2048 matrix fills a wave of 128x192 tiles; three fill 3 waves of them, or 4.4 of 128x128 pairs
     a, b = torch.zeros(3, 1536, 2048, dtype=torch.float16), torch.zeros(3, 2048, 2048, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.empty(1, 1536, 2048, dtype=torch.float16))

@@ -15,7 +15,8 @@ import pytest
 
 from tile_ops.compiler.lower import lower
 from programs import matmul
-from tir_emulator import Emulator, _Cta, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store, _wgmma
+from tir_emulator import (_PEER_SHIFT, Emulator, _Cta, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store,
+                          _wgmma)
 
 HOPPER = dict(block_M=128, block_N=128, block_K=64, num_stages=3, threads=256)  # 2 consumer warpgroups
 
@@ -91,15 +92,30 @@ def test_sm90_clustered_gemm_kernel_matches_numpy(shape, cluster_kw, grid, clust
 @pytest.mark.parametrize("operands", [{}, dict(trans_A=True, trans_B=True, bias=True)],
                          ids=["plain", "transposed-with-bias"])
 def test_sm90_short_grid_default_in_128_deep_k_steps_matches_numpy(operands):
-    """The library's default for short grids with K of 512-2048 (1000^3): pairs of 64x128 tiles multicasting
+    """The library's default for short grids with K of 512-2048 (1000x700x1000): pairs of 64x128 tiles multicasting
     B, 128-deep k-steps (two 64-column boxes of each operand a stage) on 4 stages; ragged M and K, 5 k-steps,
     so the pipeline wraps, with the ranks run at different rates; A and B as stored or transposed, a bias."""
     from tile_ops.kernels.gemm import _HALF_WAVE_K128, default_config
 
-    assert default_config(1000, 1000, 1000, "sm_90a") == _HALF_WAVE_K128
+    assert default_config(1000, 700, 1000, "sm_90a") == _HALF_WAVE_K128
     C, ref, lk, emu = run_library_gemm(200, 256, 600, _HALF_WAVE_K128, seed=11, stagger=True, **operands)
     assert (lk.grid, lk.cluster_dims) == ((4, 2, 1), (2, 1, 1))
     assert "tma.load.3d.swizzle128.multicast" in emu.ran, sorted(emu.ran)
+    np.testing.assert_array_equal(C, ref)
+
+
+def test_sm90_swapped_2x4_default_matches_numpy():
+    """The default of short grids whose rows are not whole lines (1000^3): C^T = B^T A^T in 72x128 tiles, one
+    2x4 cluster here (B's tile multicast along M, A's 72 rows in 18-row slices along N), each stage released
+    on its 5 writers by lanes 0-4 of every consumer warp at once; ragged M and K, 10 k-steps on 8 stages, so
+    the pipeline wraps, with the ranks run at different rates; a bias along C^T's rows."""
+    from tile_ops.kernels.gemm import _SWAPPED_2X4, default_config
+
+    assert default_config(1000, 1000, 1000, "sm_90a") == _SWAPPED_2X4
+    C, ref, lk, emu = run_library_gemm(140, 512, 600, _SWAPPED_2X4, seed=5, stagger=True, bias=True)
+    assert (lk.grid, lk.cluster_dims) == ((2, 4, 1), (2, 4, 1))
+    # each of 8 blocks: 8 consumer warps, 10 k-steps, an arrival on each of 5 writers
+    assert emu.ran["mbarrier.arrive.shared::cluster"] == 8 * 8 * 10 * 5
     np.testing.assert_array_equal(C, ref)
 
 
@@ -108,7 +124,9 @@ def test_sm90_clustered_gemm_releasing_stages_only_locally_fails(monkeypatch):
     the local mbarrier) let a peer's multicast overwrite it before its wgmmas retire; with the blocks
     staggered the emulated result shows it."""
     def local_arrive(self, call, env):
-        self._mbarrier(self._shared_offset(call.args[1], env), arrivals=1)
+        address, pred = (int(self._eval(a, env)) for a in call.args[1:3])
+        if pred:  # the arrival counts on this block's mbarrier at the peer's offset
+            self._mbarrier(address & ((1 << _PEER_SHIFT) - 1), arrivals=1)
 
     monkeypatch.setattr(Emulator, "_remote_arrive", local_arrive)
     C, ref, _, _ = run_clustered_gemm(100, 200, 136, num_stages=2, cluster=2, cluster_n=2)

@@ -26,8 +26,8 @@ own shared arena, mbarriers and queues; %cluster_ctarank (tile_ops_cluster_rank)
 barrier.cluster.wait goes on once every thread of the cluster that has not exited has made as many
 barrier.cluster.arrives as the waiter; TMA loads with .multicast::cluster land at the same shared offset in
 every block of the CTA mask and complete their bytes on each one's mbarrier at that offset; a remote arrive
-(tile_ops_cluster_release: mapa + mbarrier.arrive.shared::cluster) counts on the peer's mbarrier at the same
-offset; either one on a block whose threads have all exited raises.  ``stagger=True`` runs rank r only every
+(tile_ops_cluster_arrive_if on a tile_ops_peer_barrier address: mbarrier.arrive.shared::cluster on a mapa
+address) counts on the peer's mbarrier at the same offset; either one on a block whose threads have all exited raises.  ``stagger=True`` runs rank r only every
 (r % 4 + 1)-th scheduler round, so a peer's producer runs ahead (a stage released to it too soon shows).
 
 Across clusters (``run(..., resident=True)``: the whole grid in one scheduler, as a persistent grid is
@@ -64,6 +64,7 @@ _NO_OPS = {"tirx.ptx.cp_async_commit_group", "tirx.ptx.cp_async_wait_group",  # 
            "tirx.ptx.fence_mbarrier_init",  # makes mbarrier inits visible (to the cluster): at once here
            "tirx.ptx.prefetch",  # of a tensor map (or a line): a hint
            "tirx.ptx.setmaxnreg"}  # warpgroup register reallocation: registers are unbounded here
+_PEER_SHIFT = 24  # a mapa address: the peer's rank above its shared offset
 _NO_OP_HELPERS = {"tile_ops_fence_register"}  # an empty asm that pins a register across wgmma fences
 _HELD = "held"  # (stagger) a thread released whose block skips the scheduler round
 _SHUFFLED = "shuffled"  # env: the answers of the running statement's shuffles
@@ -568,13 +569,22 @@ class Emulator:
         if cta.done:
             raise RuntimeError(f"emulator: {what} block {cta.block} (cluster rank {cta.rank}) after it exited")
 
-    def _remote_arrive(self, call, env):
-        """``tile_ops_cluster_release(bar, peer)``: mapa.shared::cluster of ``bar``'s shared address in cluster
-        rank ``peer``, then mbarrier.arrive.shared::cluster.b64 there: one arrival on the peer's mbarrier at
-        the same offset (the peer may be this block)."""
+    def _peer_address(self, call, env) -> int:
+        """``tile_ops_peer_barrier(bar, peer)``: mapa.shared::cluster of ``bar``'s shared address in cluster rank
+        ``peer``, here the rank above bit 24 of the offset (an offset added to it stays in that block)."""
         addr, peer = self._shared_offset(call.args[1], env), int(self._eval(call.args[2], env))
         if not 0 <= peer < len(self.cta.cluster):
             raise ValueError(f"emulator: block {self.block}: mapa to cluster rank {peer} of {len(self.cta.cluster)}")
+        return peer << _PEER_SHIFT | addr
+
+    def _remote_arrive(self, call, env):
+        """``tile_ops_cluster_arrive_if(address, pred)``: where ``pred`` holds, mbarrier.arrive.shared::cluster.b64
+        on a ``tile_ops_peer_barrier`` address: one arrival on that block's mbarrier (the peer may be this
+        block)."""
+        cluster_addr, pred = (int(self._eval(a, env)) for a in call.args[1:3])
+        if not pred:
+            return
+        peer, addr = cluster_addr >> _PEER_SHIFT, cluster_addr & ((1 << _PEER_SHIFT) - 1)
         me = self.cta
         self._enter(me.cluster[peer])
         self._alive(self.cta, f"block {me.block} arrives remotely on")
@@ -812,7 +822,7 @@ class Emulator:
             self.ran["barrier.cluster.wait"] += 1
             yield ("cluster.wait", self.arrived[env["g"]])
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
-                s.value.args[0].value == "tile_ops_cluster_release":
+                s.value.args[0].value == "tile_ops_cluster_arrive_if":
             self._remote_arrive(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.warp_sync":
             yield ("syncwarp", None, None)
@@ -1010,6 +1020,8 @@ class Emulator:
             return self._shared_offset(e, env)
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_cluster_rank":  # %cluster_ctarank
             return self.cta.rank
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_peer_barrier":  # mapa
+            return self._peer_address(e, env)
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_grid_x":  # gridDim.x
             return self.grid[0]
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_row_factor":

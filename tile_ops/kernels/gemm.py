@@ -80,16 +80,17 @@ _HOPPER_TILES = [GemmConfig(128, 256, 64, 3, 256, 4, epilogue="shared"),
                  GemmConfig(128, 64, 64, 6, 128, 8), GemmConfig(64, 64, 64, 8, 128, 8)]
 
 
-def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int = 1) -> GemmConfig:
+def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int = 1,
+                   trans_A: bool = False) -> GemmConfig:
     """Heuristic until the autotuner has a table entry: big tiles for big problems, small M for decode;
     ``batch`` multiplies the tiles where waves are counted (short-grid pairs, 128x192 tiles, 128x128 pairs,
-    decode tiles)."""
+    decode tiles); ``trans_A``: A stored M-contiguous, which the swapped 72-row short-grid tiles cannot read."""
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound
             return _decode_config(M, N, K, batch)
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
-                if cfg.block_N == 128 and (short := _half_wave_config(M, N, K, batch)):
+                if cfg.block_N == 128 and (short := _half_wave_config(M, N, K, batch, trans_A=trans_A)):
                     return short
                 if cfg.block_N >= 128 and _waves(M, N, 192, batch) <= 0.8 * _waves(M, N, cfg.block_N, batch):
                     return _WIDE_PAIRED if -(-M // 128) % 2 == 0 else _WIDE
@@ -123,19 +124,38 @@ _HALF_WAVE_LINES = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared")
 _HALF_WAVE_LINES_K128 = GemmConfig(64, 128, 128, 4, 128, 8, epilogue="shared")
 
 
-def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> GemmConfig | None:
+# Where rows are not whole lines, cuBLAS's tiling of such grids (nvjet 128x72 in 4x2 clusters at 1000^3 and
+# 1000x1000x4000 on the H200): C^T = B^T A^T in 72 (M) x 128 (N) tiles, clusters of 2 M tiles (B multicast)
+# by 4 N tiles (A multicast in 18-row slices): 90 MB of L2 reads at 1000x1000x4000 against the 64x128 pairs'
+# 139. Level with the pairs while each consumer warp released a stage on its 5 writers in turn; with the
+# release one predicated arrive a warp, paired beside cuBLAS on an H100: 0.99 -> 1.12 at 1000x1000x4000,
+# 1.00 -> 1.11 at 1000^3 (NOTES v27)
+_SWAPPED_2X4 = GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=4, swap_ab=True)
+
+
+def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132,
+                      trans_A: bool = False) -> GemmConfig | None:
     """One wave of 64x128 tiles (at most one per SM), or None: 128-deep k-steps where K is 512-2048; unclustered
-    where rows are whole lines, else in pairs, which need an even count of M tiles (TMA loads every row:
-    build_gemm pads rows that are not 16-byte)."""
+    where rows are whole lines; else cuBLAS's swapped 72x128 tiles in 2x4 clusters where they make a nearly
+    full wave (K >= 512, A stored K-contiguous), else in pairs, which need an even count of M tiles (TMA loads
+    every row: build_gemm pads rows that are not 16-byte)."""
     m_tiles = -(-M // 64)
     if batch * m_tiles * -(-N // 128) > sms:
         return None
     deep = 512 <= K <= 2048
     if M % 64 == 0 and N % 64 == 0 and K % 64 == 0:
         return _HALF_WAVE_LINES_K128 if deep else _HALF_WAVE_LINES
+    if K >= 512 and not trans_A and _fills_wave(_SWAPPED_2X4, M, N, batch, sms):
+        return _SWAPPED_2X4
     if m_tiles % 2:
         return None
     return _HALF_WAVE_K128 if deep else _HALF_WAVE
+
+
+def _fills_wave(cfg: GemmConfig, M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
+    """``cfg``'s clusters divide the tile grid, and its CTAs make 3/4 of a wave to a whole one."""
+    m_tiles, n_tiles = -(-M // cfg.block_M), -(-N // cfg.block_N)
+    return not _misfit(cfg, M, N) and 0.75 * sms <= batch * m_tiles * n_tiles <= sms
 
 
 # 128x128 tiles over more than one wave (2048^3: 256): pairs of M tiles multicast their B tile, six stages,
@@ -258,6 +278,8 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         # H100: 95 MB of L2 reads for 201 MB into the SMs, against the pairs' 121; NOTES v25); the default
         # where rows are whole lines, candidates elsewhere
         space += [_HALF_WAVE_LINES, _HALF_WAVE_LINES_K128]
+        if not _misfit(_SWAPPED_2X4, M, N):  # cuBLAS's swapped 72x128 tiles in 2x4 clusters
+            space.append(_SWAPPED_2X4)
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
         if _pow2(N) >= 256:  # ... and of 128x192 tiles (one wave where 128x128 would fill two, NOTES v12)
@@ -698,9 +720,9 @@ def launch_config(M, N, K, dtype, batch=1, trans_A=False, device=None, arch=None
     """The config the op launches (and ``precompile`` builds) for this problem: see ``get_gemm_kernel``."""
     cfg = config_for("gemm", M, N, K, dtype, device, arch)
     if _misfit(cfg, M, N, trans_A):  # tuned for another M of the bucket, or another layout of A
-        cfg = default_config(M, N, K, arch)
-    if batch > 1 and cfg == default_config(M, N, K, arch):  # the heuristic fits one matrix's waves: the batch's
-        cfg = default_config(M, N, K, arch, batch=batch)
+        cfg = default_config(M, N, K, arch, trans_A=trans_A)
+    if batch > 1 and cfg == default_config(M, N, K, arch, trans_A=trans_A):  # the heuristic fits one matrix's
+        cfg = default_config(M, N, K, arch, batch=batch, trans_A=trans_A)  # waves: the batch's
     elif batch > 1 and cfg.split_k > 1:  # a tuned split: the batch already multiplies the CTAs
         cfg = dataclasses.replace(cfg, split_k=max(1, cfg.split_k // batch))
     return cfg
