@@ -237,6 +237,7 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     ((1000, 1000, 4000), "_SWAPPED_2X4"), ((1001, 1001, 2048), "_SWAPPED_2X4"), ((1000, 1000, 511), "_HALF_WAVE"),
     ((1000, 1000, 256), "_HALF_WAVE"), ((1000, 700, 1000), "_HALF_WAVE_K128"), ((1000, 700, 2048), "_HALF_WAVE_K128"),
     ((1000, 700, 2049), "_HALF_WAVE"), ((1000, 700, 4000), "_HALF_WAVE"), ((700, 1000, 1000), None),
+    ((650, 1500, 1000), "_SWAPPED_2X4"), ((512, 2000, 1024), "_HALF_WAVE_K128"), ((512, 2048, 4000), "_HALF_WAVE"),
     ((1024, 1024, 4096), "_HALF_WAVE_LINES"), ((1024, 1024, 1024), "_HALF_WAVE_LINES_K128"),
     ((768, 1024, 2048), "_HALF_WAVE_LINES_K128"), ((1024, 1024, 256), "_HALF_WAVE_LINES"),
     ((1024, 1024, 4000), "_HALF_WAVE"), ((1024, 1000, 1024), "_HALF_WAVE_K128"), ((960, 1024, 1024), "_HALF_WAVE_LINES_K128"),
@@ -249,7 +250,8 @@ def test_default_tiles_fit_the_waves(shape, default):
     where K is 512-2048, unclustered where M, N and K are multiples of 64 (every row whole 128-byte lines,
     however A and B are stored: 960's 15 row tiles too; 900's 15 do not pair, so 128x128 tiles); elsewhere
     swapped 72x128 tiles in 2x4 clusters where they make 3/4 of a wave to a whole one and K >= 512 (1000x700's
-    6 column tiles and 1024x1000's 15 row tiles of 72 do not divide into clusters; 700x1000 makes 80 CTAs);
+    6 column tiles and 1024x1000's 15 row tiles of 72 do not divide into clusters; 700x1000 makes 80 CTAs;
+    512x2000's 16 clusters of 8 are one more than an H200 holds at once, 650x1500's 15 are not);
     rows that are not 16 bytes (2044, 999, 1001) change nothing: build_gemm pads them for TMA."""
     cfg = default_config(*shape, "sm_90a")
     if default is None:

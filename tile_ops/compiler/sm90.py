@@ -665,6 +665,7 @@ class Hopper:
         its threads), instead of one arrive per writer in turn from lane 0 with the peer's address
         recomputed each step: at 5 writers (2x4 clusters) that loop held the swapped gemm at 0.90 of cuBLAS,
         against 1.12 with one arrive (H100, NOTES v27)."""
+        self.peer_empty = None  # a binding of an earlier loop's scope is not this one's
         writers = self._stage_writers() if self.ws.multicast else []
         if not writers:
             return

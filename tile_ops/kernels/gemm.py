@@ -137,7 +137,7 @@ def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132,
                       trans_A: bool = False) -> GemmConfig | None:
     """One wave of 64x128 tiles (at most one per SM), or None: 128-deep k-steps where K is 512-2048; unclustered
     where rows are whole lines; else cuBLAS's swapped 72x128 tiles in 2x4 clusters where they make a nearly
-    full wave (K >= 512, A stored K-contiguous), else in pairs, which need an even count of M tiles (TMA loads
+    full wave of resident clusters (K >= 512, A stored K-contiguous), else in pairs, which need an even count of M tiles (TMA loads
     every row: build_gemm pads rows that are not 16-byte)."""
     m_tiles = -(-M // 64)
     if batch * m_tiles * -(-N // 128) > sms:
@@ -152,10 +152,16 @@ def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132,
     return _HALF_WAVE_K128 if deep else _HALF_WAVE
 
 
+# CTAs the H200 holds at once by cluster size (max_active_clusters: 66 clusters of 2, 30 of 4, 15 of 8; its
+# GPCs do not all take two clusters of 8, NOTES v5): a 16th cluster of 8 runs as a second wave
+_RESIDENT_CLUSTER_CTAS = {1: 132, 2: 132, 4: 120, 8: 120}
+
+
 def _fills_wave(cfg: GemmConfig, M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
-    """``cfg``'s clusters divide the tile grid, and its CTAs make 3/4 of a wave to a whole one."""
+    """``cfg``'s clusters divide the tile grid, and its CTAs make 3/4 of a wave to one that is resident at once."""
     m_tiles, n_tiles = -(-M // cfg.block_M), -(-N // cfg.block_N)
-    return not _misfit(cfg, M, N) and 0.75 * sms <= batch * m_tiles * n_tiles <= sms
+    resident = min(sms, _RESIDENT_CLUSTER_CTAS.get(cfg.cluster * cfg.cluster_n, sms))
+    return not _misfit(cfg, M, N) and 0.75 * sms <= batch * m_tiles * n_tiles <= resident
 
 
 # 128x128 tiles over more than one wave (2048^3: 256): pairs of M tiles multicast their B tile, six stages,
