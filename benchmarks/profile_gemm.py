@@ -118,14 +118,12 @@ def print_stall_reasons(child, l2="clean"):
     """Why the warps of each kernel in the profiled range (ours and cuBLAS's) did not issue: ncu's warp-state
     sampling, in warps per issued instruction by reason, largest first (a spin-wait shows as issued work)."""
     proc = subprocess.run(ncu_cmd([STALL_REASONS], child, l2), capture_output=True, text=True)
-    lines = proc.stdout[proc.stdout.find('"ID"'):] if '"ID"' in proc.stdout else ""
+    lines = ncu_table(proc.stdout)
     if proc.returncode or not lines:
         print(f"ncu stall reasons unavailable ({proc.returncode}): {(proc.stdout + proc.stderr).strip()[-600:]}")
         return
     kernels = {}
-    for r in csv.DictReader(io.StringIO(lines)):
-        if FLUSH_KERNEL in r["Kernel Name"]:
-            continue
+    for r in kernel_rows(lines):
         reason = re.sub(r"^smsp__average_warps_issue_stalled_|_per_issue_active\.ratio$", "", r["Metric Name"])
         try:
             kernels.setdefault((r["ID"], r["Kernel Name"][:40]), {})[reason] = float(r["Metric Value"].replace(",", ""))
@@ -174,6 +172,16 @@ def l2_state_flags(l2):
     """ncu's flags for the L2 state: a dirty L2 must survive to each profiled kernel, so no cache control, and
     each pass replays the whole process (kernel replay would restore memory between passes)."""
     return ["--cache-control", "none", "--replay-mode", "application"] if l2 == "dirty" else []
+
+
+def ncu_table(stdout: str) -> str:
+    """The CSV table of an ncu run's output (after its log lines), or "" where it printed none."""
+    return stdout[stdout.find('"ID"'):] if '"ID"' in stdout else ""
+
+
+def kernel_rows(table: str):
+    """The rows of ``ncu_table``'s CSV, but for the L2 flush's own kernels (--l2 dirty)."""
+    return (r for r in csv.DictReader(io.StringIO(table)) if FLUSH_KERNEL not in r["Kernel Name"])
 
 
 def ncu_cmd(metrics, child, l2="clean"):
@@ -231,7 +239,7 @@ def main():
         # the second call of ours and of cuBLAS, every kernel of each (a fixed launch window, "skip 4, count 2",
         # caught cuBLAS's splitKreduce_kernel instead of its GEMM at decode, and half of a split-K gemm of ours)
         proc = subprocess.run(ncu_cmd(metrics, child, args.l2), capture_output=True, text=True)
-        lines = proc.stdout[proc.stdout.find('"ID"'):] if '"ID"' in proc.stdout else ""
+        lines = ncu_table(proc.stdout)
         if proc.returncode == 0 and lines:
             break
         print(f"ncu refused counters ({proc.returncode}: {(proc.stdout + proc.stderr).strip()[-300:]}); "
@@ -241,9 +249,7 @@ def main():
     if missing := [names[m] for m in names if m not in metrics]:
         print(f"(this ncu gave no {', '.join(missing)})")
     rows, full_names = {}, {}
-    for r in csv.DictReader(io.StringIO(lines)):
-        if FLUSH_KERNEL in r["Kernel Name"]:  # --l2 dirty: the flush's own kernels
-            continue
+    for r in kernel_rows(lines):
         name = r["Kernel Name"][:40]
         full_names.setdefault(name, r["Kernel Name"])
         col = names[r["Metric Name"]]

@@ -692,7 +692,7 @@ def test_two_dimensional_cluster_multicasts_a_along_n_and_b_along_m(persistent):
     assert sorted({m[0] for m in masks}) == ["15", "17"], masks  # a row of 4 ranks; a column: ranks r, r + 4
     # a stage's release: lanes 0-4 of each consumer warp arrive at once, each on one of the 5 blocks that
     # write into the stage (its cluster row and column), mapped once before the loop; in the loop and after it
-    assert len(re.findall(r"tile_ops_peer_barrier\(\(&", k.source)) == 1
+    assert len(re.findall(r"tile_ops_peer_address\(\(&", k.source)) == 1
     releases = re.findall(r"tile_ops_cluster_arrive_if\(\(peer_empty \+ [^;]*& 31\) < 5\)\)\);", k.source)
     assert len(releases) == 2, releases
     assert k.meta.resources["spill_stores"] == 0

@@ -26,7 +26,7 @@ own shared arena, mbarriers and queues; %cluster_ctarank (tile_ops_cluster_rank)
 barrier.cluster.wait goes on once every thread of the cluster that has not exited has made as many
 barrier.cluster.arrives as the waiter; TMA loads with .multicast::cluster land at the same shared offset in
 every block of the CTA mask and complete their bytes on each one's mbarrier at that offset; a remote arrive
-(tile_ops_cluster_arrive_if on a tile_ops_peer_barrier address: mbarrier.arrive.shared::cluster on a mapa
+(tile_ops_cluster_arrive_if on a tile_ops_peer_address address: mbarrier.arrive.shared::cluster on a mapa
 address) counts on the peer's mbarrier at the same offset; either one on a block whose threads have all exited raises.  ``stagger=True`` runs rank r only every
 (r % 4 + 1)-th scheduler round, so a peer's producer runs ahead (a stage released to it too soon shows).
 
@@ -570,7 +570,7 @@ class Emulator:
             raise RuntimeError(f"emulator: {what} block {cta.block} (cluster rank {cta.rank}) after it exited")
 
     def _peer_address(self, call, env) -> int:
-        """``tile_ops_peer_barrier(bar, peer)``: mapa.shared::cluster of ``bar``'s shared address in cluster rank
+        """``tile_ops_peer_address(bar, peer)``: mapa.shared::cluster of ``bar``'s shared address in cluster rank
         ``peer``, here the rank above bit 24 of the offset (an offset added to it stays in that block)."""
         addr, peer = self._shared_offset(call.args[1], env), int(self._eval(call.args[2], env))
         if not 0 <= peer < len(self.cta.cluster):
@@ -579,7 +579,7 @@ class Emulator:
 
     def _remote_arrive(self, call, env):
         """``tile_ops_cluster_arrive_if(address, pred)``: where ``pred`` holds, mbarrier.arrive.shared::cluster.b64
-        on a ``tile_ops_peer_barrier`` address: one arrival on that block's mbarrier (the peer may be this
+        on a ``tile_ops_peer_address`` address: one arrival on that block's mbarrier (the peer may be this
         block)."""
         cluster_addr, pred = (int(self._eval(a, env)) for a in call.args[1:3])
         if not pred:
@@ -1020,7 +1020,7 @@ class Emulator:
             return self._shared_offset(e, env)
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_cluster_rank":  # %cluster_ctarank
             return self.cta.rank
-        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_peer_barrier":  # mapa
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_peer_address":  # mapa
             return self._peer_address(e, env)
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_grid_x":  # gridDim.x
             return self.grid[0]

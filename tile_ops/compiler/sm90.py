@@ -673,7 +673,7 @@ class Hopper:
         for i, w in reversed(list(enumerate(writers))):
             peer = tirx.Select(lane == i, tirx.const(w, "int32") if isinstance(w, int) else w, peer)
         var = T.Var("peer_empty", "uint32")
-        T.Bind(_call("tile_ops_peer_barrier", self.empty(0), tirx.Cast("uint32", peer), return_type="uint32"),
+        T.Bind(_call("tile_ops_peer_address", self.empty(0), tirx.Cast("uint32", peer), return_type="uint32"),
                var=var)
         self.peer_empty = (var, len(writers))
 
@@ -943,6 +943,20 @@ __forceinline__ __device__ void tile_ops_fence_register(unsigned& r) { asm volat
 """
 
 
+# the address of a shared-memory location in a peer block of the cluster (the same offset there): its own
+# helper (a stage release's barrier) and part of st.async's, guarded so that a kernel using both defines it once
+_PEER_ADDRESS = """
+#ifndef TILE_OPS_PEER_ADDRESS
+#define TILE_OPS_PEER_ADDRESS
+__forceinline__ __device__ unsigned tile_ops_peer_address(const void* p, unsigned peer) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(peer));
+  return r;
+}
+#endif
+"""
+
+
 _HELPERS = {  # CUDA functions for what TIRx has no intrinsic for
     "tile_ops_grid_x": """
 __forceinline__ __device__ int tile_ops_grid_x() { return gridDim.x; }
@@ -962,12 +976,7 @@ __forceinline__ __device__ unsigned tile_ops_cluster_rank() {
 """,
     # st.async: a store (one value or a pair) into a peer's shared memory, at the mapa address of the same
     # offset there, that completes its bytes on the peer's mbarrier
-    "tile_ops_cluster_put": """
-__forceinline__ __device__ unsigned tile_ops_peer_address(const void* p, unsigned peer) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(peer));
-  return r;
-}
+    "tile_ops_cluster_put": _PEER_ADDRESS + """
 __forceinline__ __device__ void tile_ops_cluster_put(float* p, uint64_t* bar, unsigned peer, float v) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
                :: "r"(tile_ops_peer_address(p, peer)), "f"(v), "r"(tile_ops_peer_address(bar, peer)) : "memory");
@@ -1007,14 +1016,7 @@ __forceinline__ __device__ void tile_ops_row_stats_read(float* flags, int flag, 
   }
 }
 """,
-    # a barrier's address in a peer block's shared memory (the same offset there)
-    "tile_ops_peer_barrier": """
-__forceinline__ __device__ unsigned tile_ops_peer_barrier(uint64_t* bar, unsigned peer) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(peer));
-  return r;
-}
-""",
+    "tile_ops_peer_address": _PEER_ADDRESS,
     # an arrive on a (peer's) barrier where pred holds, predicated, not branched around: a stage's release
     # orders only this warp's reads of it (done: the wgmma wait), so the arrive is relaxed to CTA scope (a
     # cluster-scope release costs a fence each)
