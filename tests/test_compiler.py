@@ -525,6 +525,56 @@ def test_library_gemm_default_configs_on_hopper_have_no_spills(shape):
     assert k.meta.resources["spill_stores"] == 0 and k.meta.resources["spill_loads"] == 0, (cfg, k.meta.resources)
 
 
+def _listing(*instructions):
+    """A cuobjdump-style SASS listing of ``instructions``."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(instructions))
+
+
+def test_wgmma_early_reads_flags_accumulators_read_before_the_final_wait():
+    """What ptxas made of the swapped 2x4 gemm's epilogue at 1001x1001x512 (NOTES v28): the fp16 packs of the
+    m64n72 accumulators (R24-R59) above the wait that retires the last k-step's wgmmas. After it, or
+    registers outside the accumulators, are fine."""
+    from tile_ops.jit.build import wgmma_early_reads
+
+    loop = ["HGMMA.64x72x16.F32 R24, gdesc[UR12].tnspA, R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+            "@!P0 SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [R21+UR8], RZ", "@P1 BRA 0x790"]
+    pack, other = "F2FP.F16.F32.PACK_AB R2, R59, R58", "IMAD.SHL.U32 R23, R0, 0x80, RZ"
+    wait = "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+    assert wgmma_early_reads(_listing(*loop, other, pack, wait)) == [pack]
+    assert wgmma_early_reads(_listing(*loop, other, wait, pack)) == []
+    assert wgmma_early_reads(_listing(*loop, "MOV R60, R61", wait)) == []  # past m64n72's 36 registers
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("M, N, K, has_bias", [(1001, 1001, 512, False), (650, 1500, 1000, False),
+                                               (1001, 1001, 2048, True), (1000, 1000, 4000, False),
+                                               (16, 8192, 8192, False), (4096, 4096, 4096, False)])
+def test_library_hopper_gemms_read_accumulators_only_after_the_final_wait(M, N, K, has_bias):
+    """The default configs, with the operands padded as the op pads them: no SASS instruction touches a wgmma
+    accumulator before the wait that retires it. ptxas hoisted the swapped 2x4 kernel's output packs above
+    that wait when the consumer loop was unrolled twice (its C rows not 16-byte multiples, so stored by
+    threads): a quarter of the norm wrong on the GPU, never in the emulator. The loop is not unrolled now."""
+    from tile_ops.jit.build import wgmma_early_reads
+    from tile_ops.kernels.gemm import default_config, padded_cols
+
+    cfg = default_config(M, N, K, "sm_90a")
+    cols = padded_cols(M, N, K, target="sm_90a")
+    k = gemm(M, N, K, 1, 1, 1, False, False, has_bias, "float16", "float16", cfg, **cols, target="sm_90a")
+    assert wgmma_early_reads(k.sass()) == [], cfg
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("shape", [(8192, 2048, 1024), (1000, 1000, 1000)])
+def test_gemm_softmax_reads_accumulators_only_after_the_wait(shape):
+    """The fused kernel reads each score tile's accumulators inside its walk: after each tile's wait."""
+    from tile_ops.jit.build import wgmma_early_reads
+
+    k = gemm_softmax(*shape, 1.0, "float16", "float16", gemm_softmax_config(*shape, "sm_90a"), target="sm_90a")
+    assert wgmma_early_reads(k.sass()) == []
+
+
 @needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("M, N, K, out_dtype, panels", [(4096, 4096, 4096, "float16", 2), (1000, 1000, 1000, "float32", 4)])

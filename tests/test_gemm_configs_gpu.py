@@ -100,7 +100,8 @@ def test_half_wave_defaults_on_short_grids(shape, cfg, variant, pad):
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS) + list(MORE_VARIANTS))
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (1000, 1000, 4000), (1001, 1001, 512), (1000, 1024, 2000)],
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (1000, 1000, 4000), (1001, 1001, 512), (650, 1500, 1000),
+                                   (1000, 1024, 2000)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_swapped_2x4_default_on_unaligned_short_grids(shape, variant, pad):
     """Short grids whose rows are not whole lines launch cuBLAS's swapped 72x128 tiles in 2x4 clusters (each

@@ -631,7 +631,9 @@ class Hopper:
         if ws.deferred_wait:  # the loop writes no register A operand: its wgmma.fences cover the writes before it
             self.fence_operands(compute, accumulators=False)
         self.bind_peer_empty()
-        with T.serial(0, n) as k:
+        # not unrolled: after a twice-unrolled loop ptxas (CUDA 13.0) moved the epilogue's reads of the
+        # accumulators above the final wgmma.wait_group, losing the last k-step (NOTES v28)
+        with T.serial(0, n, unroll=1) as k:
             IRBuilder.name(node.var.name, k)
             s = tirx.floormod(cnt[0], S)
             T.evaluate(TS.cuda.mbarrier_wait(self.full(s), tirx.floormod(tirx.floordiv(cnt[0], S), 2)))

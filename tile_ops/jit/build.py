@@ -103,6 +103,26 @@ def sass(cubin: bytes) -> str:
     return proc.stdout
 
 
+def wgmma_early_reads(sass_text: str) -> list:
+    """SASS instructions that touch an HGMMA's accumulator registers while it may still be in flight: after
+    the HGMMA, before the ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` that retires every group (or the next HGMMA,
+    which takes the registers over).  The PTX orders such reads after ``wgmma.wait_group 0``; ptxas (CUDA
+    13.0) has hoisted them above it after a partly unrolled loop, losing the last k-step (NOTES v28)."""
+    lines = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass_text)]
+    early = []
+    for i, line in enumerate(lines):
+        m = re.match(r"HGMMA\.64x(\d+)x\d+\.F32\S*\s+R(\d+)", line)
+        if not m:
+            continue
+        first, last = int(m.group(2)), int(m.group(2)) + int(m.group(1)) // 2 - 1  # fp32: N/2 per thread
+        for later in lines[i + 1:]:
+            if later.startswith("HGMMA") or later.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
+                break
+            if any(first <= int(r) <= last for r in re.findall(r"\bR(\d+)\b", later)):
+                early.append(later)
+    return early
+
+
 def instruction_mix(sass_text: str) -> dict:
     """Opcode counts of a SASS listing (HMMA, LDSM, LDGSTS, ...)."""
     counts: dict = {}
