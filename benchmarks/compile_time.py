@@ -7,7 +7,8 @@ empty temporary TILE_OPS_CACHE_DIR:
 
   cold  a fresh Python process imports the compiler (TVM; timed apart, a user's first compile pays it
         too), then calls the factory on the empty cache: trace + lower + nvcc + cache store.
-        lower_s / nvcc_s come from the cache entry's meta; "other" is the rest (tracing, store).
+        lower_s / nvcc_s / check_s (the SASS read for accumulator order) come from the cache entry's meta;
+        "other" is the rest (tracing, store).
   warm  another fresh process with the same cache dir imports tile_ops, calls the factory (a disk
         hit) and, with a GPU, launches the kernel once and synchronizes.  Reported: process start
         to first launch done (without a GPU: to kernel ready), the factory call alone, and whether
@@ -98,7 +99,8 @@ def child(mode, name, arch):
 
         entry = DiskCache().load(key)
         meta = entry.meta if entry is not None else {}
-        res.update(lower_s=meta.get("lower_s"), nvcc_s=meta.get("nvcc_s"), nvcc=meta.get("nvcc"),
+        res.update(lower_s=meta.get("lower_s"), nvcc_s=meta.get("nvcc_s"), check_s=meta.get("check_s", 0.0),
+                   nvcc=meta.get("nvcc"),
                    registers=kernel.meta.resources.get("registers"))
     print("RESULT " + json.dumps(res))
 
@@ -143,13 +145,14 @@ def main():
             warm = run_child("warm", name, arch, cache)
         assert cold["key"] == warm["key"]
         lower, nvcc = cold.get("lower_s"), cold.get("nvcc_s")
-        other = cold["factory_s"] - (lower or 0) - (nvcc or 0) if lower is not None and nvcc is not None else None
+        check = cold.get("check_s") or 0.0
+        other = cold["factory_s"] - lower - nvcc - check if lower is not None and nvcc is not None else None
         fmt = lambda v, d=2: "n/a" if v is None else f"{v:.{d}f}"  # noqa: E731
         rows.append({
             "kernel": name, "shape": f"{M}x{N}x{K}", "dtype": dtype, "arch": arch,
             "cold_tvm_import_s": fmt(cold["tvm_import_s"]),
             "cold_compile_s": fmt(cold["factory_s"]), "lower_s": fmt(lower), "nvcc_s": fmt(nvcc),
-            "other_s": fmt(other),
+            "check_s": fmt(check), "other_s": fmt(other),
             "warm_" + ("start_to_first_launch_s" if warm["launched"] else "start_to_kernel_ready_s"):
                 fmt(warm["start_to_ready_s"]),
             "warm_import_s": fmt(warm["import_s"]), "warm_factory_ms": fmt(warm["factory_s"] * 1e3, 1),

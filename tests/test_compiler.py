@@ -566,6 +566,21 @@ def test_library_hopper_gemms_read_accumulators_only_after_the_final_wait(M, N, 
 
 @needs_nvcc
 @needs_cuobjdump
+def test_a_kernel_reading_accumulators_before_the_wait_is_refused(monkeypatch):
+    """The consumer loop unrolled again (as before NOTES v28): ptxas hoists the epilogue's reads above the
+    final wait, and the build refuses the kernel, with what it found, rather than run it wrong."""
+    from tile_ops.compiler import sm90
+    from tile_ops.kernels.gemm import _SWAPPED_2X4
+
+    serial = sm90.T.serial
+    monkeypatch.setattr(sm90.T, "serial", lambda *args, unroll=None, **kw: serial(*args, **kw))
+    with pytest.raises(RuntimeError, match=r"read wgmma accumulators before the wgmma.wait_group .*F2FP"):
+        gemm(1001, 1001, 1024, 1, 1, 1, False, False, False, "float16", "float16", _SWAPPED_2X4, b_cols=1008,
+             target="sm_90a")
+
+
+@needs_nvcc
+@needs_cuobjdump
 @pytest.mark.parametrize("shape", [(8192, 2048, 1024), (1000, 1000, 1000)])
 def test_gemm_softmax_reads_accumulators_only_after_the_wait(shape):
     """The fused kernel reads each score tile's accumulators inside its walk: after each tile's wait."""

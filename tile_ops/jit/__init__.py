@@ -217,17 +217,20 @@ def _load_or_build(key, trace, arch, out_idx) -> Kernel:
 
 def _build(prog, arch, out_idx):
     from ..compiler import compile_program
-    from .build import build_cubin, nvcc_version
+    from .build import build_cubin, check_accumulator_order, nvcc_version
 
     t0 = time.perf_counter()
     c = compile_program(prog, arch)
     t1 = time.perf_counter()
     cubin, resources = build_cubin(c.source, arch, c.entry)
     t2 = time.perf_counter()
+    if "wgmma.mma_async" in c.source:  # ptxas has moved accumulator reads above their wait (NOTES v28)
+        check_accumulator_order(cubin, prog.name)
     meta = KernelMeta(prog.name, c.entry, arch, c.grid, c.block, c.smem_bytes, c.params, c.kept, out_idx,
                       resources, c.layouts, c.tensormaps, c.ctas_per_sm, c.cluster, c.persistent_tiles,
                       c.workspace_floats, c.workspace_fixed_floats, c.waits_at_entry)
-    stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3), "nvcc": nvcc_version()}
+    stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3),
+             "check_s": round(time.perf_counter() - t2, 3), "nvcc": nvcc_version()}
     spilled, frame = resources.get("spill_stores", 0), resources.get("stack_frame", 0)
     if spilled or frame > 1024:  # local memory in the main loop: correct, and slow
         warnings.warn(f"tile_ops: kernel {prog.name} ({arch}, grid {c.grid}, {c.block[0]} threads) keeps "

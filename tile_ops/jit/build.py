@@ -123,6 +123,20 @@ def wgmma_early_reads(sass_text: str) -> list:
     return early
 
 
+def check_accumulator_order(cubin: bytes, name: str) -> None:
+    """Refuse a wgmma kernel whose SASS reads accumulators before their wait (``wgmma_early_reads``): it
+    would compute wrong results. Unchecked where no cuobjdump is found (triton and nvidia-cuda-cuobjdump
+    bundle one)."""
+    if _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None:
+        return
+    early = wgmma_early_reads(sass(cubin))
+    if early:
+        raise RuntimeError(f"tile_ops: ptxas scheduled {len(early)} instructions of kernel {name} that read wgmma "
+                           f"accumulators before the wgmma.wait_group retiring them (first: {early[0]!r}); it "
+                           f"would compute wrong results, so it is not used. Another config (block sizes, stages) "
+                           f"avoids it; please report this one.")
+
+
 def instruction_mix(sass_text: str) -> dict:
     """Opcode counts of a SASS listing (HMMA, LDSM, LDGSTS, ...)."""
     counts: dict = {}
