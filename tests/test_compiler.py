@@ -551,10 +551,11 @@ def test_wgmma_early_reads_flags_accumulators_read_before_the_final_wait():
                                                (1001, 1001, 2048, True), (1000, 1000, 4000, False),
                                                (16, 8192, 8192, False), (4096, 4096, 4096, False)])
 def test_library_hopper_gemms_read_accumulators_only_after_the_final_wait(M, N, K, has_bias):
-    """The default configs, with the operands padded as the op pads them: no SASS instruction touches a wgmma
-    accumulator before the wait that retires it. ptxas hoisted the swapped 2x4 kernel's output packs above
-    that wait when the consumer loop was unrolled twice (its C rows not 16-byte multiples, so stored by
-    threads): a quarter of the norm wrong on the GPU, never in the emulator. The loop is not unrolled now."""
+    """The default configs, with the operands padded as the op pads them, build (the build refuses a kernel
+    with early reads) and no SASS instruction touches a wgmma accumulator before the wait that retires it.
+    ptxas hoisted the swapped 2x4 kernel's output packs above that wait when the consumer loop was unrolled
+    twice (its C rows not 16-byte multiples, so stored by threads): a quarter of the norm wrong on the GPU,
+    never in the emulator. The loop is not unrolled now."""
     from tile_ops.jit.build import wgmma_early_reads
     from tile_ops.kernels.gemm import default_config, padded_cols
 

@@ -137,8 +137,8 @@ def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132,
                       trans_A: bool = False) -> GemmConfig | None:
     """One wave of 64x128 tiles (at most one per SM), or None: 128-deep k-steps where K is 512-2048; unclustered
     where rows are whole lines; else cuBLAS's swapped 72x128 tiles in 2x4 clusters where they make a nearly
-    full wave of resident clusters (K >= 512, A stored K-contiguous), else in pairs, which need an even count of M tiles (TMA loads
-    every row: build_gemm pads rows that are not 16-byte)."""
+    full wave of resident clusters (K >= 512, A stored K-contiguous), else in pairs, which need an even count
+    of M tiles (TMA loads every row: build_gemm pads rows that are not 16-byte)."""
     m_tiles = -(-M // 64)
     if batch * m_tiles * -(-N // 128) > sms:
         return None
