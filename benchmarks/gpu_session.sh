@@ -40,7 +40,10 @@ python -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log
 python -c "from tile_ops.jit.launcher import get_launcher as g; print('launcher:', g().__name__)" 2>&1 | tail -1
 grep -A3 "WARNING: building the tile_ops._C" "$OUT/install.log" | head -4
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-[ "${TESTS:-}" = none ] || { python -m pytest ${TESTS:-tests} -m gpu -q -n ${TEST_WORKERS:-8} ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -4; note tests ${PIPESTATUS[0]}; }
+# -v: each test's result is logged as it ends ("[gw3] [ 45%] FAILED tests/..."), so a run cut short by the
+# device's time limit still names its failures (pytest's summary comes only at the end)
+[ "${TESTS:-}" = none ] || { python -m pytest ${TESTS:-tests} -m gpu -v -n ${TEST_WORKERS:-8} ${TEST_FLAGS--x} --timeout ${TEST_TIMEOUT:-300} -p no:benchmark 2>&1 | tee "$OUT/gpu_tests.log" | tail -2; note tests ${PIPESTATUS[0]}
+  grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$OUT/gpu_tests.log" | head -20; }
 T=${BENCH_TIMEOUT:-400}
 for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
   case $b in
