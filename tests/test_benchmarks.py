@@ -380,7 +380,8 @@ def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
     (bin_dir / "python").write_text(
         "#!/bin/bash\n"
         'case "$1 ${2:-}" in "-m pip") exit 0;; "-c "*) echo "launcher: tile_ops._C"; exit 0;;\n'
-        '  "-m pytest") echo "1 failed, 2 passed"; exit 1;; esac\n'
+        '  "-m pytest") echo "[gw1] [ 33%] FAILED tests/x.py::test_y "; printf "[gw0] PASSED\\n%.0s" 1 2 3\n'
+        '    echo "1 failed, 2 passed"; exit 1;; esac\n'
         'case "$1" in benchmarks/bench_gemm.py) echo "Traceback: boom"; exit 1;;\n'
         '  benchmarks/bench_gemm_softmax.py) exec sleep 30;; *) echo "ran $1"; exit 0;; esac\n')
     (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'name, clocks.sm'\n")
@@ -393,6 +394,7 @@ def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text
     assert "FAILED: tests: exit status 1" in text and "FAILED: gemm: exit status 1" in text
+    assert "[gw1] [ 33%] FAILED tests/x.py::test_y" in text  # named though far above the summary's tail
     assert "FAILED: softmax: timed out after 2 s" in text and "FAILED: sofmax: unknown benchmark" in text
     assert "ran benchmarks/bench_overhead.py" in text and "FAILED: overhead" not in text
     assert text.rstrip().endswith("gpu_session.sh: FAILED: tests gemm softmax sofmax")
