@@ -86,8 +86,9 @@ def parse_ptxas(log: str) -> dict:
     return info
 
 
-def sass(cubin: bytes) -> str:
-    tool = _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP")
+def sass(cubin: bytes, tool: str | None = None) -> str:
+    """The cubin's SASS listing, by ``tool`` (a cuobjdump path; default: the one found)."""
+    tool = tool or _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP")
     if tool is None:
         raise RuntimeError("tile_ops: cuobjdump not found (pip install nvidia-cuda-cuobjdump, or set TILE_OPS_CUOBJDUMP)")
     env = dict(os.environ)
@@ -127,9 +128,10 @@ def check_accumulator_order(cubin: bytes, name: str) -> None:
     """Refuse a wgmma kernel whose SASS reads accumulators before their wait (``wgmma_early_reads``): it
     would compute wrong results. Unchecked where no cuobjdump is found (triton and nvidia-cuda-cuobjdump
     bundle one)."""
-    if _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None:
+    tool = _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP")
+    if tool is None:
         return
-    early = wgmma_early_reads(sass(cubin))
+    early = wgmma_early_reads(sass(cubin, tool))
     if early:
         raise RuntimeError(f"tile_ops: ptxas scheduled {len(early)} instructions of kernel {name} that read wgmma "
                            f"accumulators before the wgmma.wait_group retiring them (first: {early[0]!r}); it "
