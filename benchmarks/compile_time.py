@@ -99,7 +99,7 @@ def child(mode, name, arch):
 
         entry = DiskCache().load(key)
         meta = entry.meta if entry is not None else {}
-        res.update(lower_s=meta.get("lower_s"), nvcc_s=meta.get("nvcc_s"), check_s=meta.get("check_s", 0.0),
+        res.update(lower_s=meta.get("lower_s"), nvcc_s=meta.get("nvcc_s"), check_s=meta.get("check_s"),
                    nvcc=meta.get("nvcc"),
                    registers=kernel.meta.resources.get("registers"))
     print("RESULT " + json.dumps(res))
@@ -144,9 +144,8 @@ def main():
             cold = run_child("cold", name, arch, cache)
             warm = run_child("warm", name, arch, cache)
         assert cold["key"] == warm["key"]
-        lower, nvcc = cold.get("lower_s"), cold.get("nvcc_s")
-        check = cold.get("check_s") or 0.0
-        other = cold["factory_s"] - lower - nvcc - check if lower is not None and nvcc is not None else None
+        lower, nvcc, check = cold.get("lower_s"), cold.get("nvcc_s"), cold.get("check_s")
+        other = cold["factory_s"] - lower - nvcc - check if None not in (lower, nvcc, check) else None
         fmt = lambda v, d=2: "n/a" if v is None else f"{v:.{d}f}"  # noqa: E731
         rows.append({
             "kernel": name, "shape": f"{M}x{N}x{K}", "dtype": dtype, "arch": arch,
