@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install (TVM from the carried kit), GPU tests, then the benchmarks; logs under $OUT.
 #   TESTS="tests/test_kernels_gpu.py"  narrows the tests (TESTS=none: none, e.g. without TVM; TEST_WORKERS: -n);
-#   BENCHES="softmax overhead"  picks benchmarks: gemm gemm80 softmax overhead compile (the default list),
+#   BENCHES="softmax overhead"  picks benchmarks: gemm gemm80 softmax overhead compile (the default list; none: none),
 #     also sanitize, profile and sustained (seconds-long runs with clock and power; SUSTAINED_ARGS);
 #     BENCH_ARGS  goes to bench_gemm.py (default --configs), SOFTMAX_ARGS to bench_gemm_softmax.py (e.g. --configs).
 #   gemm times the Hopper path (sm_90a), gemm80 the Ampere-class path (sm_90) on the same GPU.
@@ -58,7 +58,8 @@ for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
     ab) timeout $T python benchmarks/ab_compiler.py "${AB_PATCH:?ab needs AB_PATCH}" --out "$OUT/ab" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -12; note $b ${PIPESTATUS[0]} $T ;;
     profile) for s in ${PROFILE_SHAPES:-4096x4096x4096}; do timeout ${PROFILE_TIMEOUT:-240} python benchmarks/profile_gemm.py --shape $s ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/profile.log" | tail -4; note "profile $s" ${PIPESTATUS[0]} ${PROFILE_TIMEOUT:-240}; done ;;
     compile) python benchmarks/compile_time.py --json "$OUT/compile_time.json" 2>&1 | tee "$OUT/compile_time.log" | tail -6; note $b ${PIPESTATUS[0]} ;;
-    *) note "$b" "unknown benchmark (BENCHES takes gemm gemm80 softmax overhead compile sanitize l2state profile sustained compare ab)" ;;
+    none) ;;
+    *) note "$b" "unknown benchmark (BENCHES takes none gemm gemm80 softmax overhead compile sanitize l2state profile sustained compare ab)" ;;
   esac
 done
 if [ -n "$failed" ]; then echo "gpu_session.sh: FAILED:$failed"; exit 1; fi

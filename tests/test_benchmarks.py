@@ -370,11 +370,9 @@ def test_sanitize_runs_of_one_shape_under_two_labels_keep_their_own_logs(tmp_pat
         assert f"run of label {label}" in pathlib.Path(r["log"]).read_text()
 
 
-def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
-    """benchmarks/gpu_session.sh with a stand-in python (and nvidia-smi): a benchmark that fails, one killed
-    by BENCH_TIMEOUT, failing GPU tests and an unknown BENCHES name are each said ("FAILED: ..."), listed
-    in $OUT/failures.txt, and make the exit status 1; the steps after them still run. (The script used to
-    exit with the last step's status, and a timed-out benchmark's log just stopped.)"""
+def _run_gpu_session(tmp_path, **env):
+    """benchmarks/gpu_session.sh with a stand-in python (and nvidia-smi) whose GPU tests fail, bench_gemm.py
+    fails, bench_gemm_softmax.py hangs and any other script succeeds; (exit status, output, $OUT)."""
     bin_dir, out, cwd = tmp_path / "bin", tmp_path / "out", tmp_path / "checkout"
     bin_dir.mkdir(), cwd.mkdir()
     (bin_dir / "python").write_text(
@@ -387,12 +385,20 @@ def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
     (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'name, clocks.sm'\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), TESTS="tests/x.py",
-               BENCHES="gemm softmax overhead sofmax", BENCH_TIMEOUT="2")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), **env)
     proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh")], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 1, text
+    return proc.returncode, proc.stdout + proc.stderr, out
+
+
+def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
+    """A benchmark that fails, one killed by BENCH_TIMEOUT, failing GPU tests and an unknown BENCHES name
+    are each said ("FAILED: ..."), listed in $OUT/failures.txt, and make the exit status 1; the steps after
+    them still run. (The script used to exit with the last step's status, and a timed-out benchmark's log
+    just stopped.)"""
+    rc, text, out = _run_gpu_session(tmp_path, TESTS="tests/x.py", BENCHES="gemm softmax overhead sofmax",
+                                     BENCH_TIMEOUT="2")
+    assert rc == 1, text
     assert "FAILED: tests: exit status 1" in text and "FAILED: gemm: exit status 1" in text
     assert "[gw1] [ 33%] FAILED tests/x.py::test_y" in text  # named though far above the summary's tail
     assert "FAILED: softmax: timed out after 2 s" in text and "FAILED: sofmax: unknown benchmark" in text
@@ -400,6 +406,15 @@ def test_gpu_session_says_which_steps_failed_and_exits_nonzero(tmp_path):
     assert text.rstrip().endswith("gpu_session.sh: FAILED: tests gemm softmax sofmax")
     assert len((out / "failures.txt").read_text().splitlines()) == 4
     assert "Traceback: boom" in (out / "bench_gemm.log").read_text()
+
+
+def test_gpu_session_runs_nothing_for_none(tmp_path):
+    """TESTS=none and BENCHES=none: only the install and the GPU line, and exit 0 (BENCHES=none used to be
+    an unknown benchmark, failing a tests-only call)."""
+    rc, text, out = _run_gpu_session(tmp_path, TESTS="none", BENCHES="none")
+    assert rc == 0, text
+    assert text.rstrip().endswith("gpu_session.sh: every step passed")
+    assert "FAILED" not in text and "ran " not in text and not (out / "failures.txt").exists()
 
 
 def _torch_logging_the_profiler_range(log):
