@@ -24,17 +24,17 @@ import tilelang_matmul  # noqa: E402
 from tile_ops.jit import default_arch  # noqa: E402
 from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa: E402
 
-SHAPES = {  # ../shared/ANCHORS.md, then ragged shapes beside 1000^3 (issue 4: >= 0.90x cuBLAS): mid grids
-    # that fill 1.4-2.4 waves of 128x128 tiles, one whose rows are not 16-byte aligned (padded for TMA), and
-    # 1000^3's grid with a long K (half a wave, 63 k-steps: NOTES v24); after the anchor's decode shape, two
-    # whose default tiles are unsplit (NOTES v13): 64 rows, and 16 rows of a 14336-wide MLP projection
-    "float16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (8192, 1024, 8192),
-                (4096, 14336, 4096), (1000, 1000, 1000), (1500, 2000, 2000), (3000, 1000, 1500),
-                (777, 3001, 1234), (1000, 1000, 4000), (16, 8192, 8192), (64, 8192, 8192), (16, 14336, 4096)],
-    "bfloat16": [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)],
-}
+# issue 4's ragged shapes beside 1000^3 (>= 0.90x cuBLAS): mid grids that fill 1.4-2.4 waves of 128x128 tiles, one
+# whose rows are not 16-byte aligned (padded for TMA), and 1000^3's grid with a long K (half a wave, 63 k-steps:
+# NOTES v24)
+RAGGED_SHAPES = [(1000, 1000, 1000), (1500, 2000, 2000), (3000, 1000, 1500), (777, 3001, 1234), (1000, 1000, 4000)]
+DECODE = (16, 8192, 8192)
+# ../shared/ANCHORS.md's shapes and issue 4's bars, in both dtypes; fp16 adds, after the anchor's decode shape,
+# two whose default tiles are unsplit (NOTES v13): 64 rows, and 16 rows of a 14336-wide MLP projection
+BAR_SHAPES = [(2048, 2048, 2048), *LARGE_SHAPES, *RAGGED_SHAPES, DECODE]
+SHAPES = {"float16": BAR_SHAPES + [(64, 8192, 8192), (16, 14336, 4096)], "bfloat16": BAR_SHAPES}
 # B stored transposed (N x K: nn.Linear's weight, what a model's decode step multiplies by), fp16
-TRANSPOSED_B = [(16, 8192, 8192)]
+TRANSPOSED_B = [DECODE]
 EXTRA_CONFIGS = {
     "sm_90": [GemmConfig(128, 128, 32, 3, 128, 8), GemmConfig(128, 256, 32, 4, 256, 8),
               GemmConfig(256, 128, 32, 3, 256, 8), GemmConfig(128, 128, 64, 3, 256, 8)],
@@ -111,14 +111,12 @@ EXTRA_CONFIGS = {
                # not in the tuner's space: a tuned config serves every layout, and A stored transposed refuses it
                GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=2, swap_ab=True)],
 }
-# issue 4's bars for the sm_90a path, over the fp16 rows with B stored K x N: (what, shapes, reduction, bar)
+# issue 4's bars for the sm_90a path, over each dtype's rows with B stored K x N: (what, shapes, reduction, bar)
 TARGETS = [("geomean of 4096^3, 8192^3, 8192x1024x8192, 4096x14336x4096", LARGE_SHAPES, "geomean", 1.00),
            ("lowest of those four", LARGE_SHAPES, "min", 0.95),
            ("2048^3", [(2048, 2048, 2048)], "min", 0.95),
-           ("lowest of 1000^3 and the ragged shapes",
-            [(1000, 1000, 1000), (1500, 2000, 2000), (3000, 1000, 1500), (777, 3001, 1234), (1000, 1000, 4000)],
-            "min", 0.90),
-           ("decode 16x8192x8192", [(16, 8192, 8192)], "min", 1.00)]
+           ("lowest of 1000^3 and the ragged shapes", RAGGED_SHAPES, "min", 0.90),
+           ("decode 16x8192x8192", [DECODE], "min", 1.00)]
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}  # relative Frobenius error vs float64
 PATHS = {"sm_90a": "TMA + wgmma, warp-specialized", "sm_90": "Ampere-class: cp.async + mma.sync"}
 
@@ -132,10 +130,10 @@ def config_name(cfg):
             + ("/no-raster" if not cfg.swizzle else "" if cfg.swizzle == 8 else f"/raster{cfg.swizzle}"))
 
 
-def target_lines(rows) -> list:
-    """Where the fp16 ratios to cuBLAS stand against ``TARGETS``, a line each; a target none of whose shapes
-    ran is left out, one with only some of them says so."""
-    ratio = {r["shape"]: r["vs_cuBLAS"] for r in rows if r["dtype"] == "float16"}
+def target_lines(rows, dtype="float16") -> list:
+    """Where the ``dtype`` ratios to cuBLAS stand against ``TARGETS``, a line each; a target none of whose
+    shapes ran is left out, one with only some of them says so."""
+    ratio = {r["shape"]: r["vs_cuBLAS"] for r in rows if r["dtype"] == dtype}
     lines = []
     for what, shapes, how, bar in TARGETS:
         got = [ratio[k] for k in ("x".join(map(str, s)) for s in shapes) if k in ratio]
@@ -264,8 +262,9 @@ def main():
         ["tilelang"] if args.tilelang else []) + [
         "vs_cuBLAS", "rel_err", "config"]
     print_table(rows, cols, f"GEMM TFLOP/s on {torch.cuda.get_device_name()} (tile_ops {args.arch}: {PATHS[args.arch]})")
-    if args.arch == "sm_90a" and (lines := target_lines(rows)):
-        print("\nIssue 4's targets (fp16, tile_ops vs cuBLAS):\n  " + "\n  ".join(lines))
+    for dt in SHAPES if args.arch == "sm_90a" else ():
+        if lines := target_lines(rows, dt):
+            print(f"\nIssue 4's targets ({dt}, tile_ops vs cuBLAS):\n  " + "\n  ".join(lines))
     save(rows, args.json, args.png, x=("dtype", "shape"), ys=("tile_ops", "cuBLAS", "triton", "tilelang"),
          ylabel="TFLOP/s")
 
