@@ -105,6 +105,11 @@ def test_prune_skips_configs_over_the_shared_memory_limit():
 @pytest.mark.parametrize("op, cfg, shape", [
     ("gemm", GemmConfig(128, 256, 64, 3, 256, 8), (1024, 1024, 1024)),
     ("gemm", GemmConfig(16, 128, 128, 2, 128, 0, "full_col"), (16, 512, 512)),
+    # one tile a CTA: the bias and output tiles lie over the stages (4 of 128x256, or 5 of 192x128 swapped)
+    ("gemm", GemmConfig(128, 256, 64, 4, 256, 0, epilogue="shared"), (2048, 2048, 1024)),
+    ("gemm", GemmConfig(192, 128, 64, 5, 256, 8, epilogue="shared", swap_ab=True), (1500, 2000, 512)),
+    ("gemm", GemmConfig(128, 256, 64, 3, 256, 4, epilogue="shared"), (4096, 4096, 1024)),  # persistent: beside
+    ("gemm_softmax", SoftmaxConfig(128, 256, 64, 3, 256, "full_row", persistent=False), (8192, 256, 512)),
     ("gemm_softmax", SoftmaxConfig(128, 64, 32, 3, 256), (512, 2048, 256)),
     ("gemm_softmax", SoftmaxConfig(64, 128, 64, 2, 128, "full_row"), (200, 96, 64)),
 ])

@@ -607,6 +607,24 @@ def test_shared_epilogue_is_a_tma_store_on_hopper(M, N, K, out_dtype, panels):
     assert "cp.async.bulk.wait_group.read 0" in k.source
 
 
+@pytest.mark.parametrize("M, N, overlaid", [(2048, 2048, True), (4096, 4096, False)])
+def test_epilogue_tiles_lie_over_the_dead_stages_where_each_cta_runs_one_tile(M, N, overlaid):
+    """One wave of 128x256 tiles in 4 stages (192 KiB): the bias and output tiles (64.5 KiB) lie over the
+    stages, dead once the main loop ends, and the consumers' barrier before the epilogue's first shared
+    write comes after their last wgmma wait.  Over more than a wave the grid is persistent (the producer
+    loads the next tile's stages during the epilogue): nothing lies over them, and the output tile does
+    not fit beside them, so the gemm stores directly."""
+    cfg = GemmConfig(128, 256, 64, 4, 256, 0, epilogue="shared")
+    c = compile_program(gemm.fn(M, N, 1024, 1, 1, 1, False, False, True, "bfloat16", "bfloat16", cfg), "sm_90a")
+    stages = 4 * (128 * 64 + 64 * 256) * 2
+    assert ("C_tmap" in c.tensormaps) == overlaid and (c.persistent_tiles == 0) == overlaid
+    assert (c.smem_bytes < stages + 1024) == overlaid, c.smem_bytes  # else the 1 KiB bias tile after the stages
+    after_loop = c.source[c.source.rindex("wait_group_sync_aligned_0();"):]
+    stmts = after_loop.split(";")
+    first_write = next(i for i, (lhs, eq, _) in enumerate(s.partition(" = ") for s in stmts) if eq and "smem_ptr" in lhs)
+    assert "bar_sync_count_sync((uint)1" in ";".join(stmts[:first_write])
+
+
 @needs_nvcc
 def test_tma_store_is_waited_on_only_before_the_next_barrier():
     """A persistent GEMM's TMA store is not waited on where it is issued: its issuer waits until TMA has

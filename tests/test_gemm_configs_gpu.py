@@ -6,8 +6,8 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import (_HALF_WAVE, _HALF_WAVE_K128, _HALF_WAVE_LINES, _HALF_WAVE_LINES_K128, _PAIRED_128,
-                                   _SWAPPED_2X4, _WIDE, _WIDE_PAIRED, GemmConfig, build_gemm, default_config,
+from tile_ops.kernels.gemm import (_HALF_WAVE, _HALF_WAVE_K128, _HALF_WAVE_LINES, _HALF_WAVE_LINES_K128,
+                                   _ONE_WAVE_WIDE, _PAIRED_128, _SWAPPED_2X4, _WIDE, _WIDE_PAIRED, _WIDE_SWAPPED, GemmConfig, build_gemm, default_config,
                                    launch_config)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -116,7 +116,7 @@ def test_swapped_2x4_default_on_unaligned_short_grids(shape, variant, pad):
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("shape", [(2048, 2048, 1024), (2048, 2056, 1000), (2048, 2048, 2048)],
+@pytest.mark.parametrize("shape", [(2048, 2560, 1024), (2048, 2056, 1000), (1792, 2048, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_paired_128_default_over_more_than_a_wave(shape, variant):
     """More 128x128 tiles than SMs with an even M-tile count default to clustered pairs (B multicast),
@@ -127,12 +127,25 @@ def test_paired_128_default_over_more_than_a_wave(shape, variant):
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("shape, cfg", [((1536, 2048, 2048), _WIDE_PAIRED), ((1500, 2000, 2000), _WIDE_PAIRED),
-                                        ((1152, 2048, 2048), _WIDE), ((777, 3001, 1234), _WIDE)],
+@pytest.mark.parametrize("shape", [(2048, 2048, 1024), (2048, 2048, 2048), (1920, 2040, 1000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_one_wave_wide_default(shape, variant):
+    """90-100 % of a wave of 128x256 tiles defaults to 4 stages, the output tile laid over them (one tile a
+    CTA); a batch's grid is more than a wave, persistent, and stores directly; ragged N and K included."""
+    assert default_config(*shape, "sm_90a") == _ONE_WAVE_WIDE
+    check(_ONE_WAVE_WIDE, shape, variant, "sm_90a")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape, cfg", [((1536, 2048, 2048), _WIDE_SWAPPED), ((1500, 2000, 2000), _WIDE_SWAPPED),
+                                        ((1152, 2048, 2048), _WIDE_SWAPPED), ((2000, 1500, 2000), _WIDE_PAIRED),
+                                        ((777, 3001, 1234), _WIDE)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
 def test_wide_default_where_it_fills_the_wave(shape, cfg, variant):
-    """128x192 tiles (in pairs where the M tiles pair up) where they fill one wave; 777x3001x1234 also pads
-    both operands' rows (and stores rows of 3001 without TMA)."""
+    """192-wide tiles where they fill one wave: swapped 192x128 ones where they are fewer (5 stages, the output
+    tile laid over them), else 128x192 (in pairs where the M tiles pair up); 777x3001x1234 also pads both
+    operands' rows (and stores rows of 3001 without TMA)."""
     assert default_config(*shape, "sm_90a") == cfg
     check(cfg, shape, variant, "sm_90a")
 

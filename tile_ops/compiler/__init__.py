@@ -8,8 +8,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..lang.ir import Program
+from ..lang import MAX_CLUSTER
+
+if TYPE_CHECKING:  # the package itself stays TVM-free: the kernels' heuristics use wave_ctas
+    from ..lang.ir import Program
+
+SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
+
+
+def wave_ctas(cluster: int = 1) -> int:
+    """Warp-specialized CTAs of one SM each that an H200 runs at once in clusters of ``cluster`` (an estimate
+    for clusters of 4 and 8: GPCs hold whole clusters), a multiple of ``cluster``."""
+    if cluster <= 2:
+        return SMS // cluster * cluster
+    return SMS // MAX_CLUSTER * MAX_CLUSTER // cluster * cluster
 
 
 @dataclass

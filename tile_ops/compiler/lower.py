@@ -233,16 +233,16 @@ class Lowerer:
     def memory_plan(self) -> MemoryPlan:
         """Shared arena layout: tiles, reduction scratch, cluster exchange slots, mbarriers.  Pure, so the
         Hopper planner can size CTAs before emitting."""
-        offset, tiles, exchanges = 0, [], []
-        for b in self.kernel.allocs:
-            if b.scope == "shared":
-                elems = math.prod(b.shape)
-                stages = self.stages.get(b, 1)
-                lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
-                size = self._align(elems * stages * dtype_bits(b.dtype) // 8)
-                copies = 1 if b in self.stages else self.consumers  # stages are shared by the warpgroups
-                tiles.append((b, offset, elems, stages, lay, size if copies > 1 else 0))
-                offset += size * copies
+        tiles, exchanges = [], []
+        shared = [b for b in self.kernel.allocs if b.scope == "shared"]
+        epilogue, dead = self._epilogue_overlay(shared)
+        if epilogue:  # the dead tiles first, the epilogue's laid over them from 0, then the rest
+            dead_end = self._place(dead, 0, tiles)
+            placed = {id(b) for b in dead + epilogue}
+            offset = self._place([b for b in shared if id(b) not in placed],
+                                 max(dead_end, self._place(epilogue, 0, tiles)), tiles)
+        else:
+            offset = self._place(shared, 0, tiles)
         scratch_offset, scratch_size = offset, _align(self._scratch_bytes())
         offset += scratch_size * self.consumers
         for node in self.cluster_reduces:  # two sets of slots: consecutive tiles alternate (see cluster_allreduce)
@@ -251,6 +251,34 @@ class Lowerer:
             offset += _align(slots * 4) * self.consumers
         total = offset + (self.hopper.barrier_bytes() if self.hopper else 0)
         return MemoryPlan(tiles, scratch_offset, scratch_size, exchanges, offset, total)
+
+    def _place(self, buffers: list, offset: int, tiles: list) -> int:
+        """Lay ``buffers`` out from byte ``offset`` into ``tiles`` (MemoryPlan.tiles); the offset past them."""
+        for b in buffers:
+            elems = math.prod(b.shape)
+            stages = self.stages.get(b, 1)
+            lay = SharedLayout(b.shape[0], b.shape[1], dtype_bits(b.dtype)) if len(b.shape) == 2 else None
+            size = self._align(elems * stages * dtype_bits(b.dtype) // 8)
+            copies = 1 if b in self.stages else self.consumers  # stages are shared by the warpgroups
+            tiles.append((b, offset, elems, stages, lay, size if copies > 1 else 0))
+            offset += size * copies
+        return offset
+
+    def _epilogue_overlay(self, shared: list) -> tuple:
+        """(epilogue, dead): the shared tiles that only the code after the main loop touches, and those it
+        does not touch, over which the epilogue's are laid where every CTA runs one tile
+        (Hopper.one_tile_per_cta), so that a 128x256 tile holds 4 stages beside its 64 KiB output tile,
+        as cuBLAS's does, rather than 3.  Safe: once the loop ends no load is in flight (its last stages
+        were waited for, the peers' multicast slices included), and ``body``'s barrier before the
+        epilogue's first shared access comes after every warp's last wgmma retired."""
+        if not (self.ws and self.hopper.one_tile_per_cta()):
+            return [], []
+        body = list(self.kernel.body)
+        at = body.index(self.ws.loop)
+        before = {id(b) for node in body[:at + 1] for b in _node_buffers(node, self.buffers)}
+        after = {id(b) for node in body[at + 1:] for b in _node_buffers(node, self.buffers)}
+        epilogue = [b for b in shared if id(b) in after and id(b) not in before]
+        return (epilogue, [b for b in shared if id(b) not in after]) if epilogue else ([], [])
 
     def _declare_memory(self) -> int:
         self.shared, self.frags, self.locals = {}, {}, {}

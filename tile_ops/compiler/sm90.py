@@ -23,7 +23,7 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ..lang import MAX_CLUSTER
+from . import SMS, wave_ctas
 from ..jit.kernel import FLAG_SLOTS
 from ..lang.ir import Copy, For, Gemm, RowSoftmaxStore, error
 from .exprs import collect_loads, uses
@@ -32,7 +32,6 @@ from .layout import MmaAccumLayout, SharedLayout
 from .stream_k import Registers, StreamK, accumulators, flag_signal, flag_wait, plan, unit
 
 PRODUCER_THREADS = 128
-SMS = 132  # of an H100 SXM / H200: warp-specialized kernels with more tiles than resident CTAs loop over them
 SM_SHARED_BYTES = 228 * 1024  # per SM, of which each resident CTA reserves 1 KiB
 REGISTERS = 65536  # per SM
 # Two resident CTAs of 256 threads cap ptxas at 128 registers per thread everywhere (setmaxnreg moves
@@ -229,8 +228,17 @@ class Hopper:
         whole clusters; pairs fit the SM pairs), which the launcher replaces with the driver's count."""
         n = self.lw.cluster
         if n > 1:  # a multiple of n: the blocks of a cluster must walk the same tiles in lockstep
-            return SMS // n * n if n <= 2 else SMS // MAX_CLUSTER * MAX_CLUSTER // n * n
+            return wave_ctas(n)
         return SMS * self.ctas_per_sm
+
+    def one_tile_per_cta(self) -> bool:
+        """Whether every CTA runs one tile, its main loop at the program's top level: not a persistent grid
+        (``persistent=False``, or a grid within one wave), no pingpong, stream-K or row-softmax walk, no
+        cluster exchange.  Decided without the memory plan, which depends on it (Lowerer.memory_plan)."""
+        lw = self.lw
+        if not self.ws or self.ws.outer or lw.consumers > 1 or self.stream_k or self.row_softmax is not None:
+            return False
+        return not lw.cluster_reduces and (not lw.kernel.persistent or math.prod(lw.kernel.grid) <= wave_ctas(lw.cluster))
 
     def consumer_registers(self) -> int | None:
         """setmaxnreg target of the consumer warps, or None when the launch-bound budget already suffices:

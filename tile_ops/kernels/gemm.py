@@ -11,6 +11,7 @@ import tile_ops
 import tile_ops.lang as T
 from tile_ops.jit import default_arch
 from tile_ops.autotune import config_for
+from tile_ops.compiler import SMS, wave_ctas
 
 
 def check_config_sizes(cfg) -> None:
@@ -88,12 +89,14 @@ def default_config(M: int, N: int, K: int, arch: str | None = None, batch: int =
     if (arch or default_arch()) == "sm_90a":  # TMA + wgmma, warp-specialized
         if M <= 64:  # decode: bandwidth-bound
             return _decode_config(M, N, K, batch)
+        if 0.9 * SMS <= batch * -(-M // 128) * -(-N // 256) <= SMS:
+            return _ONE_WAVE_WIDE
         for cfg, min_tiles in zip(_HOPPER_TILES, (192, 48, 100)):  # the biggest tile that fills the GPU
             if -(-M // cfg.block_M) * -(-N // cfg.block_N) >= min_tiles:
                 if cfg.block_N == 128 and (short := _half_wave_config(M, N, K, batch, trans_A=trans_A)):
                     return short
                 if cfg.block_N >= 128 and _waves(M, N, 192, batch) <= 0.8 * _waves(M, N, cfg.block_N, batch):
-                    return _WIDE_PAIRED if -(-M // 128) % 2 == 0 else _WIDE
+                    return _wide_config(M, N, batch)
                 return _PAIRED_128 if cfg.block_N == 128 and _paired_waves(M, N, batch) else cfg
         return _HOPPER_TILES[-1]
     if M <= 64:
@@ -182,6 +185,29 @@ def _paired_waves(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
 # 28 % faster (2000x3000x1000), paired beside cuBLAS (NOTES v12)
 _WIDE = GemmConfig(128, 192, 64, 4, 256, 8, epilogue="shared")
 _WIDE_PAIRED = GemmConfig(128, 192, 64, 4, 256, 0, epilogue="shared", cluster=2)
+
+
+# ... or swapped 192 (M) x 128 (N) tiles in 5 stages where they are fewer, so less padded, and one wave (the
+# output tile then lies over the stages): 1500x2000x2000 is 128 of them against 132 of 128x192 (N padded to
+# 2112), paired beside cuBLAS on an H100: 0.933 -> 0.972 (bf16), 0.924 -> 0.955 (fp16); at 2000x1500x2000,
+# 132 of them against 128, they lost 16 % (NOTES v32)
+_WIDE_SWAPPED = GemmConfig(192, 128, 64, 5, 256, 8, epilogue="shared", swap_ab=True)
+
+
+def _wide_config(M: int, N: int, batch: int = 1) -> GemmConfig:
+    """The 192-wide tiles' config: swapped where its tiles are fewer and make one wave, else 128x192, in
+    pairs of M tiles where their count is even."""
+    swapped = batch * -(-M // 192) * -(-N // 128)
+    if swapped < batch * -(-M // 128) * -(-N // 192) and swapped <= SMS:
+        return _WIDE_SWAPPED
+    return _WIDE_PAIRED if -(-M // 128) % 2 == 0 else _WIDE
+
+
+# 128x256 tiles in 4 stages where they make one nearly full wave (2048^3: 128 of them): each CTA runs one
+# tile, so the compiler lays the output tile over the dead stages (Lowerer._epilogue_overlay) and a fourth
+# stage fits beside it, as in cuBLAS's kernel at 2048^3.  Paired beside cuBLAS on an H100, bf16: 2048^3
+# 0.943 (128x128 pairs) -> 1.012, 2048x2048x4096 0.909 -> 1.002 (raster panels: within 1 %) (NOTES v32)
+_ONE_WAVE_WIDE = GemmConfig(128, 256, 64, 4, 256, 0, epilogue="shared")
 
 
 def _waves(M: int, N: int, block_N: int, batch: int = 1, sms: int = 132) -> float:
@@ -286,6 +312,8 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [_HALF_WAVE_LINES, _HALF_WAVE_LINES_K128]
         if not _misfit(_SWAPPED_2X4, M, N):  # cuBLAS's swapped 72x128 tiles in 2x4 clusters
             space.append(_SWAPPED_2X4)
+    if not decode and not _misfit(_WIDE_SWAPPED, M, N):  # one wave of swapped 192x128 tiles (_wide_config)
+        space.append(_WIDE_SWAPPED)
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
         if _pow2(N) >= 256:  # ... and of 128x192 tiles (one wave where 128x128 would fill two, NOTES v12)
@@ -293,17 +321,31 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
     return space
 
 
-def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
-    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the bias tile,
-    the output tile of a shared epilogue (in the input dtype) (each buffer starts on a 1 KiB boundary on
-    sm_90a; with ``pingpong`` the bias and output tiles twice, one per consumer warpgroup) and the
-    pipeline's mbarriers."""
-    esize = _ESIZE[dtype]
-    stages = [cfg.num_stages * cfg.block_M * cfg.block_K, cfg.num_stages * cfg.block_K * cfg.block_N]
-    epilogue = [cfg.block_N] + ([cfg.block_M * cfg.block_N] if cfg.epilogue == "shared" else [])
-    copies = 2 if cfg.pingpong else 1
-    return (sum(_kib(n * esize) for n in stages) + copies * sum(_kib(n * esize) for n in epilogue)
-            + 16 * cfg.num_stages)
+def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16", batch: int = 1,
+                        out_dtype: str | None = None) -> int:
+    """Upper estimate of the dynamic shared memory ``cfg`` needs on sm_90a: pipelined A and B tiles, the bias
+    tile, the output tile of a shared epilogue (in ``out_dtype``, the input dtype unless given) (each buffer
+    starts on a 1 KiB boundary; with ``pingpong`` the bias and output tiles twice, one per consumer
+    warpgroup) and the pipeline's mbarriers.  Where each CTA runs one tile the compiler lays the epilogue's
+    tiles over the stages (``_epilogue_overlaid``)."""
+    esize, out_size = _ESIZE[dtype], _ESIZE[out_dtype or dtype]
+    stages = (_kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize)
+              + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize))
+    epilogue = _kib(cfg.block_N * esize) + (_kib(cfg.block_M * cfg.block_N * out_size) if cfg.epilogue == "shared"
+                                            else 0)
+    epilogue *= 2 if cfg.pingpong else 1
+    pipelined = max(stages, epilogue) if _epilogue_overlaid(cfg, M, N, batch) else stages + epilogue
+    return pipelined + 16 * cfg.num_stages
+
+
+SM90_SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt in to on sm_90a
+
+
+def _epilogue_overlaid(cfg: GemmConfig, M: int, N: int, batch: int = 1) -> bool:
+    """Whether the sm_90a compiler lays the epilogue's shared tiles over the dead pipeline stages
+    (Lowerer._epilogue_overlay): each CTA runs one tile, the grid being within a wave of resident CTAs."""
+    ctas = batch * cfg.split_k * -(-M // cfg.block_M) * -(-N // cfg.block_N)
+    return not (cfg.pingpong or cfg.stream_k) and 0 < ctas <= wave_ctas(cfg.cluster * cfg.cluster_n)
 
 
 def _kib(nbytes: int) -> int:
@@ -387,7 +429,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 return
             if has_bias:
                 _add_bias(C_f, Bias, bx * bN, bM, bN, bias_dtype)
-            if _shared_epilogue_fits(cfg, dtype, out_dtype):  # coalesced (TMA) stores of a staged tile
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype):  # coalesced (TMA) stores of a staged tile
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 T.copy(C_f, C_s)
                 T.copy(C_s, C[bz, by * bM, bx * bN])
@@ -406,7 +448,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.gemm(B_s, A_s, Ct_f, transpose_A=not trans_B, transpose_B=not trans_A)
             if has_bias:
                 _add_bias(Ct_f, Bias, bx * bN, bN, bM, bias_dtype, along_rows=True)
-            if _shared_epilogue_fits(cfg, dtype, out_dtype):  # transposed into a staged C tile, TMA-stored
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype):  # transposed into a staged C tile, TMA-stored
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 for i, j in T.Parallel(bN, bM):
                     C_s[j, i] = Ct_f[i, j]
@@ -464,18 +506,12 @@ def _misfit(cfg: GemmConfig, M: int, N: int, trans_A: bool = False) -> str | Non
     return None
 
 
-def _shared_epilogue_fits(cfg: GemmConfig, dtype: str, out_dtype: str) -> bool:
+def _shared_epilogue_fits(cfg: GemmConfig, M: int, N: int, batch: int, dtype: str, out_dtype: str) -> bool:
     """``cfg.epilogue == "shared"`` unless the output tile in ``out_dtype`` would overflow shared memory
-    (e.g. 128x256 fp32 beside three stages): then the direct epilogue, rather than a compile error."""
-    return cfg.epilogue == "shared" and _output_tile_fits(shared_memory_bytes(cfg, 0, 0, 0, dtype), cfg, dtype,
-                                                          out_dtype)
-
-
-def _output_tile_fits(smem_bytes: int, cfg, dtype: str, out_dtype: str) -> bool:
-    """Whether a kernel whose shared memory ``smem_bytes`` counts its staged (block_M, block_N) output tile in
-    ``dtype`` (one per consumer warpgroup with pingpong) still fits with the tile in ``out_dtype``."""
-    wider = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N * (2 if cfg.pingpong else 1)
-    return smem_bytes + max(0, wider) <= 227 * 1024
+    (e.g. 128x256 fp32 beside three stages, over more than a wave): then the direct epilogue, rather than a
+    compile error."""
+    return (cfg.epilogue == "shared"
+            and shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype) <= SM90_SHARED_LIMIT)
 
 
 def _add_bias(acc, Bias, n0, rows: int, cols: int, dtype: str, along_rows: bool = False):

@@ -25,8 +25,9 @@ import tile_ops.lang as T
 from tile_ops.lang import SharedMemoryError
 from tile_ops.jit import default_arch
 from tile_ops.autotune import config_for
+from tile_ops.compiler import wave_ctas
 
-from .gemm import _DT, _kib, _ESIZE, _output_tile_fits, _pow2, check_config_sizes
+from .gemm import _DT, _kib, _ESIZE, SM90_SHARED_LIMIT, _pow2, check_config_sizes
 
 LOG2E = 1.4426950408889634
 # the deferred store's exchange takes a few microseconds per tile (NOTES v10): a main loop of 8 K steps
@@ -128,6 +129,13 @@ def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm
     return space
 
 
+def _output_tile_fits(smem_bytes: int, cfg, dtype: str, out_dtype: str) -> bool:
+    """Whether a kernel whose shared memory ``smem_bytes`` counts its staged (block_M, block_N) output tile in
+    ``dtype`` (one per consumer warpgroup with pingpong) still fits with the tile in ``out_dtype``."""
+    wider = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N * (2 if cfg.pingpong else 1)
+    return smem_bytes + max(0, wider) <= SM90_SHARED_LIMIT
+
+
 def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
     """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the staged
     output tile, with several tiles per block the per-tile running maxima (grow with N) and the final
@@ -145,7 +153,17 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     # (max, sum) slots and their mbarriers, two tile parities
     exchange = 2 * _kib(cfg.split * cfg.block_M * 8) + 16 if cfg.split > 1 else 0
     copies = 2 if cfg.pingpong else 1
+    if _output_overlaid(cfg, M, n_tiles):
+        tiles, rows = max(tiles, rows), 0
     return tiles + copies * (rows + _kib(scratch_cols * cfg.block_M * 4) + exchange) + 16 * cfg.num_stages
+
+
+def _output_overlaid(cfg: SoftmaxConfig, M: int, n_tiles: int) -> bool:
+    """Whether the sm_90a compiler lays the staged output tile over the dead pipeline stages
+    (Lowerer._epilogue_overlay): a block's one tile, no cluster exchange, a grid within a wave unless
+    not persistent."""
+    one_tile = not (cfg.deferred or cfg.pingpong or cfg.stream_k) and cfg.split == 1 and n_tiles == 1
+    return one_tile and (not cfg.persistent or 0 < -(-M // cfg.block_M) <= wave_ctas())
 
 
 PARTS = ("all", "no_rescale", "gemm")
