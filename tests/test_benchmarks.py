@@ -667,7 +667,7 @@ def test_ab_compiler_variant_imports_its_patched_copy_with_its_own_cache_keys(tm
     sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
     before = sm90.read_text()
     patch = tmp_path / "v.patch"
-    patch.write_text(_patch_of(sm90, "SMS = 132", "SMS = 132  # a variant"))
+    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 128  # a variant"))
     root = ab_compiler.overlay(str(patch), str(tmp_path / "root"))
     assert sm90.read_text() == before and "# a variant" in (tmp_path / "root/tile_ops/compiler/sm90.py").read_text()
     probe = ("import tile_ops.compiler.sm90 as m; from tile_ops.jit import compiler_fingerprint as f; "
@@ -683,7 +683,7 @@ def test_ab_compiler_refuses_a_patch_that_does_not_apply(tmp_path):
 
     sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
     patch = tmp_path / "stale.patch"
-    patch.write_text(_patch_of(sm90, "SMS = 132", "SMS = 114").replace("-SMS = 132", "-SMS = 108"))
+    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 96").replace("-PRODUCER_THREADS = 128", "-PRODUCER_THREADS = 64"))
     with pytest.raises(SystemExit, match="does not apply to this tile_ops"):
         ab_compiler.overlay(str(patch), str(tmp_path / "root"))
 
@@ -695,7 +695,7 @@ def test_ab_compiler_rounds_alternate_and_the_summary_takes_medians(tmp_path, mo
 
     sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
     patch = tmp_path / "v.patch"
-    patch.write_text(_patch_of(sm90, "SMS = 132", "SMS = 132  # a variant"))
+    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 128  # a variant"))
     ratios = {"main": iter([0.90, 0.95, 0.93]), "variant": iter([1.00, 0.97, 0.99])}
     calls, real_run = [], subprocess.run
 

@@ -312,7 +312,7 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         space += [_HALF_WAVE_LINES, _HALF_WAVE_LINES_K128]
         if not _misfit(_SWAPPED_2X4, M, N):  # cuBLAS's swapped 72x128 tiles in 2x4 clusters
             space.append(_SWAPPED_2X4)
-    if not decode and not _misfit(_WIDE_SWAPPED, M, N):  # one wave of swapped 192x128 tiles (_wide_config)
+    if not decode and _pow2(M) >= 192 and _pow2(N) >= 128:  # one wave of swapped 192x128 tiles (_wide_config)
         space.append(_WIDE_SWAPPED)
     if not decode and -(-M // 128) % 2 == 0 and _pow2(N) >= 128:  # pairs of 128x128 tiles sharing B: over a wave
         space += [GemmConfig(128, 128, 64, stages, 128, 0, epilogue="shared", cluster=2) for stages in (4, 6)]
