@@ -625,6 +625,20 @@ def test_epilogue_tiles_lie_over_the_dead_stages_where_each_cta_runs_one_tile(M,
     assert "bar_sync_count_sync((uint)1" in ";".join(stmts[:first_write])
 
 
+def test_unaligned_rows_keep_the_epilogue_tiles_beside_the_stages():
+    """Rows that are not 16-byte multiples take no TMA, so no warp-specialized pipeline and nothing lies over
+    the stages: the kernels' estimates say so too, and a float32 output tile that does not fit beside the
+    stages is stored directly (the GPU suite's 127x255x129 softmax to float32 needed 272 KiB of shared memory
+    while its estimate counted on the overlay)."""
+    cfg = GemmConfig(128, 256, 64, 3, 256, 0, epilogue="shared")
+    c = compile_program(gemm.fn(2048, 2048, 1001, 1, 1, 1, False, False, False, "float16", "float32", cfg),
+                        "sm_90a")
+    assert "C_tmap" not in c.tensormaps and c.smem_bytes <= 232448
+    c = compile_program(gemm_softmax.fn(127, 129, 255, 0.1, "float16", "float32",
+                                        gemm_softmax_config(127, 129, 255, "sm_90a")), "sm_90a")
+    assert c.smem_bytes <= 232448
+
+
 @needs_nvcc
 def test_tma_store_is_waited_on_only_before_the_next_barrier():
     """A persistent GEMM's TMA store is not waited on where it is issued: its issuer waits until TMA has

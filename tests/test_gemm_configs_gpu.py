@@ -138,14 +138,14 @@ def test_one_wave_wide_default(shape, variant):
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("shape, cfg", [((1536, 2048, 2048), _WIDE_SWAPPED), ((1500, 2000, 2000), _WIDE_SWAPPED),
-                                        ((1152, 2048, 2048), _WIDE_SWAPPED), ((2000, 1500, 2000), _WIDE_PAIRED),
+@pytest.mark.parametrize("shape, cfg", [((1536, 2048, 2048), _WIDE_PAIRED), ((1500, 2000, 2000), _WIDE_SWAPPED),
+                                        ((1152, 2048, 2048), _WIDE), ((2000, 1500, 2000), _WIDE_PAIRED),
                                         ((777, 3001, 1234), _WIDE)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
 def test_wide_default_where_it_fills_the_wave(shape, cfg, variant):
-    """192-wide tiles where they fill one wave: swapped 192x128 ones where they are fewer (5 stages, the output
-    tile laid over them), else 128x192 (in pairs where the M tiles pair up); 777x3001x1234 also pads both
-    operands' rows (and stores rows of 3001 without TMA)."""
+    """192-wide tiles where they fill one wave: swapped 192x128 ones where they are fewer and B's rows not whole
+    lines (5 stages, the output tile laid over them), else 128x192 (in pairs where the M tiles pair up);
+    777x3001x1234 also pads both operands' rows (and stores rows of 3001 without TMA)."""
     assert default_config(*shape, "sm_90a") == cfg
     check(cfg, shape, variant, "sm_90a")
 

@@ -232,8 +232,8 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
 @pytest.mark.parametrize("shape, default", [
     ((2048, 2048, 2048), "_ONE_WAVE_WIDE"), ((2048, 2048, 2044), "_ONE_WAVE_WIDE"), ((1920, 2048, 512), "_ONE_WAVE_WIDE"),
     ((1024, 4096, 4096), "_ONE_WAVE_WIDE"), ((1792, 2048, 2048), "_PAIRED_128"), ((2048, 2560, 2048), "_PAIRED_128"),
-    ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_SWAPPED"), ((1500, 2000, 2000), "_WIDE_SWAPPED"),
-    ((1152, 2048, 2048), "_WIDE_SWAPPED"), ((2000, 1500, 2000), "_WIDE_PAIRED"), ((2000, 3000, 1000), "_WIDE_PAIRED"),
+    ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_PAIRED"), ((1500, 2000, 2000), "_WIDE_SWAPPED"),
+    ((1152, 2048, 2048), "_WIDE"), ((2000, 1500, 2000), "_WIDE_PAIRED"), ((2000, 3000, 1000), "_WIDE_PAIRED"),
     ((777, 3001, 1234), "_WIDE"), ((4096, 4096, 4096), None),
     ((1000, 1000, 1000), "_SWAPPED_2X4"), ((1000, 1000, 999), "_SWAPPED_2X4"), ((1000, 1000, 512), "_SWAPPED_2X4"),
     ((1000, 1000, 4000), "_SWAPPED_2X4"), ((1001, 1001, 2048), "_SWAPPED_2X4"), ((1000, 1000, 511), "_HALF_WAVE"),
@@ -249,8 +249,9 @@ def test_default_tiles_fit_the_waves(shape, default):
     128x128 tiles in clustered pairs where there are more of them than SMs (1024x2048: 128, one wave,
     stays unclustered); 192-wide tiles where they fill one wave and 128x128 or 128x256 ones would leave
     most of a second idle (1536x2048: 132 against 192 of 128x128; 2000x3000: 256 against 192 of 128x256):
-    swapped 192x128 ones where they are fewer and one wave (1536x2048: 128; not 2000x1500: 132 against 128,
-    nor 2000x3000: 264), else 128x192 paired where the M tiles pair up (777's 7 do not); short grids in pairs of 64-row tiles, 128-deep k-steps
+    swapped 192x128 ones where they are fewer, one wave and B's rows not whole 128-byte lines (1500x2000: 128
+    against 132; not 1536x2048, whose rows are, nor 2000x1500: 132 against 128, nor 2000x3000: 264), else
+    128x192 paired where the M tiles pair up (1152's 9 and 777's 7 do not); short grids in pairs of 64-row tiles, 128-deep k-steps
     where K is 512-2048, unclustered where M, N and K are multiples of 64 (every row whole 128-byte lines,
     however A and B are stored: 960's 15 row tiles too; 900's 15 do not pair, so 128x128 tiles); elsewhere
     swapped 72x128 tiles in 2x4 clusters where they make 3/4 of a wave to a whole one and K >= 512 (1000x700's
@@ -278,12 +279,11 @@ def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
     gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
     # three 1000x1000 matrices: 192 tiles of 128x128, more than a wave, so the 128x128 pairs
     assert built[0] == gemm_kernels._SWAPPED_2X4 and built[1] == gemm_kernels._PAIRED_128
-    # one 1536x2048 matrix fills a wave of swapped 192x128 tiles; three fill 3 waves of 128x192 ones, or 4.4 of
-    # 128x128 pairs
+    # one 1536x2048 matrix fills a wave of 128x192 tiles; three fill 3 waves of them, or 4.4 of 128x128 pairs
     a, b = torch.zeros(3, 1536, 2048, dtype=torch.float16), torch.zeros(3, 2048, 2048, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.empty(1, 1536, 2048, dtype=torch.float16))
     gemm_kernels.get_gemm_kernel(a, b, torch.empty(3, 1536, 2048, dtype=torch.float16))
-    assert built[2] == gemm_kernels._WIDE_SWAPPED and built[3] == gemm_kernels._PAIRED_128
+    assert built[2] == gemm_kernels._WIDE_PAIRED and built[3] == gemm_kernels._PAIRED_128
 
 
 def test_hopper_decode_space_offers_split_k():

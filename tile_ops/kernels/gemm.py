@@ -187,18 +187,19 @@ _WIDE = GemmConfig(128, 192, 64, 4, 256, 8, epilogue="shared")
 _WIDE_PAIRED = GemmConfig(128, 192, 64, 4, 256, 0, epilogue="shared", cluster=2)
 
 
-# ... or swapped 192 (M) x 128 (N) tiles in 5 stages where they are fewer, so less padded, and one wave (the
-# output tile then lies over the stages): 1500x2000x2000 is 128 of them against 132 of 128x192 (N padded to
-# 2112), paired beside cuBLAS on an H100: 0.933 -> 0.972 (bf16), 0.924 -> 0.955 (fp16); at 2000x1500x2000,
-# 132 of them against 128, they lost 16 % (NOTES v32)
+# ... or swapped 192 (M) x 128 (N) tiles in 5 stages where they are fewer and one wave (the output tile then
+# lies over the stages) and B's rows are not whole 128-byte lines: 1500x2000x2000 is 128 of them against 132
+# of 128x192; paired beside cuBLAS on an H100, 0.933 -> 0.972 (bf16), 0.924 -> 0.955 (fp16).  Where rows are
+# whole lines they lost 3 % (1536x2048x2048: 0.989 -> 0.958, 1152x2048x2048: 0.876 -> 0.843); where they are
+# more (2000x1500x2000: 132 against 128) 11-16 % (NOTES v32)
 _WIDE_SWAPPED = GemmConfig(192, 128, 64, 5, 256, 8, epilogue="shared", swap_ab=True)
 
 
 def _wide_config(M: int, N: int, batch: int = 1) -> GemmConfig:
-    """The 192-wide tiles' config: swapped where its tiles are fewer and make one wave, else 128x192, in
-    pairs of M tiles where their count is even."""
+    """The 192-wide tiles' config: swapped where that pays (above), else 128x192, in pairs of M tiles
+    where their count is even."""
     swapped = batch * -(-M // 192) * -(-N // 128)
-    if swapped < batch * -(-M // 128) * -(-N // 192) and swapped <= SMS:
+    if N % 64 and swapped < batch * -(-M // 128) * -(-N // 192) and swapped <= SMS:  # (2-byte elements)
         return _WIDE_SWAPPED
     return _WIDE_PAIRED if -(-M // 128) % 2 == 0 else _WIDE
 
@@ -322,19 +323,20 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
 
 
 def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16", batch: int = 1,
-                        out_dtype: str | None = None) -> int:
+                        out_dtype: str | None = None, tma_rows: bool = True) -> int:
     """Upper estimate of the dynamic shared memory ``cfg`` needs on sm_90a: pipelined A and B tiles, the bias
     tile, the output tile of a shared epilogue (in ``out_dtype``, the input dtype unless given) (each buffer
     starts on a 1 KiB boundary; with ``pingpong`` the bias and output tiles twice, one per consumer
     warpgroup) and the pipeline's mbarriers.  Where each CTA runs one tile the compiler lays the epilogue's
-    tiles over the stages (``_epilogue_overlaid``)."""
+    tiles over the stages (``_epilogue_overlaid``); ``tma_rows``: A's and B's stored rows are 16-byte
+    multiples (build_gemm pads them), as TMA and so the warp-specialized pipeline need."""
     esize, out_size = _ESIZE[dtype], _ESIZE[out_dtype or dtype]
     stages = (_kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize)
               + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize))
     epilogue = _kib(cfg.block_N * esize) + (_kib(cfg.block_M * cfg.block_N * out_size) if cfg.epilogue == "shared"
                                             else 0)
     epilogue *= 2 if cfg.pingpong else 1
-    pipelined = max(stages, epilogue) if _epilogue_overlaid(cfg, M, N, batch) else stages + epilogue
+    pipelined = max(stages, epilogue) if tma_rows and _epilogue_overlaid(cfg, M, N, batch) else stages + epilogue
     return pipelined + 16 * cfg.num_stages
 
 
@@ -378,6 +380,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
+    tma_rows = A_shape[-1] * _ESIZE[dtype] % 16 == 0 and B_shape[-1] * _ESIZE[dtype] % 16 == 0
     misfit = _misfit(cfg, M, N, trans_A)
     if misfit:
         raise ValueError(f"gemm: {misfit}")
@@ -429,7 +432,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 return
             if has_bias:
                 _add_bias(C_f, Bias, bx * bN, bM, bN, bias_dtype)
-            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype):  # coalesced (TMA) stores of a staged tile
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):  # coalesced (TMA) stores of a staged tile
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 T.copy(C_f, C_s)
                 T.copy(C_s, C[bz, by * bM, bx * bN])
@@ -448,7 +451,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.gemm(B_s, A_s, Ct_f, transpose_A=not trans_B, transpose_B=not trans_A)
             if has_bias:
                 _add_bias(Ct_f, Bias, bx * bN, bN, bM, bias_dtype, along_rows=True)
-            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype):  # transposed into a staged C tile, TMA-stored
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):  # transposed into a staged C tile, TMA-stored
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 for i, j in T.Parallel(bN, bM):
                     C_s[j, i] = Ct_f[i, j]
@@ -506,12 +509,13 @@ def _misfit(cfg: GemmConfig, M: int, N: int, trans_A: bool = False) -> str | Non
     return None
 
 
-def _shared_epilogue_fits(cfg: GemmConfig, M: int, N: int, batch: int, dtype: str, out_dtype: str) -> bool:
+def _shared_epilogue_fits(cfg: GemmConfig, M: int, N: int, batch: int, dtype: str, out_dtype: str,
+                          tma_rows: bool) -> bool:
     """``cfg.epilogue == "shared"`` unless the output tile in ``out_dtype`` would overflow shared memory
     (e.g. 128x256 fp32 beside three stages, over more than a wave): then the direct epilogue, rather than a
     compile error."""
     return (cfg.epilogue == "shared"
-            and shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype) <= SM90_SHARED_LIMIT)
+            and shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype, tma_rows) <= SM90_SHARED_LIMIT)
 
 
 def _add_bias(acc, Bias, n0, rows: int, cols: int, dtype: str, along_rows: bool = False):

@@ -153,15 +153,15 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     # (max, sum) slots and their mbarriers, two tile parities
     exchange = 2 * _kib(cfg.split * cfg.block_M * 8) + 16 if cfg.split > 1 else 0
     copies = 2 if cfg.pingpong else 1
-    if _output_overlaid(cfg, M, n_tiles):
+    if _output_overlaid(cfg, M, n_tiles) and (K * esize) % 16 == 0 and (N * esize) % 16 == 0:  # TMA's rows
         tiles, rows = max(tiles, rows), 0
     return tiles + copies * (rows + _kib(scratch_cols * cfg.block_M * 4) + exchange) + 16 * cfg.num_stages
 
 
 def _output_overlaid(cfg: SoftmaxConfig, M: int, n_tiles: int) -> bool:
     """Whether the sm_90a compiler lays the staged output tile over the dead pipeline stages
-    (Lowerer._epilogue_overlay): a block's one tile, no cluster exchange, a grid within a wave unless
-    not persistent."""
+    (Lowerer._epilogue_overlay), given 16-byte rows of A and B (TMA loads, so a warp-specialized
+    pipeline): a block's one tile, no cluster exchange, a grid within a wave unless not persistent."""
     one_tile = not (cfg.deferred or cfg.pingpong or cfg.stream_k) and cfg.split == 1 and n_tiles == 1
     return one_tile and (not cfg.persistent or 0 < -(-M // cfg.block_M) <= wave_ctas())
 
