@@ -380,3 +380,19 @@ def test_integer_division_truncates_toward_zero():
     env = {x.__chandle__(): -7}
     assert [emu._eval(e, env) for e in (tirx.truncdiv(x, 3), tirx.truncmod(x, 3))] == [-2, -1]
     assert [emu._eval(e, env) for e in (tirx.floordiv(x, 3), tirx.floormod(x, 3))] == [-3, 2]
+
+
+def test_sm90_epilogue_over_the_dead_stages_matches_numpy():
+    """One wave, two consumer warpgroups, 2 stages over 3 k-steps (the last in stage 0), pairs of blocks
+    multicasting B, run staggered (a peer's producer writes into this block's stages early): the bias and
+    output tiles lie over the stages (Lowerer._epilogue_overlay) and C is exact.  (The
+    emulator steps a block's warpgroups together, so the barrier that keeps one warpgroup's epilogue writes
+    after the other's last wgmma reads is checked in the CUDA source: test_compiler's
+    test_epilogue_tiles_lie_over_the_dead_stages_where_each_cta_runs_one_tile.)"""
+    from tile_ops.kernels.gemm import GemmConfig
+
+    cfg = GemmConfig(128, 128, 64, 2, 256, 0, epilogue="shared", cluster=2)
+    C, ref, lk, emu = run_library_gemm(256, 256, 192, cfg, seed=7, stagger=True, bias=True)
+    stages = 2 * (128 * 64 + 64 * 128) * 2
+    assert lk.smem_bytes < stages + 1024 and "C_tmap" in lk.tensormaps  # the 32 KiB output tile inside them
+    np.testing.assert_array_equal(C, ref)
