@@ -683,7 +683,8 @@ def test_ab_compiler_refuses_a_patch_that_does_not_apply(tmp_path):
 
     sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
     patch = tmp_path / "stale.patch"
-    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 96").replace("-PRODUCER_THREADS = 128", "-PRODUCER_THREADS = 64"))
+    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 96")
+                     .replace("-PRODUCER_THREADS = 128", "-PRODUCER_THREADS = 64"))
     with pytest.raises(SystemExit, match="does not apply to this tile_ops"):
         ab_compiler.overlay(str(patch), str(tmp_path / "root"))
 

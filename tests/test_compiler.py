@@ -621,7 +621,8 @@ def test_epilogue_tiles_lie_over_the_dead_stages_where_each_cta_runs_one_tile(M,
     assert (c.smem_bytes < stages + 1024) == overlaid, c.smem_bytes  # else the 1 KiB bias tile after the stages
     after_loop = c.source[c.source.rindex("wait_group_sync_aligned_0();"):]
     stmts = after_loop.split(";")
-    first_write = next(i for i, (lhs, eq, _) in enumerate(s.partition(" = ") for s in stmts) if eq and "smem_ptr" in lhs)
+    first_write = next(i for i, (lhs, eq, _) in enumerate(s.partition(" = ") for s in stmts)
+                       if eq and "smem_ptr" in lhs)
     assert "bar_sync_count_sync((uint)1" in ";".join(stmts[:first_write])
 
 

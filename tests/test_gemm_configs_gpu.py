@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tile_ops.kernels.gemm import (_HALF_WAVE, _HALF_WAVE_K128, _HALF_WAVE_LINES, _HALF_WAVE_LINES_K128,
-                                   _ONE_WAVE_WIDE, _PAIRED_128, _SWAPPED_2X4, _WIDE, _WIDE_PAIRED, _WIDE_SWAPPED, GemmConfig, build_gemm, default_config,
+                                   _ONE_WAVE_WIDE, _PAIRED_128, _SWAPPED_2X4, _WIDE, _WIDE_PAIRED, _WIDE_SWAPPED,
+                                   GemmConfig, build_gemm, default_config,
                                    launch_config)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -230,7 +230,8 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
 
 
 @pytest.mark.parametrize("shape, default", [
-    ((2048, 2048, 2048), "_ONE_WAVE_WIDE"), ((2048, 2048, 2044), "_ONE_WAVE_WIDE"), ((1920, 2048, 512), "_ONE_WAVE_WIDE"),
+    ((2048, 2048, 2048), "_ONE_WAVE_WIDE"), ((2048, 2048, 2044), "_ONE_WAVE_WIDE"),
+    ((1920, 2048, 512), "_ONE_WAVE_WIDE"),
     ((1024, 4096, 4096), "_ONE_WAVE_WIDE"), ((1792, 2048, 2048), "_PAIRED_128"), ((2048, 2560, 2048), "_PAIRED_128"),
     ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_PAIRED"), ((1500, 2000, 2000), "_WIDE_SWAPPED"),
     ((1152, 2048, 2048), "_WIDE"), ((2000, 1500, 2000), "_WIDE_PAIRED"), ((2000, 3000, 1000), "_WIDE_PAIRED"),
@@ -251,12 +252,12 @@ def test_default_tiles_fit_the_waves(shape, default):
     most of a second idle (1536x2048: 132 against 192 of 128x128; 2000x3000: 256 against 192 of 128x256):
     swapped 192x128 ones where they are fewer, one wave and B's rows not whole 128-byte lines (1500x2000: 128
     against 132; not 1536x2048, whose rows are, nor 2000x1500: 132 against 128, nor 2000x3000: 264), else
-    128x192 paired where the M tiles pair up (1152's 9 and 777's 7 do not); short grids in pairs of 64-row tiles, 128-deep k-steps
-    where K is 512-2048, unclustered where M, N and K are multiples of 64 (every row whole 128-byte lines,
-    however A and B are stored: 960's 15 row tiles too; 900's 15 do not pair, so 128x128 tiles); elsewhere
-    swapped 72x128 tiles in 2x4 clusters where they make 3/4 of a wave to a whole one and K >= 512 (1000x700's
-    6 column tiles and 1024x1000's 15 row tiles of 72 do not divide into clusters; 700x1000 makes 80 CTAs;
-    512x2000's 16 clusters of 8 are one more than an H200 holds at once, 650x1500's 15 are not);
+    128x192 paired where the M tiles pair up (1152's 9 and 777's 7 do not); short grids in pairs of 64-row
+    tiles, 128-deep k-steps where K is 512-2048, unclustered where M, N and K are multiples of 64 (every row
+    whole 128-byte lines, however A and B are stored: 960's 15 row tiles too; 900's 15 do not pair, so 128x128
+    tiles); elsewhere swapped 72x128 tiles in 2x4 clusters where they make 3/4 of a wave to a whole one and K >=
+    512 (1000x700's 6 column tiles and 1024x1000's 15 row tiles of 72 do not divide into clusters; 700x1000
+    makes 80 CTAs; 512x2000's 16 clusters of 8 are one more than an H200 holds at once, 650x1500's 15 are not);
     rows that are not 16 bytes (2044, 999, 1001) change nothing: build_gemm pads them for TMA."""
     cfg = default_config(*shape, "sm_90a")
     if default is None:

@@ -238,7 +238,8 @@ class Hopper:
         lw = self.lw
         if not self.ws or self.ws.outer or lw.consumers > 1 or self.stream_k or self.row_softmax is not None:
             return False
-        return not lw.cluster_reduces and (not lw.kernel.persistent or math.prod(lw.kernel.grid) <= wave_ctas(lw.cluster))
+        one_wave = math.prod(lw.kernel.grid) <= wave_ctas(lw.cluster)
+        return not lw.cluster_reduces and (not lw.kernel.persistent or one_wave)
 
     def consumer_registers(self) -> int | None:
         """setmaxnreg target of the consumer warps, or None when the launch-bound budget already suffices:

@@ -432,7 +432,8 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 return
             if has_bias:
                 _add_bias(C_f, Bias, bx * bN, bM, bN, bias_dtype)
-            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):  # coalesced (TMA) stores of a staged tile
+            # coalesced (TMA) stores of a staged tile
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 T.copy(C_f, C_s)
                 T.copy(C_s, C[bz, by * bM, bx * bN])
@@ -451,7 +452,8 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
                 T.gemm(B_s, A_s, Ct_f, transpose_A=not trans_B, transpose_B=not trans_A)
             if has_bias:
                 _add_bias(Ct_f, Bias, bx * bN, bN, bM, bias_dtype, along_rows=True)
-            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):  # transposed into a staged C tile, TMA-stored
+            # transposed into a staged C tile, TMA-stored
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 for i, j in T.Parallel(bN, bM):
                     C_s[j, i] = Ct_f[i, j]
