@@ -10,6 +10,7 @@ import torch
 import tile_ops
 import tile_ops.lang as T
 from tile_ops.jit import default_arch
+from tile_ops.jit.build import smem_limit
 from tile_ops.autotune import config_for
 from tile_ops.compiler import SMS, wave_ctas
 
@@ -136,7 +137,7 @@ _HALF_WAVE_LINES_K128 = GemmConfig(64, 128, 128, 4, 128, 8, epilogue="shared")
 _SWAPPED_2X4 = GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=4, swap_ab=True)
 
 
-def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132,
+def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = SMS,
                       trans_A: bool = False) -> GemmConfig | None:
     """One wave of 64x128 tiles (at most one per SM), or None: 128-deep k-steps where K is 512-2048; unclustered
     where rows are whole lines; else cuBLAS's swapped 72x128 tiles in 2x4 clusters where they make a nearly
@@ -160,7 +161,7 @@ def _half_wave_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132,
 _RESIDENT_CLUSTER_CTAS = {1: 132, 2: 132, 4: 120, 8: 120}
 
 
-def _fills_wave(cfg: GemmConfig, M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
+def _fills_wave(cfg: GemmConfig, M: int, N: int, batch: int = 1, sms: int = SMS) -> bool:
     """``cfg``'s clusters divide the tile grid, and its CTAs make 3/4 of a wave to one that is resident at once."""
     m_tiles, n_tiles = -(-M // cfg.block_M), -(-N // cfg.block_N)
     resident = min(sms, _RESIDENT_CLUSTER_CTAS.get(cfg.cluster * cfg.cluster_n, sms))
@@ -173,7 +174,7 @@ def _fills_wave(cfg: GemmConfig, M: int, N: int, batch: int = 1, sms: int = 132)
 _PAIRED_128 = GemmConfig(128, 128, 64, 6, 128, 0, epilogue="shared", cluster=2)
 
 
-def _paired_waves(M: int, N: int, batch: int = 1, sms: int = 132) -> bool:
+def _paired_waves(M: int, N: int, batch: int = 1, sms: int = SMS) -> bool:
     """More 128x128 tiles than SMs, in pairs of M tiles."""
     m_tiles = -(-M // 128)
     return batch * m_tiles * -(-N // 128) > sms and m_tiles % 2 == 0
@@ -211,7 +212,7 @@ def _wide_config(M: int, N: int, batch: int = 1) -> GemmConfig:
 _ONE_WAVE_WIDE = GemmConfig(128, 256, 64, 4, 256, 0, epilogue="shared")
 
 
-def _waves(M: int, N: int, block_N: int, batch: int = 1, sms: int = 132) -> float:
+def _waves(M: int, N: int, block_N: int, batch: int = 1, sms: int = SMS) -> float:
     """The time of 128 x block_N tiles, one per SM, in 128x128 tile-times: whole waves (a partly idle last
     one takes as long as a full one) times the tile's width."""
     return -(-batch * -(-M // 128) * -(-N // block_N) // sms) * block_N / 128
@@ -222,7 +223,7 @@ _DECODE_THIN = GemmConfig(64, 64, 128, 6, 128, 0)
 _DECODE_NARROW = GemmConfig(64, 128, 64, 8, 128, 0)
 
 
-def _decode_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> GemmConfig:
+def _decode_config(M: int, N: int, K: int, batch: int = 1, sms: int = SMS) -> GemmConfig:
     """Decode on sm_90a.  Up to 32 rows over >= 64 tiles of 64 columns: C^T = B^T A^T in one kernel
     (``swap_ab``: 64 columns of N per CTA along wgmma's m, M along its n, 16 stages where one CTA an SM
     holds them all, else 8 for two an SM).  Else 64x64 tiles for 33-64 rows, or 64x128 ones, where they
@@ -243,7 +244,7 @@ def _decode_config(M: int, N: int, K: int, batch: int = 1, sms: int = 132) -> Ge
     return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(tiles(256), K // 64))
 
 
-def _decode_split(tiles: int, k_steps: int, sms: int = 132) -> int:
+def _decode_split(tiles: int, k_steps: int, sms: int = SMS) -> int:
     """Split K in 2 or 4 while the split grid still fits one wave of the H200's SMs and each split keeps
     >= 8 k-steps (16x8192x8192: 32 tiles x 4 = 128 CTAs; NOTES.md v4)."""
     split = 1
@@ -338,9 +339,6 @@ def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "f
     epilogue *= 2 if cfg.pingpong else 1
     pipelined = max(stages, epilogue) if tma_rows and _epilogue_overlaid(cfg, M, N, batch) else stages + epilogue
     return pipelined + 16 * cfg.num_stages
-
-
-SM90_SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt in to on sm_90a
 
 
 def _epilogue_overlaid(cfg: GemmConfig, M: int, N: int, batch: int = 1) -> bool:
@@ -517,7 +515,7 @@ def _shared_epilogue_fits(cfg: GemmConfig, M: int, N: int, batch: int, dtype: st
     (e.g. 128x256 fp32 beside three stages, over more than a wave): then the direct epilogue, rather than a
     compile error."""
     return (cfg.epilogue == "shared"
-            and shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype, tma_rows) <= SM90_SHARED_LIMIT)
+            and shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype, tma_rows) <= smem_limit("sm_90a"))
 
 
 def _add_bias(acc, Bias, n0, rows: int, cols: int, dtype: str, along_rows: bool = False):

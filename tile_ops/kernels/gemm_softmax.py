@@ -24,10 +24,11 @@ import tile_ops
 import tile_ops.lang as T
 from tile_ops.lang import SharedMemoryError
 from tile_ops.jit import default_arch
+from tile_ops.jit.build import smem_limit
 from tile_ops.autotune import config_for
 from tile_ops.compiler import wave_ctas
 
-from .gemm import _DT, _kib, _ESIZE, SM90_SHARED_LIMIT, _pow2, check_config_sizes
+from .gemm import _DT, _kib, _ESIZE, _pow2, check_config_sizes
 
 LOG2E = 1.4426950408889634
 # the deferred store's exchange takes a few microseconds per tile (NOTES v10): a main loop of 8 K steps
@@ -133,7 +134,7 @@ def _output_tile_fits(smem_bytes: int, cfg, dtype: str, out_dtype: str) -> bool:
     """Whether a kernel whose shared memory ``smem_bytes`` counts its staged (block_M, block_N) output tile in
     ``dtype`` (one per consumer warpgroup with pingpong) still fits with the tile in ``out_dtype``."""
     wider = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N * (2 if cfg.pingpong else 1)
-    return smem_bytes + max(0, wider) <= SM90_SHARED_LIMIT
+    return smem_bytes + max(0, wider) <= smem_limit("sm_90a")
 
 
 def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
@@ -153,17 +154,18 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     # (max, sum) slots and their mbarriers, two tile parities
     exchange = 2 * _kib(cfg.split * cfg.block_M * 8) + 16 if cfg.split > 1 else 0
     copies = 2 if cfg.pingpong else 1
-    if _output_overlaid(cfg, M, n_tiles) and (K * esize) % 16 == 0 and (N * esize) % 16 == 0:  # TMA's rows
+    if _output_overlaid(cfg, M, N, K, n_tiles, esize):
         tiles, rows = max(tiles, rows), 0
     return tiles + copies * (rows + _kib(scratch_cols * cfg.block_M * 4) + exchange) + 16 * cfg.num_stages
 
 
-def _output_overlaid(cfg: SoftmaxConfig, M: int, n_tiles: int) -> bool:
+def _output_overlaid(cfg: SoftmaxConfig, M: int, N: int, K: int, n_tiles: int, esize: int) -> bool:
     """Whether the sm_90a compiler lays the staged output tile over the dead pipeline stages
-    (Lowerer._epilogue_overlay), given 16-byte rows of A and B (TMA loads, so a warp-specialized
-    pipeline): a block's one tile, no cluster exchange, a grid within a wave unless not persistent."""
+    (Lowerer._epilogue_overlay): 16-byte rows of A and B (TMA loads, so a warp-specialized pipeline), a
+    block's one tile, no cluster exchange, a grid within a wave unless not persistent."""
+    tma_rows = (K * esize) % 16 == 0 and (N * esize) % 16 == 0
     one_tile = not (cfg.deferred or cfg.pingpong or cfg.stream_k) and cfg.split == 1 and n_tiles == 1
-    return one_tile and (not cfg.persistent or 0 < -(-M // cfg.block_M) <= wave_ctas())
+    return tma_rows and one_tile and (not cfg.persistent or 0 < -(-M // cfg.block_M) <= wave_ctas())
 
 
 PARTS = ("all", "no_rescale", "gemm")
