@@ -127,7 +127,8 @@ def config_name(cfg):
             + (f"/cluster{cfg.cluster}" if cfg.cluster * cfg.cluster_n > 1 else "")
             + (f"x{cfg.cluster_n}" if cfg.cluster_n > 1 else "") + ("/pingpong" if cfg.pingpong else "")
             + ("/swap" if cfg.swap_ab else "") + (f"/{cfg.policy}" if cfg.policy != "square" else "")
-            + ("/no-raster" if not cfg.swizzle else "" if cfg.swizzle == 8 else f"/raster{cfg.swizzle}"))
+            + ("/no-raster" if not cfg.swizzle else "" if cfg.swizzle == 8 else f"/raster{cfg.swizzle}")
+            + ("/b-evict-first" if cfg.b_evict_first else ""))
 
 
 def target_lines(rows, dtype="float16") -> list:

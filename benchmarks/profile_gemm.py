@@ -52,7 +52,7 @@ SCALE = {"time_us": 1e-3, "sm_clock_ghz": 1e-9, "l2_MB": 1e-6, "dram_MB": 1e-6, 
 
 def parse_config(name, GemmConfig):
     """A GemmConfig from bench_gemm.py's ``config_name``: BMxBNxBK/sS/tT[/kK][/skP][/tma-store][/clusterC[xN]]
-    [/pingpong][/swap][/full_col|/full_row][/no-raster|/rasterR].  A part it does not know is an error (a
+    [/pingpong][/swap][/full_col|/full_row][/no-raster|/rasterR][/b-evict-first].  A part it does not know is an error (a
     misspelt flag would otherwise time another kernel under the name given)."""
     parts = name.split("/")
     if len(parts) < 3 or not all(re.fullmatch(pattern, part) for pattern, part in
@@ -77,7 +77,8 @@ def parse_config(name, GemmConfig):
 
 
 _FLAGS = {"tma-store": dict(epilogue="shared"), "pingpong": dict(pingpong=True), "swap": dict(swap_ab=True),
-          "full_col": dict(policy="full_col"), "full_row": dict(policy="full_row"), "no-raster": dict(swizzle=0)}
+          "full_col": dict(policy="full_col"), "full_row": dict(policy="full_row"), "no-raster": dict(swizzle=0),
+          "b-evict-first": dict(b_evict_first=True)}
 
 
 # our kernels' names: gemm_kernel, gemm_swapped_kernel (swap configs), gemm_splitk_kernel (split-K), gemm_softmax_kernel

@@ -191,6 +191,21 @@ def test_error_copy_from_a_start_point_of_too_few_dims():
     assert "T.copy(A[0], B)" in msg and "A[64] has 1 dim(s), too few for the 4x16 region" in msg
 
 
+@pytest.mark.parametrize("policy, regions, message", [
+    ("evict_sometimes", lambda A, S, C: (A[0, 0], S),
+     r"eviction_policy='evict_sometimes'; accepted: None, 'evict_first', 'evict_last'"),
+    ("evict_first", lambda A, S, C: (S, C[0, 0]),
+     r"eviction_policy applies to a copy from global into shared memory, got shared -> global")])
+def test_error_copy_eviction_policy(policy, regions, message):
+    """An L2 priority is a property of global reads: a misspelt one, or one on a store, is refused by name."""
+    with pytest.raises(tile_ops.lang.TileLangError, match=message):
+        @T.prim_func
+        def bad(A: T.Tensor((64, 64), "float16"), C: T.Tensor((64, 64), "float16")):
+            with T.Kernel(1, threads=128) as bx:
+                S = T.alloc_shared((64, 64), "float16")
+                T.copy(*regions(A, S, C), eviction_policy=policy)
+
+
 def test_error_shared_tile_of_three_dims():
     """A 3-D shared tile was addressed by its first index alone (2048 elements on 2 addresses)."""
     with pytest.raises(tile_ops.lang.TileLangError, match=r"T.alloc_shared\(\(2, 16, 64\)\): shared tiles are 1-D "

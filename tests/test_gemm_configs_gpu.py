@@ -19,8 +19,8 @@ CONFIGS = [
     GemmConfig(128, 256, 64, 4, 256, 8),  # cooperative: two consumer warpgroups
     GemmConfig(128, 128, 64, 3, 128, 8),  # two CTAs per SM
     GemmConfig(128, 64, 64, 4, 128, 8),  # two CTAs per SM
-    GemmConfig(64, 64, 128, 6, 128, 0),  # decode defaults: 33-64 rows over 100-132 tiles of 64 columns,
-    GemmConfig(64, 128, 64, 8, 128, 0),  # ... and over 100-132 tiles of 128
+    GemmConfig(64, 64, 128, 6, 128, 0, b_evict_first=True),  # decode defaults: 33-64 rows over 100-132 tiles
+    GemmConfig(64, 128, 64, 8, 128, 0, b_evict_first=True),  # of 64 columns, and of 128 (B read evict_first)
     GemmConfig(64, 256, 64, 4, 256, 8, "full_col"),  # two warpgroups split N (wgmma m64n128 each)
     GemmConfig(128, 256, 64, 3, 256, 8, "full_col", epilogue="shared"),
     GemmConfig(128, 256, 64, 3, 256, 8, epilogue="shared"),
@@ -39,7 +39,7 @@ CONFIGS = [
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
-    GemmConfig(16, 64, 64, 16, 128, 0, swap_ab=True),  # decode: C^T = B^T A^T, wgmma m64n16 along N
+    GemmConfig(16, 64, 64, 16, 128, 0, swap_ab=True, b_evict_first=True),  # decode: C^T = B^T A^T, m64n16 along N
     GemmConfig(32, 128, 64, 8, 256, 0, swap_ab=True),  # ... two consumer warpgroups, m64n32
     GemmConfig(32, 128, 64, 8, 256, 0, swap_ab=True, epilogue="shared"),  # C^T staged as C, TMA-stored
     # swapped 72-row tiles in clusters: B multicast along M, A along N in slices of 36 or 18 rows, which are

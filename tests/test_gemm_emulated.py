@@ -75,6 +75,25 @@ def test_matmul_on_tensor_cores_matches_numpy(shape, kw, grid, ran):
     np.testing.assert_array_equal(C, ref)
 
 
+def test_library_gemm_reading_b_evict_first_matches_numpy():
+    """``GemmConfig(b_evict_first=True)`` on sm_80: B's cp.async copies carry the L2 policy a createpolicy made
+    (A's do not); ragged M, N and K, so some copies are zero-filled."""
+    from tile_ops.kernels.gemm import GemmConfig, gemm
+
+    M, N, K = 40, 200, 100
+    lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16",
+                       GemmConfig(64, 64, 32, 3, 128, 0, b_evict_first=True)), "sm_80")
+    rng = np.random.default_rng(9)
+    a, b = (rng.integers(-16, 17, s) / 8 for s in ((M, K), (K, N)))
+    arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None], "Bias": np.zeros(N, np.float16),
+              "C": np.full((1, M, N), np.nan, np.float16)}
+    emu = Emulator(lk.func, arrays)
+    emu.run(lk.grid)
+    assert {"cp.async.cg.16.evict_first", "cp.async.cg.16.evict_first zero-filled"} <= set(emu.ran), sorted(emu.ran)
+    assert not any("evict" in r for r in emu.ran if r.startswith("cp.async.ca")), sorted(emu.ran)  # A: 8-byte rows
+    np.testing.assert_array_equal(arrays["C"][0], (a @ b).astype(np.float16))
+
+
 def _word(lo, hi):
     """A b32 register holding two float16 values, ``lo`` in its low half."""
     return np.array([lo, hi], np.float16).view(np.uint32)[0]

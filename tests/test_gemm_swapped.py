@@ -2,6 +2,7 @@
 which shapes default to it, and what its sm_90a kernel is made of (wgmma m64 along N with M along its n,
 TMA loads of both operands, no spills).  GPU numerics: tests/test_gemm_configs_gpu.py."""
 
+import dataclasses
 import re
 
 import pytest
@@ -46,7 +47,7 @@ def test_up_to_32_rows_over_64_tiles_of_64_columns_default_to_the_swapped_kernel
     """M rounds up to wgmma's n (16 or 32: a 16-column A^T tile is still a 32-byte swizzled panel); 16 stages where one CTA an SM holds them (<= 132 tiles),
     8 where two CTAs an SM share it."""
     cfg = default_config(*shape, "sm_90a")
-    assert cfg == swapped(block_M, 64, 64, stages)
+    assert cfg == swapped(block_M, 64, 64, stages, b_evict_first=True)
     assert shared_memory_bytes(cfg, *shape) <= (227 if stages == 16 else 113) * 1024
     assert cfg in config_space(*shape, arch="sm_90a")  # the tuner measures it too
 
@@ -89,6 +90,31 @@ def test_swapped_kernel_is_wgmma_along_n_with_tma_loads(shape, trans_A, trans_B,
 
 @needs_nvcc
 @needs_cuobjdump
+@pytest.mark.parametrize("shape, arch", [((16, 8192, 8192), "sm_90a"), ((64, 8192, 8192), "sm_90a"),
+                                         ((16, 2048, 8192), "sm_90a"), ((16, 8192, 8192), "sm_80")])
+def test_decode_defaults_read_b_evict_first(shape, arch):
+    """Decode's one M tile reads each of B's tiles once: every decode default (swapped, 64x64, split K) loads
+    them with an L2 evict_first policy, so the weights streaming through leave the L2's other lines in
+    place.  In the SASS the policy is an operand of B's loads (desc[...]: UTMALDG on sm_90a, LDGSTS on
+    sm_80), of no other."""
+    cfg = default_config(*shape, arch)
+    if arch == "sm_80":  # not its default (unmeasured there): the same config with B hinted
+        cfg = dataclasses.replace(cfg, b_evict_first=True)
+    assert cfg.b_evict_first
+    k = build_gemm(*shape, cfg=cfg, target=arch)
+    main = getattr(k, "partial", k)
+    assert "createpolicy.fractional.L2::evict_first.b64" in main.source
+    load = "UTMALDG" if arch == "sm_90a" else "LDGSTS"
+    loads = [line for line in main.sass().splitlines() if load in line]
+    hinted = [line for line in loads if "desc[" in line]
+    assert 0 < len(hinted) < len(loads), loads  # B's loads carry the policy, A's do not
+    unhinted = build_gemm(*shape, cfg=dataclasses.replace(cfg, b_evict_first=False), target=arch)
+    assert "desc[" not in "".join(line for line in getattr(unhinted, "partial", unhinted).sass().splitlines()
+                                  if load in line)
+
+
+@needs_nvcc
+@needs_cuobjdump
 @pytest.mark.parametrize("cluster, cluster_n, a_rows, b_rows", [(2, 1, 72, 32), (2, 2, 36, 32), (2, 4, 18, 32),
                                                                (1, 4, 18, 64)])
 def test_swapped_kernel_in_clusters_multicasts_row_slices(cluster, cluster_n, a_rows, b_rows):
@@ -124,4 +150,4 @@ def test_op_refits_a_swapped_default_to_the_batch(monkeypatch):
     a, b = torch.zeros(2, 16, 8192, dtype=torch.float16), torch.zeros(2, 8192, 8192, dtype=torch.float16)
     gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.zeros(1, 16, 8192, dtype=torch.float16))
     gemm_kernels.get_gemm_kernel(a, b, torch.zeros(2, 16, 8192, dtype=torch.float16))
-    assert seen == [swapped(16, 64, 64, 16), swapped(16, 64, 64, 8)]
+    assert seen == [swapped(16, 64, 64, 16, b_evict_first=True), swapped(16, 64, 64, 8, b_evict_first=True)]

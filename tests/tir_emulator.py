@@ -65,6 +65,9 @@ _NO_OPS = {"tirx.ptx.cp_async_commit_group", "tirx.ptx.cp_async_wait_group",  # 
            "tirx.ptx.prefetch",  # of a tensor map (or a line): a hint
            "tirx.ptx.setmaxnreg"}  # warpgroup register reallocation: registers are unbounded here
 _PEER_SHIFT = 24  # a mapa address: the peer's rank above its shared offset
+# createpolicy's results: an opaque 64-bit policy per L2 priority, read back by the loads that carry it
+_POLICIES = {f"L2::{p}": 0x7E57_0000_0000_0000 + i for i, p in enumerate(("evict_first", "evict_last", "evict_normal",
+                                                                            "evict_unchanged"))}
 _NO_OP_HELPERS = {"tile_ops_fence_register"}  # an empty asm that pins a register across wgmma fences
 _HELD = "held"  # (stagger) a thread released whose block skips the scheduler round
 _SHUFFLED = "shuffled"  # env: the answers of the running statement's shuffles
@@ -515,9 +518,12 @@ class Emulator:
         exprs, mods = _operands(call)
         dim = int(next(m for m in mods if m.endswith("d") and m[:-1].isdigit())[:-1])
         multicast = "multicast::cluster" in mods
-        if any(m.startswith("L2::") or (m.startswith("multicast") and m != "multicast::cluster") for m in mods) \
-                or len(exprs) != 3 + dim + multicast:
+        hinted = "L2::cache_hint" in mods
+        if any((m.startswith("L2::") and m != "L2::cache_hint") or (m.startswith("multicast") and
+                                                                   m != "multicast::cluster") for m in mods) \
+                or len(exprs) != 3 + dim + multicast + hinted:
             raise NotImplementedError(f"emulator: cp.{'.'.join(m for m in mods if m)}")
+        hint = self._cache_hint(exprs.pop(), env) if hinted else ""
         if multicast:  # .multicast::cluster, ctaMask: the box lands at the same offset in each CTA of the mask
             *exprs, mask = exprs  # and completes its bytes on each one's mbarrier at the same offset
             mask = int(self._eval(mask, env))
@@ -537,7 +543,7 @@ class Emulator:
         if d % 128 or (span and row != span) or row % 16 or len(spec["box"]) != dim:
             raise NotImplementedError(f"emulator: a TMA box to shared byte {d} of {row}-byte rows, swizzle {span}")
         self.tma.append((targets, d, data, span or 16, bar))
-        self.ran[f"tma.load.{dim}d" + (f".swizzle{span}" if span else "") + ".multicast" * multicast] += 1
+        self.ran[f"tma.load.{dim}d" + (f".swizzle{span}" if span else "") + ".multicast" * multicast + hint] += 1
 
     def _land_tma(self):
         """The TMA loads issued this round land, each 16-byte chunk at its swizzled address in each destination
@@ -777,6 +783,8 @@ class Emulator:
             yield "sync"
         elif isinstance(s, ts.Evaluate) and _op(s.value) in _CP_ASYNC:
             self._cp_async(s.value, env)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.createpolicy_fractional":
+            self._createpolicy(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.ldmatrix":
             yield from self._issue_ldmatrix(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.mma":
@@ -839,11 +847,32 @@ class Emulator:
         else:
             raise NotImplementedError(f"emulator: {type(s).__name__}: {s}")
 
+    def _createpolicy(self, call, env):
+        """``createpolicy.fractional.L2::<priority>.b64 policy``: a policy (all of the lines, the default
+        fraction 1.0) naming the priority, for the cache-hinted loads that read it (``_cache_hint``)."""
+        (dst, *fraction), mods = _operands(call)
+        if mods[0] != "fractional" or fraction or mods[1] not in _POLICIES or any(mods[2:3]):
+            raise NotImplementedError(f"emulator: createpolicy.{'.'.join(m for m in mods if m)}")
+        self._store(dst.source, dst.indices, np.uint64(_POLICIES[mods[1]]), env)
+
+    def _cache_hint(self, policy, env) -> str:
+        """The L2 priority a ``.L2::cache_hint`` load's policy operand names: one createpolicy made (the
+        cache is not modelled: a hint changes no value), as a suffix for ``ran``."""
+        value = int(self._eval(policy, env))
+        names = {v: k.split("::")[1] for k, v in _POLICIES.items()}
+        if value not in names:
+            raise ValueError(f"emulator: block {self.block}: a .L2::cache_hint load's policy {value:#x} is no "
+                             f"createpolicy's")
+        return "." + names[value]
+
     def _cp_async(self, call, env):
-        """``cp.async.{ca,cg}.shared.global [dst], [src], cp_size[, src_size]``: copies ``cp_size`` bytes (4, 8 or
-        16; 16 for .cg) from global to shared memory, both addresses aligned to it; the bytes from ``src_size``
-        on are zero-filled (and not read).  Done at issue: commit_group/wait_group have nothing to wait for."""
-        (dst, src, cp_size, *src_size), _ = _operands(call)
+        """``cp.async.{ca,cg}.shared.global{.L2::cache_hint} [dst], [src], cp_size[, src_size][, policy]``:
+        copies ``cp_size`` bytes (4, 8 or 16; 16 for .cg) from global to shared memory, both addresses aligned
+        to it; the bytes from ``src_size`` on are zero-filled (and not read).  Done at issue:
+        commit_group/wait_group have nothing to wait for."""
+        exprs, mods = _operands(call)
+        hint = self._cache_hint(exprs.pop(), env) if "L2::cache_hint" in mods else ""
+        dst, src, cp_size, *src_size = exprs
         n = int(self._eval(cp_size, env))
         m = int(self._eval(src_size[0], env)) if src_size else n
         (shared, d), (glob, g) = self._address(dst, env, "shared"), self._address(src, env, "global")
@@ -851,7 +880,7 @@ class Emulator:
             raise ValueError(f"emulator: {_op(call)} of {n} bytes ({m} read) from byte {g} to shared byte {d}")
         _span(shared, d, n)[:] = 0
         _span(shared, d, m)[:] = _span(glob, g, m)
-        self.ran[f"cp.async.{'cg' if 'cg' in _op(call) else 'ca'}.{n}" + (" zero-filled" if m < n else "")] += 1
+        self.ran[f"cp.async.{'cg' if 'cg' in _op(call) else 'ca'}.{n}" + hint + (" zero-filled" if m < n else "")] += 1
 
     def _issue_ldmatrix(self, call, env):
         """This lane's part of an ldmatrix (see _ldmatrix): its row address out, its words into the registers."""

@@ -29,7 +29,7 @@ from ..lang.ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, R
 from .exprs import collect_loads, rewrite, uses
 from .infer import MMA_DTYPES, LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
-from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx
+from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx, l2_policy
 
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
 ALIGN_SM90 = 1024  # TMA and wgmma read 128-byte swizzle atoms of 8 rows from 1024-byte boundaries
@@ -715,6 +715,7 @@ class Lowerer:
         vec = self._copy_vector_width(node, s_start, d_start, extents)
         if vec == 1:  # cp.async moves 4, 8 or 16 bytes; narrower rows take the synchronous path
             return self.sync_copy(node, s_start, d_start, extents, stage)
+        hint, policy = (".L2::cache_hint", [l2_policy(node.eviction)]) if node.eviction else ("", [])
 
         def one(idx):
             g = [a + b for a, b in zip(s_start, _pad(idx, s_start))]
@@ -725,12 +726,11 @@ class Lowerer:
             dst_ptr = t.view.ptr_to([self.shared_offset(t, d, stage)])
             src_ptr = self.globals[sb].ptr_to(g)
             nbytes = vec * bits // 8
-            chain = f"cp.async.{'cg' if nbytes == 16 else 'ca'}.shared.global"
-            size = tirx.Cast("uint32", tirx.if_then_else(pred, nbytes, 0)) if pred is not None else None
-            if size is not None:
-                T.evaluate(TS.ptx[chain](dst_ptr, src_ptr, nbytes, size))
-            else:
-                T.evaluate(TS.ptx[chain](dst_ptr, src_ptr, nbytes))
+            chain = f"cp.async.{'cg' if nbytes == 16 else 'ca'}.shared.global{hint}"
+            size = [tirx.Cast("uint32", tirx.if_then_else(pred, nbytes, 0))] if pred is not None else []
+            if policy and not size:  # spelt out: the policy is the operand after src-size
+                size = [tirx.const(nbytes, "uint32")]
+            T.evaluate(TS.ptx[chain](dst_ptr, src_ptr, nbytes, *size, *policy))
 
         self.flat_loop(extents, one, vec)
         if not asynchronous:

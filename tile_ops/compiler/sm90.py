@@ -561,6 +561,7 @@ class Hopper:
         coords = list(reversed(starts))
         rank = len(coords)
         kind = f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        hint, policy = (".L2::cache_hint", [l2_policy(c.eviction)]) if c.eviction else ("", [])
         if n > 1:
             me, mask = self._multicast_group(self._axes(c))
             rows = t.layout.rows // n
@@ -568,11 +569,12 @@ class Hopper:
             dst = lw.stage_base(t, stage) + p * t.layout.panel_elems
             cs = [coords[0] + p * t.layout.panel] + coords[1:]
             if n == 1:
-                emit_ptx(kind, t.view.ptr_to([dst]), T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage))
+                emit_ptx(kind + hint, t.view.ptr_to([dst]), T.address_of(tm.var), *[_i32(x) for x in cs],
+                         self.full(stage), *policy)
                 continue
             cs[1] = cs[1] + me * rows
-            emit_ptx(kind + ".multicast::cluster", t.view.ptr_to([dst + me * rows * t.layout.panel]),
-                     T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage), mask)
+            emit_ptx(kind + ".multicast::cluster" + hint, t.view.ptr_to([dst + me * rows * t.layout.panel]),
+                     T.address_of(tm.var), *[_i32(x) for x in cs], self.full(stage), mask, *policy)
 
     def tma_store(self, c: Copy, vm):
         """The epilogue's shared->global tile copy through TMA.  The body's barrier before it already
@@ -1105,3 +1107,12 @@ def _i32(x):
 def emit_ptx(name, *args):
     """One PTX instruction from TVM's table-driven ``T.ptx`` dialect, as a statement."""
     T.evaluate(TS.ptx[name](*args))
+
+
+def l2_policy(eviction: str):
+    """A 64-bit L2 cache policy giving every line a load brings in the priority ``eviction`` (T.copy's
+    ``eviction_policy``), for the ``.L2::cache_hint`` operand of TMA and cp.async loads."""
+    policy = T.alloc_local([1], "uint64")
+    IRBuilder.name(f"l2_{eviction}", policy)
+    emit_ptx(f"createpolicy.fractional.L2::{eviction}.b64", policy[0])
+    return policy[0]

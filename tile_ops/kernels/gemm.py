@@ -40,6 +40,8 @@ class GemmConfig:
     stream_k: int = 0  # >= 2 (sm_90a): the last wave's tiles split along K into up to this many parts, in-kernel
     swap_ab: bool = False  # compute C^T = B^T A^T: wgmma's 64-row slices run along N, the few rows of M (decode)
     # along its n (block_M of 16-256), so no tensor work is spent on rows A does not have
+    b_evict_first: bool = False  # B's tiles read with L2 priority evict_first: where one M tile reads each once
+    # (decode), the weights streaming through leave the L2's other lines (activations, dirty ones too) in place
 
     def __post_init__(self):
         check_config_sizes(self)
@@ -219,8 +221,8 @@ def _waves(M: int, N: int, block_N: int, batch: int = 1, sms: int = SMS) -> floa
 
 
 # Decode tiles read without a split where they make a nearly full wave (_decode_config)
-_DECODE_THIN = GemmConfig(64, 64, 128, 6, 128, 0)
-_DECODE_NARROW = GemmConfig(64, 128, 64, 8, 128, 0)
+_DECODE_THIN = GemmConfig(64, 64, 128, 6, 128, 0, b_evict_first=True)
+_DECODE_NARROW = GemmConfig(64, 128, 64, 8, 128, 0, b_evict_first=True)
 
 
 def _decode_config(M: int, N: int, K: int, batch: int = 1, sms: int = SMS) -> GemmConfig:
@@ -231,17 +233,20 @@ def _decode_config(M: int, N: int, K: int, batch: int = 1, sms: int = SMS) -> Ge
     while the grid stays within a wave (unsplit from 67 of them on).  A split's fp32 partials cost a
     second kernel and, with 64 rows, 4 x 64 x N x 4 bytes each way.  Measured (NOTES v13-v14, paired
     beside cuBLAS): 16x8192x8192 swapped 1.12 / split 1.03 (B^T stored: 1.01 / 0.95); 16x14336x4096
-    1.00 / 0.93; 64x8192x8192 64x64 tiles 1.009 / split 0.878."""
+    1.00 / 0.93; 64x8192x8192 64x64 tiles 1.009 / split 0.878.  Each reads B, whose tiles one CTA reads
+    once, with L2 evict_first: after the benchmarks' L2 flush 1.006 -> 1.08 at 16x8192x8192 on an H100
+    (the flush's dirty lines stay), level with a clean L2 (NOTES v33)."""
     def tiles(block_N: int) -> int:
         return batch * -(-N // block_N)
 
     if M <= 32 and tiles(64) >= 64:
-        return GemmConfig(max(16, _pow2(M)), 64, 64, 16 if tiles(64) <= sms else 8, 128, 0, swap_ab=True)
+        return GemmConfig(max(16, _pow2(M)), 64, 64, 16 if tiles(64) <= sms else 8, 128, 0, swap_ab=True,
+                          b_evict_first=True)
     if M > 32 and 100 <= tiles(64) <= sms:
         return _DECODE_THIN
     if 100 <= tiles(128) <= sms:  # (then 64x256 tiles are 50-66: split in 2)
         return _DECODE_NARROW
-    return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(tiles(256), K // 64))
+    return GemmConfig(64, 256, 64, 4, 128, 0, split_k=_decode_split(tiles(256), K // 64), b_evict_first=True)
 
 
 def _decode_split(tiles: int, k_steps: int, sms: int = SMS) -> int:
@@ -293,11 +298,13 @@ def _hopper_space(M: int, N: int, K: int) -> list[GemmConfig]:
         swizzles = (0, *(p for p in (4, 8) if -(-N // bN) > p)) if -(-M // bM) > 1 else (0,)  # rasterized panels
         splits = (1, 2, 4) if decode else (1,)  # decode: split K too (the grid is short)
         epilogues = ("direct",) if decode else ("direct", "shared")
-        space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk, epilogue=ep) for bK, stages in depths
+        space += [GemmConfig(bM, bN, bK, stages, threads, sw, split_k=sk, epilogue=ep, b_evict_first=decode)
+                  for bK, stages in depths
                   for sw in swizzles for sk in splits for ep in epilogues
                   if sk == 1 or -(-K // bK) >= 2 * sk]  # >= 2 k-tiles a split
     if decode and M <= 32:  # C^T = B^T A^T: 64 or 128 columns of N along wgmma's m, M along its n (NOTES v14)
-        space += [GemmConfig(max(16, _pow2(M)), bN, bK, stages, 2 * bN, 0, swap_ab=True) for bN in (64, 128)
+        space += [GemmConfig(max(16, _pow2(M)), bN, bK, stages, 2 * bN, 0, swap_ab=True, b_evict_first=True)
+                  for bN in (64, 128)
                   for bK, stages in ((64, 8), (64, 16), (128, 6))
                   if bN <= max(64, _pow2(N)) and bN * bK * stages <= 64 * 64 * 16]
     if not decode and min(M, N) >= 128:  # two consumer warpgroups on alternate 128x128 tiles (NOTES v6)
@@ -395,10 +402,11 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
 
     def load_B(B, B_s, bz, bx, k):  # B's k-th tile of block columns bx
         zb = bz if batch_b > 1 else 0
+        evict = "evict_first" if cfg.b_evict_first else None
         if trans_B:
-            T.copy(B[zb, bx * bN, k * bK], B_s)
+            T.copy(B[zb, bx * bN, k * bK], B_s, eviction_policy=evict)
         else:
-            T.copy(B[zb, k * bK, bx * bN], B_s)
+            T.copy(B[zb, k * bK, bx * bN], B_s, eviction_policy=evict)
 
     @contextlib.contextmanager
     def tiles():

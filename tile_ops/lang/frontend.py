@@ -187,9 +187,24 @@ def Parallel(*extents):
 # ----------------------------------------------------------------------------- tile ops
 
 
-def copy(src, dst):
-    """Copy a tile between global / shared / fragment; casts when dtypes differ; predicated at edges."""
-    emit(Copy(Region.of(src), Region.of(dst)))
+EVICTION_POLICIES = ("evict_first", "evict_last")
+
+
+def copy(src, dst, eviction_policy=None):
+    """Copy a tile between global / shared / fragment; casts when dtypes differ; predicated at edges.
+    ``eviction_policy`` (a global -> shared copy): the L2 priority of the lines it reads, as in Triton's
+    ``tl.load``: "evict_first" for data read once (decode's weights), so it leaves the L2's other lines in
+    place; "evict_last" for data read again.  TMA and cp.async loads carry it; a copy lowered to plain
+    loads (a cast, rows too narrow for cp.async) reads with the normal priority."""
+    src, dst = Region.of(src), Region.of(dst)
+    if eviction_policy is not None:
+        if eviction_policy not in EVICTION_POLICIES:
+            raise error(user_loc(), f"T.copy: eviction_policy={eviction_policy!r}; accepted: None, "
+                                    f"{', '.join(map(repr, EVICTION_POLICIES))}")
+        if src.buffer.scope != "global" or dst.buffer.scope != "shared":
+            raise error(user_loc(), f"T.copy: eviction_policy applies to a copy from global into shared memory, "
+                                    f"got {src.buffer.scope} -> {dst.buffer.scope}")
+    emit(Copy(src, dst, eviction_policy))
 
 
 def gemm(A, B, C, transpose_A=False, transpose_B=False, clear_accum=False, policy="square"):

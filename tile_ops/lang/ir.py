@@ -214,6 +214,7 @@ class Store(Node):
 class Copy(Node):
     src: Region
     dst: Region
+    eviction: str | None = None  # L2 priority of the lines a global read brings in ("evict_first", "evict_last")
 
 
 @dataclass
