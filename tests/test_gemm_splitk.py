@@ -265,8 +265,8 @@ def test_default_tiles_fit_the_waves(shape, default):
         return
     assert cfg == getattr(gemm_kernels, default)
     if default != "_WIDE":
-        assert (cfg.cluster, cfg.epilogue) == (1 if "LINES" in default or "ONE" in default or "SWAPPED" in default
-                                               and "2X4" not in default else 2, "shared")
+        clustered = {"_PAIRED_128", "_WIDE_PAIRED", "_SWAPPED_2X4", "_HALF_WAVE", "_HALF_WAVE_K128"}
+        assert (cfg.cluster, cfg.epilogue) == (2 if default in clustered else 1, "shared")
     assert cfg in gemm_kernels.config_space(*shape, arch="sm_90a")  # the tuner measures it too
 
 

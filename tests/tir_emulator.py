@@ -66,8 +66,9 @@ _NO_OPS = {"tirx.ptx.cp_async_commit_group", "tirx.ptx.cp_async_wait_group",  # 
            "tirx.ptx.setmaxnreg"}  # warpgroup register reallocation: registers are unbounded here
 _PEER_SHIFT = 24  # a mapa address: the peer's rank above its shared offset
 # createpolicy's results: an opaque 64-bit policy per L2 priority, read back by the loads that carry it
-_POLICIES = {f"L2::{p}": 0x7E57_0000_0000_0000 + i for i, p in enumerate(("evict_first", "evict_last", "evict_normal",
-                                                                            "evict_unchanged"))}
+_POLICIES = {p: 0x7E57_0000_0000_0000 + i for i, p in enumerate(("evict_first", "evict_last", "evict_normal",
+                                                                   "evict_unchanged"))}
+_POLICY_NAMES = {v: p for p, v in _POLICIES.items()}
 _NO_OP_HELPERS = {"tile_ops_fence_register"}  # an empty asm that pins a register across wgmma fences
 _HELD = "held"  # (stagger) a thread released whose block skips the scheduler round
 _SHUFFLED = "shuffled"  # env: the answers of the running statement's shuffles
@@ -851,19 +852,19 @@ class Emulator:
         """``createpolicy.fractional.L2::<priority>.b64 policy``: a policy (all of the lines, the default
         fraction 1.0) naming the priority, for the cache-hinted loads that read it (``_cache_hint``)."""
         (dst, *fraction), mods = _operands(call)
-        if mods[0] != "fractional" or fraction or mods[1] not in _POLICIES or any(mods[2:3]):
+        priority = mods[1].removeprefix("L2::")
+        if mods[0] != "fractional" or fraction or priority not in _POLICIES or any(mods[2:3]):
             raise NotImplementedError(f"emulator: createpolicy.{'.'.join(m for m in mods if m)}")
-        self._store(dst.source, dst.indices, np.uint64(_POLICIES[mods[1]]), env)
+        self._store(dst.source, dst.indices, np.uint64(_POLICIES[priority]), env)
 
     def _cache_hint(self, policy, env) -> str:
         """The L2 priority a ``.L2::cache_hint`` load's policy operand names: one createpolicy made (the
         cache is not modelled: a hint changes no value), as a suffix for ``ran``."""
         value = int(self._eval(policy, env))
-        names = {v: k.split("::")[1] for k, v in _POLICIES.items()}
-        if value not in names:
+        if value not in _POLICY_NAMES:
             raise ValueError(f"emulator: block {self.block}: a .L2::cache_hint load's policy {value:#x} is no "
                              f"createpolicy's")
-        return "." + names[value]
+        return "." + _POLICY_NAMES[value]
 
     def _cp_async(self, call, env):
         """``cp.async.{ca,cg}.shared.global{.L2::cache_hint} [dst], [src], cp_size[, src_size][, policy]``:

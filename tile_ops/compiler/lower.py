@@ -29,7 +29,7 @@ from ..lang.ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel, Reduce, R
 from .exprs import collect_loads, rewrite, uses
 from .infer import MMA_DTYPES, LayoutInference, _is_vars, dtype_bits, walk
 from .layout import MmaAccumLayout, MmaRowLayout, SharedLayout
-from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx, l2_policy
+from .sm90 import CONSUMER_BARRIER, PRODUCER_THREADS, Hopper, emit_ptx, exp2_approx, l2_cache_hint
 
 ALIGN = 128  # bytes; every shared buffer starts on a 128-byte line
 ALIGN_SM90 = 1024  # TMA and wgmma read 128-byte swizzle atoms of 8 rows from 1024-byte boundaries
@@ -715,7 +715,7 @@ class Lowerer:
         vec = self._copy_vector_width(node, s_start, d_start, extents)
         if vec == 1:  # cp.async moves 4, 8 or 16 bytes; narrower rows take the synchronous path
             return self.sync_copy(node, s_start, d_start, extents, stage)
-        hint, policy = (".L2::cache_hint", [l2_policy(node.eviction)]) if node.eviction else ("", [])
+        hint, policy = l2_cache_hint(node.eviction)
 
         def one(idx):
             g = [a + b for a, b in zip(s_start, _pad(idx, s_start))]

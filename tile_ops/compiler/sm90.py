@@ -561,7 +561,7 @@ class Hopper:
         coords = list(reversed(starts))
         rank = len(coords)
         kind = f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        hint, policy = (".L2::cache_hint", [l2_policy(c.eviction)]) if c.eviction else ("", [])
+        hint, policy = l2_cache_hint(c.eviction)
         if n > 1:
             me, mask = self._multicast_group(self._axes(c))
             rows = t.layout.rows // n
@@ -1109,10 +1109,13 @@ def emit_ptx(name, *args):
     T.evaluate(TS.ptx[name](*args))
 
 
-def l2_policy(eviction: str):
-    """A 64-bit L2 cache policy giving every line a load brings in the priority ``eviction`` (T.copy's
-    ``eviction_policy``), for the ``.L2::cache_hint`` operand of TMA and cp.async loads."""
+def l2_cache_hint(eviction: str | None) -> tuple[str, list]:
+    """(modifier, operands) that give a TMA or cp.async load T.copy's ``eviction_policy``: ``.L2::cache_hint``
+    and a 64-bit policy, made here by createpolicy, giving every line the load brings in that priority;
+    nothing for the normal priority (``None``)."""
+    if eviction is None:
+        return "", []
     policy = T.alloc_local([1], "uint64")
     IRBuilder.name(f"l2_{eviction}", policy)
     emit_ptx(f"createpolicy.fractional.L2::{eviction}.b64", policy[0])
-    return policy[0]
+    return ".L2::cache_hint", [policy[0]]
