@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import print_table, save  # noqa: E402
 
 import tile_ops  # noqa: E402
-from tile_ops.jit.kernel import Kernel, KernelMeta  # noqa: E402
+from tile_ops.compiler.meta import KernelMeta  # noqa: E402
+from tile_ops.jit.kernel import Kernel  # noqa: E402
 from tile_ops.ops import fastpath  # noqa: E402
 
 jit_mod = importlib.import_module("tile_ops.jit")  # the module: tile_ops.jit is the decorator
@@ -43,7 +44,8 @@ def _fake_build(key, trace, arch, out_idx):
     """A Kernel with the traced program's parameters and no cubin (nothing is compiled)."""
     params = [(buf.name, tuple(buf.shape), buf.dtype) for buf in trace().params]
     names = [name for name, _, _ in params]
-    return Kernel(KernelMeta("stand_in", "stand_in", arch, (1, 1, 1), (128, 1, 1), 0, params, names, out_idx), "", b"")
+    return Kernel(KernelMeta(name="stand_in", entry="stand_in", arch=arch, grid=(1, 1, 1), block=(128, 1, 1),
+                             smem_bytes=0, params=params, kept=names, out_idx=out_idx), "", b"")
 
 
 def install_stand_ins():

@@ -96,12 +96,12 @@ def run_attention(seq_q, seq_kv, dim, dtype="float16", causal=False, **kw):
     q, k, v = (torch.randn(n, dim, generator=gen).to(getattr(torch, dtype)) for n in (seq_q, seq_kv, seq_kv))
     out = torch.full((seq_q, dim), float("nan"), dtype=getattr(torch, dtype))  # written everywhere, or NaN shows
     emu = Emulator(lk.func, {"Q": _bits(q), "K": _bits(k), "V": _bits(v), "O": _bits(out)})
-    emu.run(lk.grid)
+    emu.run(lk.meta.grid)
     s = q.double() @ k.double().T / math.sqrt(dim)
     if causal:
         s = s.masked_fill(torch.ones(seq_q, seq_kv, dtype=torch.bool).triu(1), -math.inf)
     ref = torch.softmax(s, dim=1) @ v.double()
-    return out.double().numpy(), ref.numpy(), lk.grid, emu.ran
+    return out.double().numpy(), ref.numpy(), lk.meta.grid, emu.ran
 
 
 def rel_err(out, ref):

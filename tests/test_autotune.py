@@ -121,7 +121,7 @@ def test_shared_memory_estimate_bounds_the_compiler(op, cfg, shape):
         prog = gemm_kernels.gemm.fn(M, N, K, 1, 1, 1, False, False, True, "float16", "float16", cfg)
     else:
         prog = softmax_kernels.gemm_softmax.fn(M, N, K, 1.0, "float16", "float16", cfg)
-    used = compile_program(prog, "sm_90a").smem_bytes
+    used = compile_program(prog, "sm_90a").meta.smem_bytes
     estimate = targets.get(op).shared_memory_bytes(cfg, shape, "float16")
     assert used <= estimate <= used + 4096, (used, estimate)
 

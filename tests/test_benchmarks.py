@@ -664,26 +664,26 @@ def test_ab_compiler_variant_imports_its_patched_copy_with_its_own_cache_keys(tm
     files stay as they were."""
     import ab_compiler
 
-    sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
-    before = sm90.read_text()
+    module = BENCHMARKS.parent / "tile_ops" / "compiler" / "schedules" / "warp_specialized.py"
+    before = module.read_text()
     patch = tmp_path / "v.patch"
-    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 128  # a variant"))
+    patch.write_text(_patch_of(module, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 128  # a variant"))
     root = ab_compiler.overlay(str(patch), str(tmp_path / "root"))
-    assert sm90.read_text() == before and "# a variant" in (tmp_path / "root/tile_ops/compiler/sm90.py").read_text()
-    probe = ("import tile_ops.compiler.sm90 as m; from tile_ops.jit import compiler_fingerprint as f; "
+    assert module.read_text() == before and "# a variant" in (tmp_path / "root/tile_ops/compiler/schedules/warp_specialized.py").read_text()
+    probe = ("import tile_ops.compiler.schedules.warp_specialized as m; from tile_ops.jit import compiler_fingerprint as f; "
              "print(m.__file__, f())")
     seen = [subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
                            check=True).stdout.split() for env in (ab_compiler.environ(), ab_compiler.environ(root))]
-    assert seen[0][0] == str(sm90) and seen[1][0] == str(tmp_path / "root/tile_ops/compiler/sm90.py")
+    assert seen[0][0] == str(module) and seen[1][0] == str(tmp_path / "root/tile_ops/compiler/schedules/warp_specialized.py")
     assert seen[0][1] != seen[1][1]
 
 
 def test_ab_compiler_refuses_a_patch_that_does_not_apply(tmp_path):
     import ab_compiler
 
-    sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
+    module = BENCHMARKS.parent / "tile_ops" / "compiler" / "schedules" / "warp_specialized.py"
     patch = tmp_path / "stale.patch"
-    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 96")
+    patch.write_text(_patch_of(module, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 96")
                      .replace("-PRODUCER_THREADS = 128", "-PRODUCER_THREADS = 64"))
     with pytest.raises(SystemExit, match="does not apply to this tile_ops"):
         ab_compiler.overlay(str(patch), str(tmp_path / "root"))
@@ -694,9 +694,9 @@ def test_ab_compiler_rounds_alternate_and_the_summary_takes_medians(tmp_path, mo
     table shows every process's ratio, the medians, and µs from TFLOP/s."""
     import ab_compiler
 
-    sm90 = BENCHMARKS.parent / "tile_ops" / "compiler" / "sm90.py"
+    module = BENCHMARKS.parent / "tile_ops" / "compiler" / "schedules" / "warp_specialized.py"
     patch = tmp_path / "v.patch"
-    patch.write_text(_patch_of(sm90, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 128  # a variant"))
+    patch.write_text(_patch_of(module, "PRODUCER_THREADS = 128", "PRODUCER_THREADS = 128  # a variant"))
     ratios = {"main": iter([0.90, 0.95, 0.93]), "variant": iter([1.00, 0.97, 0.99])}
     calls, real_run = [], subprocess.run
 

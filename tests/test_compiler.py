@@ -31,9 +31,9 @@ def test_matmul_lowers_to_cp_async_ldmatrix_mma():
     for needle in ("cp.async.cg.shared.global", "cp.async.wait_group", "ldmatrix.sync.aligned.m8n8.x4",
                    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "extern __shared__"):
         assert needle in src, needle
-    assert c.kept == ["A", "B", "C"] and c.grid == (8, 8, 1) and c.block == (128, 1, 1)
-    assert c.smem_bytes == 3 * (128 * 32 + 32 * 128) * 2  # three stages of A and B tiles
-    assert c.layouts["C_f"].startswith("fragment mma") and "swizzled" in c.layouts["A_s"]
+    assert c.meta.kept == ["A", "B", "C"] and c.meta.grid == (8, 8, 1) and c.meta.block == (128, 1, 1)
+    assert c.meta.smem_bytes == 3 * (128 * 32 + 32 * 128) * 2  # three stages of A and B tiles
+    assert c.meta.layouts["C_f"].startswith("fragment mma") and "swizzled" in c.meta.layouts["A_s"]
 
 
 def test_shared_tiles_are_swizzled_conflict_free():
@@ -60,7 +60,7 @@ def test_bf16_and_transposes_and_ragged_shapes_lower():
 def test_gemm_softmax_uses_fragment_reductions():
     c = compile_program(gemm_softmax.fn(512, 1024, 256, 0.5), "sm_80")
     assert "__shfl_xor_sync" in c.source and "exp2" in c.source
-    assert c.layouts["m"].startswith("fragment mma_row")
+    assert c.meta.layouts["m"].startswith("fragment mma_row")
 
 
 @needs_nvcc
@@ -585,11 +585,11 @@ def test_library_hopper_gemms_read_accumulators_only_after_the_final_wait(M, N, 
 def test_a_kernel_reading_accumulators_before_the_wait_is_refused(monkeypatch):
     """The consumer loop unrolled again (as before NOTES v28): ptxas hoists the epilogue's reads above the
     final wait, and the build refuses the kernel, with what it found, rather than run it wrong."""
-    from tile_ops.compiler import sm90
+    from tile_ops.compiler.schedules import warp_specialized
     from tile_ops.kernels.gemm import _SWAPPED_2X4
 
-    serial = sm90.T.serial
-    monkeypatch.setattr(sm90.T, "serial", lambda *args, unroll=None, **kw: serial(*args, **kw))
+    serial = warp_specialized.T.serial
+    monkeypatch.setattr(warp_specialized.T, "serial", lambda *args, unroll=None, **kw: serial(*args, **kw))
     with pytest.raises(RuntimeError, match=r"read wgmma accumulators before the wgmma.wait_group .*F2FP"):
         gemm(1001, 1001, 1024, 1, 1, 1, False, False, False, "float16", "float16", _SWAPPED_2X4, b_cols=1008,
              target="sm_90a")
@@ -632,8 +632,8 @@ def test_epilogue_tiles_lie_over_the_dead_stages_where_each_cta_runs_one_tile(M,
     cfg = GemmConfig(128, 256, 64, 4, 256, 0, epilogue="shared")
     c = compile_program(gemm.fn(M, N, 1024, 1, 1, 1, False, False, True, "bfloat16", "bfloat16", cfg), "sm_90a")
     stages = 4 * (128 * 64 + 64 * 256) * 2
-    assert ("C_tmap" in c.tensormaps) == overlaid and (c.persistent_tiles == 0) == overlaid
-    assert (c.smem_bytes < stages + 1024) == overlaid, c.smem_bytes  # else the 1 KiB bias tile after the stages
+    assert ("C_tmap" in c.meta.tensormaps) == overlaid and (c.meta.persistent_tiles == 0) == overlaid
+    assert (c.meta.smem_bytes < stages + 1024) == overlaid, c.meta.smem_bytes  # else the 1 KiB bias tile after the stages
     after_loop = c.source[c.source.rindex("wait_group_sync_aligned_0();"):]
     stmts = after_loop.split(";")
     first_write = next(i for i, (lhs, eq, _) in enumerate(s.partition(" = ") for s in stmts)
@@ -649,10 +649,10 @@ def test_unaligned_rows_keep_the_epilogue_tiles_beside_the_stages():
     cfg = GemmConfig(128, 256, 64, 3, 256, 0, epilogue="shared")
     c = compile_program(gemm.fn(2048, 2048, 1001, 1, 1, 1, False, False, False, "float16", "float32", cfg),
                         "sm_90a")
-    assert "C_tmap" not in c.tensormaps and c.smem_bytes <= 232448
+    assert "C_tmap" not in c.meta.tensormaps and c.meta.smem_bytes <= 232448
     c = compile_program(gemm_softmax.fn(127, 129, 255, 0.1, "float16", "float32",
                                         gemm_softmax_config(127, 129, 255, "sm_90a")), "sm_90a")
-    assert c.smem_bytes <= 232448
+    assert c.meta.smem_bytes <= 232448
 
 
 @needs_nvcc
@@ -1279,7 +1279,7 @@ def test_a_float32_output_falls_back_from_deferred_to_a_cluster_split(monkeypatc
     deferred config, which takes none)."""
     import torch
 
-    from tile_ops.compiler.lower import smem_limit
+    from tile_ops.compiler.targets import smem_limit
     from tile_ops.kernels import gemm_softmax as softmax_kernels
     from tile_ops.kernels.gemm_softmax import SoftmaxConfig
 
@@ -1292,7 +1292,7 @@ def test_a_float32_output_falls_back_from_deferred_to_a_cluster_split(monkeypatc
     softmax_kernels.get_gemm_softmax_kernel(a, b, torch.empty(M, N, dtype=torch.float32), 0.125)
     cfg = built[0][-1]
     assert cfg == SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8)
-    assert compile_program(gemm_softmax.fn(*built[0]), "sm_90a").smem_bytes <= smem_limit("sm_90a")
+    assert compile_program(gemm_softmax.fn(*built[0]), "sm_90a").meta.smem_bytes <= smem_limit("sm_90a")
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])  # (the Ampere-class path: 65536 columns fit sm_90's smem)
@@ -1308,7 +1308,7 @@ def test_tensors_past_int32_offsets_are_refused_unless_only_tma_touches_them(arc
         compile_program(gemm.fn(M, N, K, trans_B=True, out_dtype="float32", cfg=cfg), arch)
     if arch == "sm_90a":
         c = compile_program(gemm.fn(M, N, K, trans_B=True, cfg=cfg), arch)
-        assert "C" not in c.kept and "C_tmap" in c.kept
+        assert "C" not in c.meta.kept and "C_tmap" in c.meta.kept
 
 
 @needs_nvcc
@@ -1344,7 +1344,7 @@ def test_a_grid_past_cudas_limits_is_refused_on_the_path_that_would_launch_it():
     with pytest.raises(ValueError, match=r"a launch grid of \(1, 1, 70000\) blocks, past CUDA's limits"):
         compile_program(gemm.fn(8, 64, 16, 70000, 70000, 70000, cfg=GemmConfig(64, 64, 32, 2, 128, 0)), "sm_80")
     assert compile_program(gemm.fn(8, 64, 16, 70000, 70000, 70000,
-                                   cfg=GemmConfig(64, 64, 64, 4, 128, 0)), "sm_90a").grid[1:] == (1, 1)
+                                   cfg=GemmConfig(64, 64, 64, 4, 128, 0)), "sm_90a").meta.grid[1:] == (1, 1)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -1380,7 +1380,7 @@ def test_gemm_shapes_are_checked_on_every_path(arch, a_shape, b_shape, c_shape, 
 def test_shared_memory_is_held_to_the_targets_limit():
     """163 KiB on sm_80 (A100), 227 on sm_90: a 192 KiB kernel builds for the H200, not for an A100."""
     cfg = GemmConfig(128, 128, 128, 3, 128, 8)  # 3 x (32 + 32) KiB
-    assert compile_program(gemm.fn(1024, 1024, 1024, cfg=cfg), "sm_90").smem_bytes == 196608
+    assert compile_program(gemm.fn(1024, 1024, 1024, cfg=cfg), "sm_90").meta.smem_bytes == 196608
     with pytest.raises(tile_ops.lang.TileLangError, match="needs 196608 bytes of shared memory; the limit on sm_80 "
                                                           "is 166912"):
         compile_program(gemm.fn(1024, 1024, 1024, cfg=cfg), "sm_80")

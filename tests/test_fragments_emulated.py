@@ -21,7 +21,7 @@ def _cache(tmp_path, monkeypatch):
 
 def emulate(prog, arch, **arrays):
     lk = lower(prog, arch)
-    Emulator(lk.func, arrays).run(lk.grid)
+    Emulator(lk.func, arrays).run(lk.meta.grid)
 
 
 def rescale(policy_s, policy_o, threads=128):

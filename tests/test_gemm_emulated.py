@@ -42,9 +42,9 @@ def run_matmul(M, N, K, dtype="float16", out_dtype=None, transpose_A=False, tran
     A, B = _as(a.T.copy() if transpose_A else a, dtype), _as(b.T.copy() if transpose_B else b, dtype)
     C = _as(np.full((M, N), np.nan), out_dtype)  # written everywhere, or NaN shows
     emu = Emulator(lk.func, {"A": A, "B": B, "C": C})
-    emu.run(lk.grid)
+    emu.run(lk.meta.grid)
     ref = torch.from_numpy(a @ b).to(getattr(torch, out_dtype)).double().numpy()  # exact, then one rounding
-    return _from(C, out_dtype), ref, lk.grid, emu.ran
+    return _from(C, out_dtype), ref, lk.meta.grid, emu.ran
 
 
 @pytest.mark.parametrize("shape, kw, grid, ran", [
@@ -88,7 +88,7 @@ def test_library_gemm_reading_b_evict_first_matches_numpy():
     arrays = {"A": a.astype(np.float16)[None], "B": b.astype(np.float16)[None], "Bias": np.zeros(N, np.float16),
               "C": np.full((1, M, N), np.nan, np.float16)}
     emu = Emulator(lk.func, arrays)
-    emu.run(lk.grid)
+    emu.run(lk.meta.grid)
     assert {"cp.async.cg.16.evict_first", "cp.async.cg.16.evict_first zero-filled"} <= set(emu.ran), sorted(emu.ran)
     assert not any("evict" in r for r in emu.ran if r.startswith("cp.async.ca")), sorted(emu.ran)  # A: 8-byte rows
     np.testing.assert_array_equal(arrays["C"][0], (a @ b).astype(np.float16))

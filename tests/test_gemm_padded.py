@@ -59,7 +59,7 @@ def test_padding_only_where_it_enables_tma():
 
 def test_pad_rows_grid_takes_a_million_rows():
     """Rows go on grid x (up to 2^31 - 1 blocks), not y (65535 blocks: ~1M rows of 16)."""
-    grid = compile_program(pad_rows.fn(1, 1_100_000, 1001, 1008), "sm_90a").grid
+    grid = compile_program(pad_rows.fn(1, 1_100_000, 1001, 1008), "sm_90a").meta.grid
     assert grid == (68750, 4, 1)
 
 
@@ -68,7 +68,7 @@ def test_pad_rows_copies_rows_and_zero_fills_the_rest(rows, cols, padded):
     x = np.random.default_rng(0).uniform(-4, 4, (2, rows, cols)).astype(np.float16)
     y = np.full((2, rows, padded), np.nan, np.float16)
     lk = lower(pad_rows.fn(2, rows, cols, padded), "sm_80")
-    Emulator(lk.func, {"X": x, "Y": y}).run(lk.grid)
+    Emulator(lk.func, {"X": x, "Y": y}).run(lk.meta.grid)
     np.testing.assert_array_equal(y[..., :cols], x)
     assert not y[..., cols:].any()  # zeros, not NaN: they multiply the other operand's zero rows
 

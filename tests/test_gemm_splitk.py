@@ -45,8 +45,8 @@ def test_split_k_1_is_the_plain_kernel():
     """split_k defaults to 1, and then the program (hence the CUDA source) is the gemm kernel of before."""
     assert GemmConfig().split_k == 1 and GemmConfig(64, 64, 64, 4, 128, 0) == GemmConfig(64, 64, 64, 4, 128, 0, "square", 1)
     c = compile_program(gemm.fn(16, 512, 512, 1, 1, 1, False, False, True, "float16", "float16", HOPPER_CFG), "sm_90a")
-    assert c.grid == (4, 1, 1) and [p[0] for p in c.params] == ["A", "B", "Bias", "C"]
-    assert c.params[-1] == ("C", (1, 16, 512), "float16")
+    assert c.meta.grid == (4, 1, 1) and [p[0] for p in c.meta.params] == ["A", "B", "Bias", "C"]
+    assert c.meta.params[-1] == ("C", (1, 16, 512), "float16")
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_90"])
@@ -54,8 +54,8 @@ def test_split_k_1_is_the_plain_kernel():
 def test_partial_kernel_has_the_split_grid_dim_and_writes_fp32_partials(arch, split_k, K):
     c = compile_program(gemm.fn(16, 1024, K, 1, 1, 1, False, False, True, "float16", "bfloat16", _cfg(arch, split_k)),
                         arch)
-    assert c.grid == (8, 1, split_k)  # N / 128 column tiles x split
-    assert c.params[-1] == ("W", (split_k, 1, 16, 1024), "float32") and "Bias" not in c.kept  # bias: the reduction's
+    assert c.meta.grid == (8, 1, split_k)  # N / 128 column tiles x split
+    assert c.meta.params[-1] == ("W", (split_k, 1, 16, 1024), "float32") and "Bias" not in c.meta.kept  # bias: the reduction's
     src = c.source
     assert "float* __restrict__ W_ptr" in src and "*(float2*)(W_ptr + " in src  # fp32 partial tiles
     # the k loop's extent: this split's share of the k-tiles, n (even K: a constant, the compiler knows
@@ -68,7 +68,7 @@ def test_partial_kernel_has_the_split_grid_dim_and_writes_fp32_partials(arch, sp
         assert loops and all("blockIdx.z" in e and "max(" in e and f"* {n}" in e for e in loops), (n, loops)
     assert f"blockIdx.z) * {n * 64})" in src  # the split's first k-tile: split * n * block_K
     if arch == "sm_90a":
-        assert "cp.async.bulk.tensor" in src and "wgmma.mma_async" in src and c.tensormaps
+        assert "cp.async.bulk.tensor" in src and "wgmma.mma_async" in src and c.meta.tensormaps
     else:
         assert "cp.async.cg.shared.global" in src and "mma.sync.aligned" in src
 
@@ -77,8 +77,8 @@ def test_partial_kernel_has_the_split_grid_dim_and_writes_fp32_partials(arch, sp
 def test_reduce_kernel_sums_splits_adds_bias_and_casts(arch):
     c = compile_program(gemm_kernels.gemm_splitk_reduce.fn(37, 3000, 1, 3, True, "float16", "bfloat16", 64, 64, 128),
                         arch)
-    assert c.grid == (47, 1, 1) and c.block == (128, 1, 1)  # no producer warpgroup: nothing pipelined
-    assert [p[0] for p in c.params] == ["W", "Bias", "C"] and c.params[0] == ("W", (3, 1, 37, 3000), "float32")
+    assert c.meta.grid == (47, 1, 1) and c.meta.block == (128, 1, 1)  # no producer warpgroup: nothing pipelined
+    assert [p[0] for p in c.meta.params] == ["W", "Bias", "C"] and c.meta.params[0] == ("W", (3, 1, 37, 3000), "float32")
     src = c.source
     assert "*(float4*)(W_ptr + " in src and "nv_bfloat16* __restrict__ C_ptr" in src
     assert "+ 111000)" in src and "+ 222000)" in src  # splits 1 and 2: 37 * 3000 floats apart

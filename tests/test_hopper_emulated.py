@@ -35,9 +35,9 @@ def run_matmul_sm90(M, N, K, transpose_A=False, transpose_B=False, **tiles):
     A = (a.T.copy() if transpose_A else a).astype(np.float16)
     B = (b.T.copy() if transpose_B else b).astype(np.float16)
     C = np.full((M, N), np.nan, np.float16)  # written everywhere, or NaN shows
-    emu = Emulator(lk.func, {"A": A, "B": B, "C": C}, tensormaps=lk.tensormaps)
-    emu.run(lk.grid)
-    return C, (a @ b).astype(np.float16), lk.grid, emu.ran
+    emu = Emulator(lk.func, {"A": A, "B": B, "C": C}, tensormaps=lk.meta.tensormaps)
+    emu.run(lk.meta.grid)
+    return C, (a @ b).astype(np.float16), lk.meta.grid, emu.ran
 
 
 @pytest.mark.parametrize("shape, kw, grid, ran", [
@@ -83,7 +83,7 @@ def test_sm90_clustered_gemm_kernel_matches_numpy(shape, cluster_kw, grid, clust
     (mapa + remote mbarrier.arrive), and the blocks meet at barrier.cluster.arrive/wait after the mbarrier
     inits."""
     C, ref, lk, emu = run_clustered_gemm(*shape, **cluster_kw)
-    assert (lk.grid, lk.cluster_dims) == (grid, cluster_dims)
+    assert (lk.meta.grid, lk.meta.cluster_dims) == (grid, cluster_dims)
     assert ran | {"mbarrier.arrive.shared::cluster", "barrier.cluster.arrive", "barrier.cluster.wait",
                   "tma.store.3d.swizzle128"} <= set(emu.ran), sorted(emu.ran)
     np.testing.assert_array_equal(C, ref)
@@ -99,7 +99,7 @@ def test_sm90_short_grid_default_in_128_deep_k_steps_matches_numpy(operands):
 
     assert default_config(1000, 700, 1000, "sm_90a") == _HALF_WAVE_K128
     C, ref, lk, emu = run_library_gemm(200, 256, 600, _HALF_WAVE_K128, seed=11, stagger=True, **operands)
-    assert (lk.grid, lk.cluster_dims) == ((4, 2, 1), (2, 1, 1))
+    assert (lk.meta.grid, lk.meta.cluster_dims) == ((4, 2, 1), (2, 1, 1))
     assert "tma.load.3d.swizzle128.multicast" in emu.ran, sorted(emu.ran)
     np.testing.assert_array_equal(C, ref)
 
@@ -113,7 +113,7 @@ def test_sm90_swapped_2x4_default_matches_numpy():
 
     assert default_config(1000, 1000, 1000, "sm_90a") == _SWAPPED_2X4
     C, ref, lk, emu = run_library_gemm(140, 512, 600, _SWAPPED_2X4, seed=5, stagger=True, bias=True)
-    assert (lk.grid, lk.cluster_dims) == ((2, 4, 1), (2, 4, 1))
+    assert (lk.meta.grid, lk.meta.cluster_dims) == ((2, 4, 1), (2, 4, 1))
     # each of 8 blocks: 8 consumer warps, 10 k-steps, an arrival on each of 5 writers
     assert emu.ran["mbarrier.arrive.shared::cluster"] == 8 * 8 * 10 * 5
     np.testing.assert_array_equal(C, ref)
@@ -128,7 +128,7 @@ def test_sm90_decode_default_reads_b_evict_first_matches_numpy():
     cfg = default_config(16, 8192, 8192, "sm_90a")
     assert cfg.swap_ab and cfg.b_evict_first
     C, ref, lk, emu = run_library_gemm(5, 200, 600, cfg, seed=7)
-    assert emu.ran["tma.load.3d.swizzle128.evict_first"] == lk.grid[0] * 10  # B: a box a k-step in each block
+    assert emu.ran["tma.load.3d.swizzle128.evict_first"] == lk.meta.grid[0] * 10  # B: a box a k-step in each block
     assert emu.ran["tma.load.3d.swizzle128"] > 0  # A
     np.testing.assert_array_equal(C, ref)
 
@@ -163,8 +163,8 @@ def run_library_gemm(M, N, K, cfg, seed, stagger=False, ctas=None, workspace=Non
               "B": np.ascontiguousarray(b.T if trans_B else b).astype(np.float16)[None],
               "Bias": bias_row.astype(np.float16), "C": np.full((1, M, N), np.nan, np.float16),
               "tile_ops_workspace": workspace}
-    emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
-    emu.run(lk.grid if ctas is None else (ctas, 1, 1), lk.cluster_dims, stagger=stagger, resident=ctas is not None)
+    emu = Emulator(lk.func, arrays, tensormaps=lk.meta.tensormaps)
+    emu.run(lk.meta.grid if ctas is None else (ctas, 1, 1), lk.meta.cluster_dims, stagger=stagger, resident=ctas is not None)
     return arrays["C"][0], (a @ b + bias_row).astype(np.float16), lk, emu
 
 
@@ -408,5 +408,5 @@ def test_sm90_epilogue_over_the_dead_stages_matches_numpy():
     cfg = GemmConfig(128, 128, 64, 2, 256, 0, epilogue="shared", cluster=2)
     C, ref, lk, emu = run_library_gemm(256, 256, 192, cfg, seed=7, stagger=True, bias=True)
     stages = 2 * (128 * 64 + 64 * 128) * 2
-    assert lk.smem_bytes < stages + 1024 and "C_tmap" in lk.tensormaps  # the 32 KiB output tile inside them
+    assert lk.meta.smem_bytes < stages + 1024 and "C_tmap" in lk.meta.tensormaps  # the 32 KiB output tile inside them
     np.testing.assert_array_equal(C, ref)

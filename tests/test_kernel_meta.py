@@ -8,7 +8,8 @@ import pytest
 
 from tile_ops.jit import _load_or_build
 from tile_ops.jit.cache import CacheEntry, DiskCache
-from tile_ops.jit.kernel import EntryArgs, Kernel, KernelMeta
+from tile_ops.compiler.meta import KernelMeta
+from tile_ops.jit.kernel import EntryArgs, Kernel
 
 A_TMAP = {"tensor": "A", "dtype": "float16", "dims": [64, 256], "strides": [128], "box": [64, 128],
           "element_strides": [1, 1], "swizzle": 3, "l2_promotion": 2, "oob_fill": 0}

@@ -691,7 +691,8 @@ def test_gpu_launch_passes_bytes_by_value(tmp_path_factory):
 
 @pytest.mark.gpu
 def test_gpu_kernel_with_a_tensormap_parameter(tmp_path_factory, needs_tma):
-    from tile_ops.jit.kernel import Kernel, KernelMeta
+    from tile_ops.compiler.meta import KernelMeta
+    from tile_ops.jit.kernel import Kernel
 
     major, minor = torch.cuda.get_device_capability()
     x_tmap = {"tensor": "X", "dtype": "float32", "dims": [64, 64], "strides": [64 * 4], "box": [32, 8],

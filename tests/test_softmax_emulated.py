@@ -37,8 +37,8 @@ def run_softmax(M, N, K, cfg, scale=1.0, ctas=None, stagger=True, seed=0):
     arrays = {"A": a.astype(np.float16), "B": b.astype(np.float16), "Out": np.full((M, N), np.nan, np.float16)}
     if any(p.name == WORKSPACE for p in lk.func.params):  # zeroed once by the launcher, left zeroed by kernels
         arrays[WORKSPACE] = np.zeros(4096 + 8 * M * -(-N // cfg.block_N), np.float32)
-    emu = Emulator(lk.func, arrays, tensormaps=lk.tensormaps)
-    emu.run(lk.grid if ctas is None else (ctas, 1, 1), lk.cluster_dims, stagger=stagger, resident=True)
+    emu = Emulator(lk.func, arrays, tensormaps=lk.meta.tensormaps)
+    emu.run(lk.meta.grid if ctas is None else (ctas, 1, 1), lk.meta.cluster_dims, stagger=stagger, resident=True)
     s = scale * (a @ b)
     ref = np.exp(s - s.max(1, keepdims=True))
     return arrays["Out"], ref / ref.sum(1, keepdims=True), lk, emu, arrays.get(WORKSPACE)
@@ -69,7 +69,7 @@ def test_clustered_softmax_matches_float64(shape, cfg, ctas, scale, ran):
     cfg = cfg or default_config(*shape, "sm_90a")
     assert cfg.split == 2 and not cfg.deferred
     out, ref, lk, emu, _ = run_softmax(*shape, cfg, scale=scale, ctas=ctas)
-    assert lk.cluster_dims == (2, 1, 1)
+    assert lk.meta.cluster_dims == (2, 1, 1)
     assert ran | {"barrier.cluster.wait"} <= set(emu.ran), sorted(emu.ran)
     assert_softmax(out, ref)
 

@@ -9,8 +9,9 @@ import pytest
 import tile_ops
 import tile_ops.lang as T
 from test_compiler import needs_cuobjdump, needs_nvcc
-from tile_ops.compiler.stream_k import MIN_STEPS, plan, unit
-from tile_ops.jit.kernel import WORKSPACE, EntryArgs, KernelMeta
+from tile_ops.compiler.meta import WORKSPACE, KernelMeta
+from tile_ops.compiler.schedules.stream_k import MIN_STEPS, plan, unit
+from tile_ops.jit.kernel import EntryArgs
 from tile_ops.kernels.gemm import GemmConfig, gemm
 from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
 from tile_ops.lang.errors import TileLangError
@@ -73,8 +74,9 @@ def test_schedule_fills_the_idle_ctas():
 
 
 def test_entry_args_pass_the_workspace():
-    meta = KernelMeta("k", "k", "sm_90a", (1, 1, 1), (128, 1, 1), 0, [("A", (4,), "float16"), ("C", (4,), "float16")],
-                      ["A", "C", WORKSPACE], [1], workspace_floats=4)
+    meta = KernelMeta(name="k", entry="k", arch="sm_90a", grid=(1, 1, 1), block=(128, 1, 1), smem_bytes=0,
+                      params=[("A", (4,), "float16"), ("C", (4,), "float16")], kept=["A", "C", WORKSPACE], out_idx=[1],
+                      workspace_floats=4)
     assert EntryArgs(meta).build([10, 20], 0, workspace=30) == [10, 20, 30]
     with pytest.raises(ValueError, match="workspace"):  # never the last pointer in its place
         EntryArgs(meta).build([10, 20], 0)
@@ -149,9 +151,10 @@ def test_plan_of_a_stream_k_kernel_is_its_launcher(monkeypatch):
     launch(a, b, out, c) that goes through the kernel's launcher, which passes it."""
     from tile_ops.jit.kernel import Kernel
 
-    meta = KernelMeta("k", "k", "sm_90a", (1, 1, 1), (256, 1, 1), 0,
-                      [("A", (4,), "float16"), ("B", (4,), "float16"), ("Bias", (4,), "float16"),
-                       ("C", (4,), "float16")], ["A", "B", "Bias", "C", WORKSPACE], [3], workspace_floats=16)
+    meta = KernelMeta(name="k", entry="k", arch="sm_90a", grid=(1, 1, 1), block=(256, 1, 1), smem_bytes=0,
+                      params=[("A", (4,), "float16"), ("B", (4,), "float16"), ("Bias", (4,), "float16"),
+                              ("C", (4,), "float16")], kept=["A", "B", "Bias", "C", WORKSPACE], out_idx=[3],
+                      workspace_floats=16)
     kernel, launched = Kernel(meta, "", b""), []
     monkeypatch.setattr(kernel, "launcher", lambda device: launched.append)
     program = kernel.plan("cuda", [0, 1, 3, 3])  # gemm without bias: the bias slot takes the output's buffer

@@ -39,7 +39,7 @@ def scale(M, N, shift=0, bm=16, bn=128, dtype="float16"):
 
 def emulate(prog, **arrays):
     lk = lower(prog, "sm_80")
-    Emulator(lk.func, arrays).run(lk.grid)
+    Emulator(lk.func, arrays).run(lk.meta.grid)
 
 
 def vector_accesses(src: str, buf: str) -> set:
@@ -228,7 +228,7 @@ def test_pipelined_parallel_and_copy_read_the_stage_being_computed():
                 T.copy(A_s, C[k * 16, 0])
 
     c = compile_program(main, "sm_80")
-    assert "cp.async.wait_group" in c.source and c.smem_bytes == 2 * 16 * N * 2
+    assert "cp.async.wait_group" in c.source and c.meta.smem_bytes == 2 * 16 * N * 2
     A = np.random.default_rng(4).uniform(-4, 4, (K, N)).astype(np.float32)
     B, C, D = (np.zeros(s, np.float16) for s in ((K, N), (K, N), (N, K)))
     emulate(main, A=A, B=B, C=C, D=D)
@@ -311,14 +311,14 @@ def test_indices_non_negative_by_form():
     from tvm import tirx
     from tvm.script import tirx as TS
 
-    from tile_ops.compiler.lower import _nonneg
+    from tile_ops.compiler.exprs import nonneg
 
     x, y = tirx.Var("x", "int32"), tirx.Var("y", "int32")
     grid = TS.cuda.func_call("tile_ops_grid_x", source_code="", return_type="int32")
     uniform = lambda e: TS.cuda.func_call("tile_ops_warp_uniform", e, source_code="", return_type="int32")  # noqa: E731
     for e in (x * 16 + y + 7, tirx.floordiv(x, 4), tirx.floormod(x - 5, 8), tirx.max(x - 1, 0), x + y * grid,
               tirx.if_then_else(x < 3, 0, y), uniform(tirx.floordiv(x, 128))):
-        assert _nonneg(e), e
+        assert nonneg(e), e
     for e in (x - 1, x * 16 + y - 1, tirx.const(-1, "int32") + x, tirx.if_then_else(x < 3, x - 1, y),
               uniform(x - 1), tirx.min(x - 1, y)):
-        assert not _nonneg(e), e
+        assert not nonneg(e), e

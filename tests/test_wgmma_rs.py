@@ -51,8 +51,8 @@ def test_chained_matmul_issues_register_a_wgmma(kw):
     c = compile_program(chained_matmul.fn(512, 128, 64, 256, **kw), "sm_90a")
     el = "bf16" if kw.get("dtype") == "bfloat16" else "f16"
     assert RS_PTX.search(c.source) and f"m64n128k16.f32.{el}.{el}" in c.source  # P @ D from registers
-    assert c.layouts["P_f"] == c.layouts["S_f"] and c.layouts["P_f"].startswith("fragment wgmma")
-    assert c.block[0] == kw.get("threads", 128) + 128  # still warp-specialized (TMA producer)
+    assert c.meta.layouts["P_f"] == c.meta.layouts["S_f"] and c.meta.layouts["P_f"].startswith("fragment wgmma")
+    assert c.meta.block[0] == kw.get("threads", 128) + 128  # still warp-specialized (TMA producer)
 
 
 @needs_nvcc

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from ..jit import build
+from ..compiler.targets import smem_limit as arch_smem_limit
 from . import table, targets
 from .progress import progress
 
@@ -52,7 +52,7 @@ def smem_limit(arch: str, device=None) -> int:
         limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
         if limit:
             return limit
-    return build.smem_limit(arch)
+    return arch_smem_limit(arch)
 
 
 def make_candidates(target, shape, dtype: str, arch: str, configs=None) -> list[Candidate]:

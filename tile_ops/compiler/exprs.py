@@ -1,4 +1,5 @@
-"""A small rewriter for tirx expressions: substitute variables and remap buffer loads."""
+"""tirx expressions: a small rewriter (substitute variables, remap buffer loads, calls), and the index and
+vector helpers the lowering shares."""
 
 from __future__ import annotations
 
@@ -67,3 +68,119 @@ def uses(e, var) -> bool:
     from tvm.tirx.analysis import undefined_vars
 
     return not isinstance(e, (int, float)) and any(v.same_as(var) for v in undefined_vars(e))
+
+
+def dtype_bits(dtype: str) -> int:
+    import tvm
+
+    return tvm.runtime.DataType(dtype).bits
+
+
+def cast(v, dtype):
+    """``v`` as ``dtype`` (per lane, for a vector)."""
+    if isinstance(v, (int, float)):
+        return tirx.const(v, dtype)
+    dtype = vector_type(dtype, v.ty.dtype.lanes)
+    return v if str(v.ty) == dtype else tirx.Cast(dtype, v)
+
+
+def broadcast(v, vec):
+    return tirx.Broadcast(v, vec) if vec > 1 and v.ty.dtype.lanes == 1 else v
+
+
+def widest(bits: int, fits) -> int:
+    """Elements per access: the widest of 16, 8 and 4 bytes that ``fits(vec)``, else 1."""
+    return next((v for v in (128 // bits, 64 // bits, 32 // bits) if v > 1 and fits(v)), 1)
+
+
+def broadcastable(bits: int, vec: int) -> bool:
+    """Whether a scalar of ``bits`` can be broadcast to ``vec`` lanes: TVM's CUDA code builds 8 or 16 lanes of
+    8-bit values with a make_int2/make_int4 of 8 or 16 arguments, which nvcc refuses."""
+    return bits > 8 or vec <= 4
+
+
+def ramp(base, vec):
+    return tirx.Ramp(base, 1, vec) if vec > 1 else base
+
+
+def vector_type(dtype: str, vec: int) -> str:
+    return f"{dtype}x{vec}" if vec > 1 else dtype
+
+
+def vector_load(buf, idx, vec):
+    return tirx.BufferLoad(buf, idx[:-1] + [ramp(idx[-1], vec)])
+
+
+def squeeze(extents) -> list:
+    """Extents without leading 1s: a (1, M, K) window of a 3-D tensor matches an (M, K) tile."""
+    ext = list(extents)
+    while len(ext) > 1 and ext[0] == 1:
+        ext.pop(0)
+    return ext
+
+
+def pad(idx, like) -> list:
+    """Tile coordinates for a side of higher rank: leading dims at offset 0."""
+    return [0] * (len(like) - len(idx)) + list(idx)
+
+
+def unflatten(r, shape):
+    idx = []
+    for s in reversed(shape):
+        idx.append(tirx.floormod(r, s))
+        r = tirx.floordiv(r, s)
+    return list(reversed(idx))
+
+
+def flat_index(idx, shape):
+    flat = idx[0]
+    for i, d in zip(idx[1:], shape[1:]):
+        flat = flat * d + i
+    return flat
+
+
+def as_int32(x):
+    return x if isinstance(x, int) else (x if str(x.ty) == "int32" else tirx.Cast("int32", x))
+
+
+def is_vars(idx, vars_) -> bool:
+    """Whether ``idx`` is exactly the variables ``vars_``, in order."""
+    return len(idx) == len(vars_) and all(isinstance(i, irx.Var) and i.same_as(v) for i, v in zip(idx, vars_))
+
+
+def reads_memory(e) -> bool:
+    """Whether an index expression reads a buffer (so only the threads holding its values can evaluate it)."""
+    return not isinstance(e, (int, float)) and bool(collect_loads(e))
+
+
+_SUMS = (px.Add, px.Mul, px.FloorDiv, px.Div, px.Min, px.BitwiseAnd, px.BitwiseOr, px.RShift, px.LShift)
+
+
+def nonneg(e) -> bool:
+    """Whether index ``e`` is >= 0 by its form.  Every integer variable of a lowered program is an index
+    (thread and block ids, loop counters from 0, counts the compiler binds), so only a subtraction or a
+    negative constant makes an index negative (the analyzer knows no variable's range)."""
+    if isinstance(e, int):
+        return e >= 0
+    if isinstance(e, px.IntImm):
+        return e.value >= 0
+    if isinstance(e, px.Var):
+        return True
+    if isinstance(e, _SUMS):
+        return nonneg(e.a) and nonneg(e.b)
+    if isinstance(e, px.FloorMod):  # floormod takes the divisor's sign
+        return nonneg(e.b)
+    if isinstance(e, px.Max):
+        return nonneg(e.a) or nonneg(e.b)
+    if isinstance(e, px.Cast):
+        return nonneg(e.value)
+    if isinstance(e, px.Select):
+        return nonneg(e.true_value) and nonneg(e.false_value)
+    if isinstance(e, irx.Call):
+        op = getattr(e.op, "name", "")
+        if op.endswith("if_then_else"):
+            return nonneg(e.args[1]) and nonneg(e.args[2])
+        if op == "tirx.cuda.func_call":
+            name = e.args[0].value
+            return name == "tile_ops_grid_x" or name == "tile_ops_warp_uniform" and nonneg(e.args[1])
+    return False

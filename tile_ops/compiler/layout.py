@@ -263,3 +263,19 @@ class SharedLayout:
             return "row-major"
         panels = self.cols // self.panel
         return f"{self.swizzle_bytes}B-swizzled" + (f", {panels} panels of {self.panel} columns" if panels > 1 else "")
+
+
+def shared_layout(tile) -> SharedLayout:
+    """The layout of a 2-D shared tile."""
+    import tvm
+
+    return SharedLayout(tile.shape[0], tile.shape[1], tvm.runtime.DataType(tile.dtype).bits)
+
+
+def in_swizzled_panels(tile) -> bool:
+    """A 2-D shared tile laid out as whole swizzled panels of 8-row groups: what wgmma descriptors
+    read and TMA boxes write."""
+    if len(tile.shape) != 2:
+        return False
+    lay = shared_layout(tile)
+    return lay.swizzle and tile.shape[0] % 8 == 0 and tile.shape[1] % lay.panel == 0

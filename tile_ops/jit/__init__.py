@@ -222,19 +222,17 @@ def _build(prog, arch, out_idx):
     t0 = time.perf_counter()
     c = compile_program(prog, arch)
     t1 = time.perf_counter()
-    cubin, resources = build_cubin(c.source, arch, c.entry)
+    cubin, resources = build_cubin(c.source, arch, c.meta.entry)
     t2 = time.perf_counter()
     if "wgmma.mma_async" in c.source:  # ptxas has moved accumulator reads above their wait (NOTES v28)
         check_accumulator_order(cubin, prog.name)
     t3 = time.perf_counter()
-    meta = KernelMeta(prog.name, c.entry, arch, c.grid, c.block, c.smem_bytes, c.params, c.kept, out_idx,
-                      resources, c.layouts, c.tensormaps, c.ctas_per_sm, c.cluster, c.persistent_tiles,
-                      c.workspace_floats, c.workspace_fixed_floats, c.waits_at_entry)
+    meta = c.meta.replace(out_idx=out_idx, resources=resources)
     stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3),
              "check_s": round(t3 - t2, 3), "nvcc": nvcc_version()}
     spilled, frame = resources.get("spill_stores", 0), resources.get("stack_frame", 0)
     if spilled or frame > 1024:  # local memory in the main loop: correct, and slow
-        warnings.warn(f"tile_ops: kernel {prog.name} ({arch}, grid {c.grid}, {c.block[0]} threads) keeps "
+        warnings.warn(f"tile_ops: kernel {prog.name} ({arch}, grid {c.meta.grid}, {c.meta.block[0]} threads) keeps "
                       f"{max(spilled, frame)} bytes per thread in local memory (ptxas: {spilled} bytes spilled, "
                       f"{frame} bytes of stack): expect it to be slow; smaller tiles per thread (block sizes, or more "
                       f"threads) fit the registers", stacklevel=2)

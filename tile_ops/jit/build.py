@@ -41,16 +41,6 @@ def nvcc_version() -> str:
     return m.group(1) if m else "unknown"
 
 
-# dynamic shared memory one block may opt in to, per SM version (the CUDA programming guide's table)
-SMEM_LIMIT_BY_SM = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
-
-
-def smem_limit(arch: str) -> int:
-    """The most shared memory a block of ``arch`` (sm_80, sm_90a, ...) can have; unknown ones: the smallest."""
-    number = int("".join(ch for ch in arch.split("_")[-1] if ch.isdigit()))
-    return SMEM_LIMIT_BY_SM.get(number, min(SMEM_LIMIT_BY_SM.values()))
-
-
 def gencode(arch: str) -> str:
     """sm_80 -> compute_80/sm_80; sm_90a -> compute_90a/sm_90a (wgmma/setmaxnreg need the 'a' target)."""
     num = arch.split("_", 1)[1]

@@ -3,7 +3,7 @@ current torch stream.  Nothing here imports TVM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ..compiler.meta import FLAG_SLOTS, WORKSPACE, KernelMeta
 
 _TORCH_DTYPES = {
     "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
@@ -11,51 +11,6 @@ _TORCH_DTYPES = {
 }
 
 
-@dataclass
-class KernelMeta:
-    name: str
-    entry: str
-    arch: str
-    grid: tuple
-    block: tuple
-    smem_bytes: int
-    params: list  # [(name, shape, dtype)]
-    kept: list  # parameter names the CUDA entry takes, in order
-    out_idx: list
-    resources: dict = field(default_factory=dict)
-    layouts: dict = field(default_factory=dict)
-    # kept name -> TMA descriptor spec {"tensor", "dtype", "dims", ...} (INTERFACES.md); absent in old cache entries
-    tensormaps: dict = field(default_factory=dict)
-    # a persistent kernel (persistent_tiles > 0) launches as many CTAs as fit at once (Kernel.grid_on);
-    # ``grid`` is the compile-time estimate for an H200, the fallback when the device cannot be asked
-    ctas_per_sm: int = 1
-    cluster: int = 1
-    persistent_tiles: int = 0
-    # stream-K (> 0): fp32 partials per CTA in the workspace the launcher passes as WORKSPACE (see workspace())
-    workspace_floats: int = 0
-    # T.row_softmax_store (> 0): the row statistics of every tile, after the flags
-    workspace_fixed_floats: int = 0
-    # sm_90a: the kernel waits for the stream's previous kernel at its entry (griddepcontrol.wait), then lets
-    # the next one launch: it can be launched programmatically (Kernel.dependent)
-    waits_at_entry: bool = False
-
-    @property
-    def needs_workspace(self) -> bool:
-        return bool(self.workspace_floats or self.workspace_fixed_floats)
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
-    @staticmethod
-    def from_json(d: dict) -> "KernelMeta":
-        d = dict(d)
-        d["grid"], d["block"] = tuple(d["grid"]), tuple(d["block"])
-        d["params"] = [(n, tuple(s), t) for n, s, t in d["params"]]
-        return KernelMeta(**d)
-
-
-WORKSPACE = "tile_ops_workspace"  # the CUDA entry parameter of a stream-K kernel's workspace
-FLAG_SLOTS = 4096  # int32 flags at its start, one per CTA at most (compiler/stream_k.py)
 TENSORMAP_KEYS = ("tensor", "dtype", "dims", "strides", "box", "element_strides", "swizzle", "l2_promotion",
                   "oob_fill")
 

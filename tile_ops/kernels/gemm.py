@@ -10,9 +10,11 @@ import torch
 import tile_ops
 import tile_ops.lang as T
 from tile_ops.jit import default_arch
-from tile_ops.jit.build import smem_limit
 from tile_ops.autotune import config_for
-from tile_ops.compiler import SMS, wave_ctas
+from tile_ops.compiler.targets import Target, smem_limit
+
+SMS = Target.of("sm_90a").sms  # an H100 SXM / H200 (the heuristics' wave sizes)
+wave_ctas = Target.of("sm_90a").wave_ctas
 
 
 def check_config_sizes(cfg) -> None:

@@ -24,9 +24,8 @@ import tile_ops
 import tile_ops.lang as T
 from tile_ops.lang import SharedMemoryError
 from tile_ops.jit import default_arch
-from tile_ops.jit.build import smem_limit
 from tile_ops.autotune import config_for
-from tile_ops.compiler import wave_ctas
+from tile_ops.compiler.targets import Target, smem_limit
 
 from .gemm import _DT, _kib, _ESIZE, _pow2, check_config_sizes
 
@@ -165,7 +164,7 @@ def _output_overlaid(cfg: SoftmaxConfig, M: int, N: int, K: int, n_tiles: int, e
     block's one tile, no cluster exchange, a grid within a wave unless not persistent."""
     tma_rows = (K * esize) % 16 == 0 and (N * esize) % 16 == 0
     one_tile = not (cfg.deferred or cfg.pingpong or cfg.stream_k) and cfg.split == 1 and n_tiles == 1
-    return tma_rows and one_tile and (not cfg.persistent or 0 < -(-M // cfg.block_M) <= wave_ctas())
+    return tma_rows and one_tile and (not cfg.persistent or 0 < -(-M // cfg.block_M) <= Target.of("sm_90a").wave_ctas())
 
 
 PARTS = ("all", "no_rescale", "gemm")

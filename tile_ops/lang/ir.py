@@ -376,3 +376,10 @@ def new_buffer(shape, dtype, scope, name=None) -> TileBuffer:
     t.buffers[buf.tir] = buf
     t.kernel.allocs.append(buf)
     return buf
+
+
+def walk(body):
+    """Every node of ``body``, and of the bodies of loops and other nodes with one, in program order."""
+    for node in body:
+        yield node
+        yield from walk(getattr(node, "body", ()))

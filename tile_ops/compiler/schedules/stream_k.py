@@ -22,15 +22,14 @@ partial accumulators per CTA.  Every kernel leaves the flags zero, wherever its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm import tirx
-from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ..jit.kernel import FLAG_SLOTS
-from ..lang.ir import Copy, Fill, Gemm, error
+from ...lang.ir import Copy, Fill, Gemm, error
+from ..cuda import emit_ptx, helper
+from ..exprs import ramp
+from ..meta import FLAG_SLOTS
 
 MIN_STEPS = 4  # K steps a part keeps at least: each part pays a pipeline fill and a partial round trip
 
@@ -125,41 +124,58 @@ def accumulators(kernel, loop) -> list:
     return accs
 
 
-@dataclass
 class StreamK:
-    """The fixup of one kernel: ``lw`` the Lowerer, ``accs`` the accumulators, ``most`` the most parts."""
+    """The K split of one kernel's last wave: ``accs`` the accumulators, ``most`` the most parts of a tile,
+    ``steps`` the main loop's K steps per tile; ``unit`` the unit being walked (its fields and ``rank``)."""
 
-    lw: object
-    accs: list
-    most: int
+    def __init__(self, lw, accs: list, most: int, steps: int):
+        self.lw, self.accs, self.most, self.steps = lw, accs, most, steps
+        self.unit = None
 
     def floats_per_cta(self) -> int:
         return sum(self.lw.infer.layouts[a].local_size for a in self.accs) * self.lw.threads
 
-    def fixup(self, unit: dict, workspace, barrier):
-        """After the main loop: writers publish their partials, owners add the others' (``unit``: this
-        block's unit, with its ``rank`` in the cluster; ``barrier()`` syncs the consumers).  Returns the
-        condition under which the rest of the tile runs (not a writer)."""
-        lw, n, rank = self.lw, self.lw.cluster, unit["rank"]
+    def units(self, cta, ctas, total, enter, walk):
+        """The walk: group (cluster) g of the grid's takes units g, g + groups, ...; a unit's tile of every
+        block of the cluster is the tile of rank r in its cluster's tile (``enter(t)`` sets block indices,
+        ``walk.tile_ordinal`` counts the units)."""
+        n = self.lw.cluster
+        groups, g, rank = tirx.floordiv(ctas, n), tirx.floordiv(cta, n), tirx.floormod(cta, n)
+        regs = Registers()
+        p = plan(g, total // n, groups, self.steps, self.most, regs)
+        with T.serial(0, tirx.floordiv(p["units"] - g + groups - 1, groups)) as it:
+            IRBuilder.name("unit_iter", it)
+            walk.tile_ordinal = it
+            self.unit = {**unit(g, it, groups, self.steps, p, regs), "rank": rank}
+            enter(self.unit["tile"] * n + rank)
+            yield
+        self.unit = None
+
+    def fixup(self, barrier_id, threads):
+        """After the main loop: writers publish their partials, owners add the others' (``barrier_id``,
+        ``threads``: the consumers' named barrier).  Returns the condition under which the rest of the tile
+        runs (not a writer)."""
+        lw, u, n = self.lw, self.unit, self.lw.cluster
+        rank, workspace = u["rank"], lw.workspace
         flags = T.address_of(workspace[0])
-        flag = unit["tile"] * n + rank
-        with T.If(unit["writer"] != 0):
+        flag = u["tile"] * n + rank
+        with T.If(u["writer"] != 0):
             with T.Then():
-                self._partials(workspace, unit["slot"] * n + rank, store=True)
-                barrier()
+                self._partials(workspace, u["slot"] * n + rank, store=True)
+                emit_ptx("bar.sync", barrier_id, threads)
                 with T.If(lw.tid == 0):
                     with T.Then():
                         T.evaluate(flag_signal(flags, flag))
-        with T.If(unit["owner"] != 0):
+        with T.If(u["owner"] != 0):
             with T.Then():
                 with T.If(lw.tid == 0):
                     with T.Then():
-                        T.evaluate(flag_wait(flags, flag, unit["parts"] - 1, reset=True))
-                barrier()
-                with T.serial(0, unit["parts"] - 1) as p:
+                        T.evaluate(flag_wait(flags, flag, u["parts"] - 1, reset=True))
+                emit_ptx("bar.sync", barrier_id, threads)
+                with T.serial(0, u["parts"] - 1) as p:
                     IRBuilder.name("part", p)
-                    self._partials(workspace, (unit["tile"] * unit["parts"] + p) * n + rank, store=False)
-        return unit["writer"] == 0
+                    self._partials(workspace, (u["tile"] * u["parts"] + p) * n + rank, store=False)
+        return u["writer"] == 0
 
     def _partials(self, workspace, cta_slot, store: bool):
         """Store this CTA's accumulators into workspace slot ``cta_slot``, or add that slot into them."""
@@ -169,16 +185,12 @@ class StreamK:
             vec = 4 if size % 4 == 0 else 2 if size % 2 == 0 else 1
             for i in range(size // vec):
                 at = base + (i * lw.threads + lw.tid) * vec
-                mine, there = _ramp(i * vec, vec), _ramp(at, vec)
+                mine, there = ramp(i * vec, vec), ramp(at, vec)
                 if store:
                     T.buffer_store(workspace, tirx.BufferLoad(frag, [mine]), [there])
                 else:
                     T.buffer_store(frag, tirx.BufferLoad(frag, [mine]) + tirx.BufferLoad(workspace, [there]), [mine])
             base = base + size * lw.threads
-
-
-def _ramp(base, vec: int):
-    return tirx.Ramp(base, 1, vec) if vec > 1 else base
 
 
 _HELPERS = {
@@ -207,11 +219,9 @@ __forceinline__ __device__ void tile_ops_flag_wait(float* flags, int flag, int c
 
 def flag_signal(flags, flag):
     """Count one more completed writer on workspace flag ``flag`` (``flags``: the workspace's address)."""
-    return TS.cuda.func_call("tile_ops_flag_signal", flags, flag, source_code=_HELPERS["tile_ops_flag_signal"],
-                             return_type="void")
+    return helper("tile_ops_flag_signal", _HELPERS["tile_ops_flag_signal"], flags, flag)
 
 
 def flag_wait(flags, flag, count, reset: bool):
     """Wait until workspace flag ``flag`` counts ``count`` writers; ``reset``: then zero it (its only reader)."""
-    return TS.cuda.func_call("tile_ops_flag_wait", flags, flag, count, int(reset),
-                             source_code=_HELPERS["tile_ops_flag_wait"], return_type="void")
+    return helper("tile_ops_flag_wait", _HELPERS["tile_ops_flag_wait"], flags, flag, count, int(reset))

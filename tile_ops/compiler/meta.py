@@ -1,0 +1,55 @@
+"""What a launcher needs to know of a compiled kernel: the one metadata type that the compiler builds,
+the JIT completes and the cache stores as JSON.  No TVM import, so a cached kernel loads without it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+WORKSPACE = "tile_ops_workspace"  # the CUDA entry parameter of a kernel's global workspace (stream_k.py)
+FLAG_SLOTS = 4096  # int32 flags at the workspace's start, one per CTA at most
+
+
+@dataclass
+class KernelMeta:
+    name: str
+    arch: str
+    grid: tuple  # a persistent kernel's is the compile-time estimate; the launcher sizes it (Kernel.grid_on)
+    block: tuple
+    smem_bytes: int
+    params: list  # [(name, shape, dtype)] of the program, in order
+    entry: str = ""  # the CUDA entry symbol (set once the source is emitted)
+    kept: list = field(default_factory=list)  # parameter names the CUDA entry takes, in order (TVM drops unused ones)
+    out_idx: list = field(default_factory=list)  # the params a call allocates and returns (the JIT's)
+    resources: dict = field(default_factory=dict)  # ptxas's report: registers, spills (the JIT's)
+    layouts: dict = field(default_factory=dict)  # buffer name -> the layout the compiler gave it, in words
+    # kept name -> TMA descriptor spec {"tensor", "dtype", "dims", ...} (INTERFACES.md)
+    tensormaps: dict = field(default_factory=dict)
+    ctas_per_sm: int = 1  # CTAs meant to be resident per SM (__launch_bounds__'s minimum blocks)
+    cluster: int = 1  # blocks per thread-block cluster
+    cluster_dims: tuple = (1, 1, 1)  # __cluster_dims__
+    persistent_tiles: int = 0  # > 0: the CTAs walk at most this many units; launch no more CTAs than that
+    workspace_floats: int = 0  # > 0 (stream-K): fp32 partials per CTA in the workspace, after its flags
+    workspace_fixed_floats: int = 0  # > 0: fp32 values the kernel keeps in the workspace, after its flags
+    # sm_90a: the kernel waits for the stream's previous kernel at its entry (griddepcontrol.wait), then lets
+    # the next one launch: it can be launched programmatically (Kernel.dependent)
+    waits_at_entry: bool = False
+
+    @property
+    def needs_workspace(self) -> bool:
+        return bool(self.workspace_floats or self.workspace_fixed_floats)
+
+    def replace(self, **changes) -> "KernelMeta":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "KernelMeta":
+        d = dict(d)
+        for key in ("grid", "block", "cluster_dims"):
+            if key in d:
+                d[key] = tuple(d[key])
+        d["params"] = [(n, tuple(s), t) for n, s, t in d["params"]]
+        return KernelMeta(**d)

@@ -1,0 +1,106 @@
+"""The tile ops: one unit per node type of the tile IR (``lang.ir``), registered with ``@tile_op``.
+
+A unit declares
+- the buffers the op reads and writes: the lowering's barriers, the stage checks and the shared-memory
+  overlay ask these, never the node's type;
+- its layout rules, which ``infer.LayoutInference`` drives to a fixed point: ``constrain`` (what the
+  instruction it chooses imposes), ``propagate`` (one step), ``require`` (what propagation alone must have
+  laid out), ``joined`` (fragments that must share a default layout), ``check`` (once every fragment has one);
+- the shared memory and mbarriers it needs beyond its buffers (``scratch_bytes``, ``regions``, ``mbarriers``);
+- its lowering, ``lower(lw, node, vm)``, through the instructions of the target (``targets/sm80``, ``sm90``)
+  and the kernel's schedule (``schedules/``).
+
+Adding a tile op: its node in ``lang/ir.py``, its function in ``lang/frontend.py``, a module here, and its
+import below (the registration).
+"""
+
+from __future__ import annotations
+
+from ...lang.ir import error
+
+REGISTRY: dict = {}  # lang.ir node type -> its TileOp
+
+
+def tile_op(node_type):
+    """Class decorator: the unit lowering ``node_type``."""
+
+    def register(cls):
+        REGISTRY[node_type] = cls()
+        return cls
+
+    return register
+
+
+def unit(node) -> "TileOp":
+    op = REGISTRY.get(type(node))
+    if op is None:
+        raise error(node.loc, f"cannot lower {type(node).__name__}")
+    return op
+
+
+class TileOp:
+    def reads(self, node, buffers) -> list:
+        """The buffers the op reads (``buffers``: the program's tirx buffer var -> TileBuffer)."""
+        return []
+
+    def writes(self, node) -> list:
+        return []
+
+    # layout inference (infer.py)
+    def constrain(self, inf, node) -> None:
+        pass
+
+    def propagate(self, inf, node) -> bool:
+        return False
+
+    def require(self, inf, node) -> None:
+        pass
+
+    def joined(self, inf, node) -> list:
+        return []
+
+    def check(self, inf, node) -> None:
+        pass
+
+    # resources beyond its buffers (memory.py)
+    def scratch_bytes(self, lw, node) -> int:
+        """Shared memory it needs while it runs, reused by every op (the largest need is reserved)."""
+        return 0
+
+    def regions(self, lw, node) -> list:
+        """[(name, float32 slots)] of shared memory it keeps for the whole kernel (one per consumer warpgroup)."""
+        return []
+
+    def mbarriers(self, lw, node) -> int:
+        return 0
+
+    # lowering (lower.py)
+    def touches_shared(self, lw, node) -> bool:
+        """Whether it accesses shared memory with the block's threads: a barrier then orders it after the
+        tile ops before it, whose thread mappings differ."""
+        return any(b.scope == "shared" for b in self.reads(node, lw.buffers) + self.writes(node))
+
+    def lower(self, lw, node, vm) -> None:
+        raise NotImplementedError
+
+
+class Container(TileOp):
+    """A node with a body: it accesses what its body does."""
+
+    def reads(self, node, buffers) -> list:
+        return [b for n in node.body for b in unit(n).reads(n, buffers)]
+
+    def writes(self, node) -> list:
+        return [b for n in node.body for b in unit(n).writes(n)]
+
+    def touches_shared(self, lw, node) -> bool:
+        return any(unit(n).touches_shared(lw, n) for n in node.body)
+
+
+def accessed(node, buffers) -> list:
+    """Every buffer ``node`` (and its body) reads or writes."""
+    op = unit(node)
+    return op.reads(node, buffers) + op.writes(node)
+
+
+from . import cluster, copy, fill, gemm, loop, parallel, reduce, row_softmax, store  # noqa: E402,F401  (registration)
