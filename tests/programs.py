@@ -2,6 +2,7 @@
 
 import tile_ops
 import tile_ops.lang as T
+from tile_ops.kernels.gemm_softmax import merge_row_statistics
 
 
 @tile_ops.jit(out_idx=[2])
@@ -97,7 +98,7 @@ def chained_matmul_sum(M, N, K, L, J, block_M=64, num_stages=2, threads=128, dty
 @tile_ops.jit(out_idx=[2, 3])
 def softmax_stats_over_cluster(valid, rows=64, cols=64, K=64, cluster=4, threads=128):
     """Row max (log2 units) and sum of 2^(s - max) of the scores S = X @ W, whose columns are split over
-    a cluster's blocks and merged with T.cluster_softmax_merge; columns from ``valid`` on are -inf (a
+    a cluster's blocks and merged with T.cluster_allreduce (the library's merge_row_statistics); columns from ``valid`` on are -inf (a
     block can have none).  Every block writes the whole row's statistics."""
     @T.prim_func
     def main(X: T.Tensor((rows, K), "float16"), W: T.Tensor((K, cols * cluster), "float16"),
@@ -118,7 +119,7 @@ def softmax_stats_over_cluster(valid, rows=64, cols=64, K=64, cluster=4, threads
             for r, c in T.Parallel(rows, cols):
                 S[r, c] = T.exp2(S[r, c] - m[r])
             T.reduce_sum(S, l, dim=1)
-            T.cluster_softmax_merge(m, l)
+            T.cluster_allreduce((m, l), merge_row_statistics)
             for r in T.Parallel(rows):
                 Max[bx, r] = m[r]
                 Sum[bx, r] = l[r]

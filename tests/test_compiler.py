@@ -886,7 +886,7 @@ def test_cluster_allreduce_owner_threads_write_each_row_once():
 
 
 @needs_nvcc
-def test_cluster_softmax_merge_is_one_exchange_of_pairs():
+def test_a_cluster_allreduce_of_two_fragments_is_one_exchange_of_pairs():
     """(max, sum) pairs travel together (st.async.v2 into slot rank of every peer, 8-byte slots), and the
     merge rescales each block's sum to the cluster max, skipping blocks whose max is -inf."""
     from programs import softmax_stats_over_cluster
@@ -923,6 +923,8 @@ def test_persistent_clustered_grid_is_whole_clusters(N, split):
 
 
 def test_cluster_errors_say_what_is_accepted():
+    from tile_ops.kernels.gemm_softmax import merge_row_statistics
+
     with pytest.raises(tile_ops.lang.TileLangError, match="sm_90a"):
         compile_program(_row_max_over_cluster(), "sm_80")
     with pytest.raises(tile_ops.lang.TileLangError, match=r"cluster=3: n or \(cx, cy\) blocks, at most 8 .*"
@@ -945,32 +947,29 @@ def test_cluster_errors_say_what_is_accepted():
     with pytest.raises(tile_ops.lang.TileLangError, match=r"top level, not inside a loop"):
         in_a_loop()
 
-    def merge(shape_l=(64,), cluster=2, l_scope="fragment"):
+    def merge(shape_l=(64,), cluster=2, l_scope="fragment", op=merge_row_statistics, same=False):
         @T.prim_func
         def merge_stats(X: T.Tensor((64, 128), "float32")):
             with T.Kernel(2, threads=128, cluster=cluster) as bx:
                 m = T.alloc_fragment((64,), "float32")
                 l = T.alloc_fragment(shape_l, "float32") if l_scope == "fragment" else T.alloc_shared(shape_l, "float32")
-                T.cluster_softmax_merge(m, l)
+                T.cluster_allreduce((m, m if same else l), op)
         return merge_stats
 
-    with pytest.raises(tile_ops.lang.TileLangError, match=r"row_max \(64,\) and row_sum \(32,\) must have the same shape"):
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"m\[64\], l\[32\]: the fragments must have one shape"):
         merge(shape_l=(32,))
-    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge: l must be a whole float32 fragment"):
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_allreduce: l must be a whole float32 fragment"):
         merge(l_scope="shared")
-    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_softmax_merge needs a kernel clustered along x"):
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"T.cluster_allreduce needs a kernel clustered along x"):
         merge(cluster=1)
-
-    def merge_same():
-        @T.prim_func
-        def merge_twice(X: T.Tensor((64, 128), "float32")):
-            with T.Kernel(2, threads=128, cluster=2) as bx:
-                m = T.alloc_fragment((64,), "float32")
-                T.cluster_softmax_merge(m, m)
-        return merge_twice
-
-    with pytest.raises(tile_ops.lang.TileLangError, match="row_max and row_sum must be two fragments"):
-        merge_same()
+    with pytest.raises(tile_ops.lang.TileLangError, match="a fragment is given twice"):
+        merge(same=True)
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"op='max'; accepted: 'max' or 'sum' \(of one fragment\)"):
+        merge(op="max")
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"combine returned 1 value\(s\) for 2 buffer\(s\)"):
+        merge(op=lambda blocks: blocks[0][0])
+    with pytest.raises(tile_ops.lang.TileLangError, match=r"op=3; accepted"):
+        merge(op=3)
     from tile_ops.kernels.gemm_softmax import SoftmaxConfig
 
     with pytest.raises(ValueError, match=r"split=9: must be in \[1, 8\]"):

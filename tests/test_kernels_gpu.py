@@ -159,7 +159,7 @@ def test_gemm_softmax_persistent_walk(M, N):
 
 @pytest.mark.skipif(not HOPPER, reason="thread-block clusters: sm_90a")
 @pytest.mark.parametrize("valid", [256, 150, 65])
-def test_cluster_softmax_merge(valid):
+def test_cluster_allreduce_merges_softmax_statistics(valid):
     """Every block of the cluster ends with the whole row's max and sum of 2^(s - max), including when
     a block's columns are all masked (-inf: it adds nothing) or only one block has any."""
     kernel = softmax_stats_over_cluster(valid, target="sm_90a")

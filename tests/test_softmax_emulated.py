@@ -1,7 +1,7 @@
 """The library's fused GEMM + softmax (tile_ops.kernels.gemm_softmax) lowered for sm_90a and run on the CPU
 emulator (tests/tir_emulator.py), in each of its three ways of combining a row's statistics across blocks:
 
-- a thread-block cluster splitting the row (T.cluster_softmax_merge): every block sends its (max, sum) pairs
+- a thread-block cluster splitting the row (T.cluster_allreduce of (max, sum) pairs): every block sends its (max, sum) pairs
   into each peer's exchange slots with st.async, completing on the peer's mbarrier, and merges them;
 - the same with two consumer warpgroups taking alternate row blocks (pingpong: named-barrier bar.arrive
   hand-offs) over a persistent grid, so the exchange's two slot sets alternate;

@@ -25,9 +25,8 @@ from .exprs import broadcast, cast, collect_loads, nonneg, pad, ramp, rewrite
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta
-from .ops import Container, unit
-from .ops import row_softmax
-from .ops.cluster import count_exchanges
+from .ops import Container, row_softmax, unit
+from .ops import setup as setup_ops
 from .ops.gemm import is_wgmma
 from .schedules.persistent import rasterize
 from .schedules.pingpong import CONSUMERS
@@ -119,9 +118,8 @@ class Lowering:
                 if ws:
                     ws.run(k.body, ids[0])
                 else:
-                    if self.target.hopper:
-                        count_exchanges(self)
-                        self.memory.init_mbarriers()
+                    setup_ops(self)
+                    self.memory.init_mbarriers()
                     self.body(k.body)
             func = ib.get()
         persistent = ws is not None and ws.walk.persistent is not None
@@ -280,7 +278,7 @@ class Lowering:
                     shared_before = False  # that ends with a consumer barrier
                 op = unit(node)
                 touches = op.touches_shared(self, node)
-                if shared_before and touches and not getattr(op, "orders_itself", False):
+                if shared_before and touches and not op.orders_itself:
                     self.sync()
                 shared_before = shared_before or touches
                 try:

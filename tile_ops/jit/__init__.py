@@ -56,6 +56,23 @@ def default_arch(device=None) -> str:
     return "sm_90a"
 
 
+def build_target(arch: str):
+    """The GPU to compile for: ``arch``, with the SM count of the current GPU where it is of that arch (the
+    schedules size persistent grids and waves by it), else the arch's table.  A kernel built in a process is
+    kept for that arch, so a second GPU of the same arch but another SM count reuses the first one's."""
+    from ..compiler.targets import Target
+
+    sms = None
+    try:
+        import torch
+
+        if torch.cuda.is_available() and default_arch() == arch:
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    except ImportError:
+        pass
+    return Target.of(arch, sms)
+
+
 @functools.lru_cache(maxsize=None)
 def check_arch(arch: str) -> str:
     """``arch`` if the compiler can target it (sm_80 and newer; sm_90a for the Hopper path), else ValueError."""
@@ -157,7 +174,7 @@ class JITFunction:
         args = {n: _stable(v, f"the argument {n} of {fn}") for n, v in bound.arguments.items()}
         blob = json.dumps({
             "fn": f"{self.fn.__module__}.{fn}", "src": self._source,
-            "args": args, "out_idx": self.out_idx, "arch": arch, "env": env,
+            "args": args, "out_idx": self.out_idx, "arch": arch, "sms": build_target(arch).sms, "env": env,
             "compiler": compiler_fingerprint(),
         }, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -174,7 +191,8 @@ class JITFunction:
             key = self.key(args, kwargs, arch)
             kernel = self._mem.get(key)
             if kernel is None:
-                kernel = self._mem[key] = _load_or_build(key, lambda: self.fn(*args, **kwargs), arch, self.out_idx)
+                kernel = self._mem[key] = _load_or_build(key, lambda: self.fn(*args, **kwargs), build_target(arch),
+                                                         self.out_idx)
             if fast is not None:
                 self._fast[fast] = kernel
         return kernel
@@ -192,10 +210,10 @@ def jit(fn=None, *, out_idx=None, target: str | None = None):
 def compile(prog, out_idx=None, target: str | None = None) -> Kernel:  # noqa: A001
     """Compile a traced program (a ``@T.prim_func``) directly, bypassing the disk cache."""
     arch = check_arch(target) if target else default_arch()
-    return _build(prog, arch, [out_idx] if isinstance(out_idx, int) else list(out_idx or []))[0]
+    return _build(prog, build_target(arch), [out_idx] if isinstance(out_idx, int) else list(out_idx or []))[0]
 
 
-def _load_or_build(key, trace, arch, out_idx) -> Kernel:
+def _load_or_build(key, trace, target, out_idx) -> Kernel:
     from .cache import CacheEntry, DiskCache
 
     cache = DiskCache()
@@ -204,25 +222,25 @@ def _load_or_build(key, trace, arch, out_idx) -> Kernel:
         with cache.lock(key):
             entry = cache.load(key)  # another process may have built it while we waited
             if entry is None:
-                kernel, stats = _build(trace(), arch, out_idx)
+                kernel, stats = _build(trace(), target, out_idx)
                 cache.store(key, CacheEntry(kernel.source, kernel.cubin, {**kernel.meta.to_json(), **stats}))
                 return kernel
     try:
         meta = KernelMeta.from_json({k: v for k, v in entry.meta.items() if k in KernelMeta.__dataclass_fields__})
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # damaged, or written before a field existed
         cache.discard(key, f"its kernel description does not load: {type(e).__name__}: {e}")
-        return _load_or_build(key, trace, arch, out_idx)
+        return _load_or_build(key, trace, target, out_idx)
     return Kernel(meta, entry.source, entry.cubin)
 
 
-def _build(prog, arch, out_idx):
+def _build(prog, target, out_idx):
     from ..compiler import compile_program
     from .build import build_cubin, check_accumulator_order, nvcc_version
 
     t0 = time.perf_counter()
-    c = compile_program(prog, arch)
+    c = compile_program(prog, target.arch, target.sms)
     t1 = time.perf_counter()
-    cubin, resources = build_cubin(c.source, arch, c.meta.entry)
+    cubin, resources = build_cubin(c.source, target.arch, c.meta.entry)
     t2 = time.perf_counter()
     if "wgmma.mma_async" in c.source:  # ptxas has moved accumulator reads above their wait (NOTES v28)
         check_accumulator_order(cubin, prog.name)
@@ -232,8 +250,8 @@ def _build(prog, arch, out_idx):
              "check_s": round(t3 - t2, 3), "nvcc": nvcc_version()}
     spilled, frame = resources.get("spill_stores", 0), resources.get("stack_frame", 0)
     if spilled or frame > 1024:  # local memory in the main loop: correct, and slow
-        warnings.warn(f"tile_ops: kernel {prog.name} ({arch}, grid {c.meta.grid}, {c.meta.block[0]} threads) keeps "
-                      f"{max(spilled, frame)} bytes per thread in local memory (ptxas: {spilled} bytes spilled, "
+        warnings.warn(f"tile_ops: kernel {prog.name} ({target.arch}, grid {c.meta.grid}, {c.meta.block[0]} threads) "
+                      f"keeps {max(spilled, frame)} bytes per thread in local memory (ptxas: {spilled} bytes spilled, "
                       f"{frame} bytes of stack): expect it to be slow; smaller tiles per thread (block sizes, or more "
                       f"threads) fit the registers", stacklevel=2)
     kernel = Kernel(meta, c.source, cubin)

@@ -2,7 +2,7 @@
 
 A row block of ``block_M`` rows is shared by ``split`` blocks, each owning a contiguous run of
 whole ``block_N`` column tiles (``block_columns``); with ``split > 1`` they form a thread-block
-cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_softmax_merge``.
+cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_allreduce``.
 
 - One tile per block (the run is one tile): the score tile stays in registers: row max, exp2,
   row sum, merged over the cluster, rescale by 2^(own max - max) / sum, store.  The output is
@@ -15,7 +15,9 @@ cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_
   at 8192x2048x1024 it costs ~13 us of the walk's 74 (NOTES v10)."""
 
 
+import functools
 import math
+import operator
 import struct
 import warnings
 from dataclasses import dataclass, replace
@@ -285,6 +287,14 @@ def _deferred_kernel(M, N, K, dtype, out_dtype, cfg: SoftmaxConfig, scores, post
     return gemm_softmax_kernel
 
 
+def merge_row_statistics(blocks):
+    """The (max, sum) of a row split over a cluster's blocks, from each block's (``T.cluster_allreduce``'s
+    combine): maxima in log2 units, sums of 2^(s - max); a block without values (max -inf) adds 0, not NaN."""
+    top = functools.reduce(T.max, [m for m, _ in blocks])
+    terms = [T.where(m == -T.infinity("float32"), 0.0, l * T.exp2(m - top)) for m, l in blocks]
+    return top, functools.reduce(operator.add, terms)
+
+
 def _as_float32(x: float) -> float:
     try:
         return struct.unpack("f", struct.pack("f", x))[0]
@@ -324,7 +334,7 @@ def _normalize_in_registers(S, post: float, split: int, parts: str):
         m_own = T.alloc_fragment((bM,), "float32")
         for r in T.Parallel(bM):
             m_own[r] = m[r]
-        T.cluster_softmax_merge(m, l)
+        T.cluster_allreduce((m, l), merge_row_statistics)
         for r in T.Parallel(bM):
             l[r] = T.exp2(m_own[r] - m[r]) / l[r]
     else:
@@ -383,7 +393,7 @@ def _walk(A, B, A_s, B_s, S, Out, scores, post: float, row0, col0, n_tiles: int,
     if parts != "all":
         return
     if split > 1:  # the row's max and sum over the cluster
-        T.cluster_softmax_merge(m, l)
+        T.cluster_allreduce((m, l), merge_row_statistics)
     for r in T.Parallel(bM):
         m_fin[r] = m[r]
         l_fin[r] = l[r]

@@ -17,10 +17,10 @@ MAX_CLUSTER = 8  # blocks in a thread-block cluster: the portable maximum (T.Ker
 MAX_ROW_TILES = 16
 
 _FRONTEND = {
-    "Kernel", "Parallel", "Pipelined", "Tensor", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
-    "ceildiv", "clear", "cluster_allreduce", "cluster_softmax_merge", "copy", "exp", "exp2", "fill", "gemm",
-    "if_then_else", "infinity", "log", "log2",
-    "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_softmax_store", "serial", "unroll", "use_swizzle", "sqrt", "abs",
+    "Kernel", "Parallel", "Pipelined", "Tensor", "abs", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
+    "ceildiv", "clear", "cluster_allreduce", "copy", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log",
+    "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_softmax_store", "serial", "sqrt", "unroll",
+    "use_swizzle", "where",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import functools
 import inspect
 import math
 import operator
@@ -251,25 +252,44 @@ def _static_extent(e, op: str) -> int:
     return int(v if isinstance(v, int) else v.value)
 
 
-def cluster_allreduce(buffer, op):
-    """Reduce a float32 fragment elementwise (``op``: "max" or "sum") over the blocks of the kernel's
-    cluster (``T.Kernel(..., cluster=n)``); every block gets the result."""
-    if op not in ("max", "sum"):
-        raise error(user_loc(), f"T.cluster_allreduce: op={op!r}, accepted: 'max', 'sum'")
-    _cluster_exchange("T.cluster_allreduce", op, (buffer,))
+_COMBINE = {"max": lambda blocks: functools.reduce(max, [v for v, in blocks]),
+            "sum": lambda blocks: functools.reduce(operator.add, [v for v, in blocks])}
 
 
-def cluster_softmax_merge(row_max, row_sum):
-    """Merge softmax row statistics over the blocks of the kernel's cluster, in one exchange: each block
-    holds its columns' ``row_max`` (in log2 units) and ``row_sum`` of 2^(x - row_max); afterwards every
-    block holds the whole row's: max_j m_j and sum_j l_j * 2^(m_j - max).  A block keeps its own max
-    beforehand to rescale its values by 2^(own max - max) / sum."""
-    if row_max is row_sum:
-        raise error(user_loc(), "T.cluster_softmax_merge: row_max and row_sum must be two fragments")
-    if isinstance(row_max, TileBuffer) and isinstance(row_sum, TileBuffer) and row_max.shape != row_sum.shape:
-        raise error(user_loc(), f"T.cluster_softmax_merge: row_max {row_max.shape} and row_sum {row_sum.shape} "
-                                "must have the same shape")
-    _cluster_exchange("T.cluster_softmax_merge", "softmax", (row_max, row_sum))
+def cluster_allreduce(buffers, op):
+    """Reduce float32 fragments elementwise over the blocks of the kernel's cluster (``T.Kernel(...,
+    cluster=n)``), in one exchange through their shared memory; every block gets the result.
+
+    ``buffers``: a fragment, or a tuple of fragments of one shape that travel together.  ``op``: "max" or
+    "sum" (one fragment), or a function ``combine(blocks)`` that returns the reduced value of each buffer (a
+    tuple, or one value) from ``blocks``, block j's values (``blocks[j][i]``: buffer i's), written with the
+    language's scalar functions (T.max, T.exp2, T.if_then_else, ...); it is called once, while tracing, on
+    symbolic values.  E.g. merging softmax row statistics (max in log2 units, sum of 2^(x - max))::
+
+        def merge(blocks):
+            top = functools.reduce(T.max, [m for m, _ in blocks])
+            return top, sum(T.where(m == -T.infinity("float32"), 0.0, l * T.exp2(m - top)) for m, l in blocks)
+
+        T.cluster_allreduce((row_max, row_sum), merge)"""
+    buffers = tuple(buffers) if isinstance(buffers, (tuple, list)) else (buffers,)
+    if isinstance(op, str):
+        if op not in _COMBINE or len(buffers) != 1:
+            raise error(user_loc(), f"T.cluster_allreduce: op={op!r}; accepted: 'max' or 'sum' (of one fragment), or "
+                                    f"a function combine(blocks) returning one value per buffer")
+        op = _COMBINE[op]
+    elif not callable(op):
+        raise error(user_loc(), f"T.cluster_allreduce: op={op!r}; accepted: 'max', 'sum' or a function "
+                                f"combine(blocks)")
+    _check_cluster_exchange("T.cluster_allreduce", buffers)
+    n = ir.tracer().kernel.cluster[0]
+    peers = [[tirx.Var(f"block{j}_{b.name}", "float32") for b in buffers] for j in range(n)]
+    results = op([tuple(p) for p in peers])
+    results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
+    if len(results) != len(buffers):
+        raise error(user_loc(), f"T.cluster_allreduce: combine returned {len(results)} value(s) for {len(buffers)} "
+                                f"buffer(s); accepted: one value per buffer, in their order")
+    emit(ClusterReduce(buffers, peers, tuple(r if ir.expr_dtype(r) == "float32" else cast(r, "float32")
+                                             for r in results)))
 
 
 def row_softmax_store(tile, row_max, row_sum, staged, dst):
@@ -330,7 +350,9 @@ def _cluster_dims(cluster, grid) -> tuple:
     return dims
 
 
-def _cluster_exchange(name, kind, buffers):
+def _check_cluster_exchange(name, buffers):
+    if len({id(b) for b in buffers}) != len(buffers):
+        raise error(user_loc(), f"{name}: a fragment is given twice; accepted: distinct fragments")
     for b in buffers:
         if not isinstance(b, TileBuffer) or b.scope != "fragment" or b.dtype != "float32":
             raise error(user_loc(), f"{name}: {getattr(b, 'name', b)!s} must be a whole float32 fragment")
@@ -340,7 +362,9 @@ def _cluster_exchange(name, kind, buffers):
     if len(t.bodies) > 1:  # exchange slots alternate per tile, not per loop iteration
         raise error(user_loc(), f"{name} must be at the kernel's top level, not inside a loop "
                                 "(combine once per tile, after the loop)")
-    emit(ClusterReduce(kind, tuple(buffers)))
+    if len({b.shape for b in buffers}) > 1:
+        raise error(user_loc(), f"{name}: {', '.join(f'{b.name}{list(b.shape)}' for b in buffers)}: the fragments "
+                                f"must have one shape")
 
 
 def use_swizzle(panel_size: int = 8):
@@ -379,7 +403,16 @@ def min(a, b):  # noqa: A001
 
 
 def if_then_else(cond, a, b):
+    """``a`` where ``cond`` holds, else ``b``, evaluating only the side taken (a branch)."""
     return tirx.if_then_else(cond, a, b)
+
+
+def where(cond, a, b):
+    """``a`` where ``cond`` holds, else ``b``, both evaluated (a select, as Triton's ``tl.where``): no branch,
+    for cheap sides."""
+    dtype = ir.expr_dtype(a) if not isinstance(a, (int, float)) else ir.expr_dtype(b)
+    as_expr = lambda x: tirx.const(x, dtype) if isinstance(x, (int, float)) else x  # noqa: E731
+    return tirx.Select(cond, as_expr(a), as_expr(b))
 
 
 def _floating(fn):

@@ -245,10 +245,12 @@ class Reduce(Node):
 
 @dataclass
 class ClusterReduce(Node):
-    """Every block of a thread-block cluster ends with ``buffers`` reduced (elementwise) over the cluster:
-    "max" or "sum" of one fragment, or "softmax": (row max, row sum of 2^(x - max)) pairs merged."""
-    kind: str  # "max" | "sum" | "softmax"
-    buffers: tuple  # of TileBuffer: one, or (max, sum) for "softmax"
+    """Every block of a thread-block cluster ends with ``buffers`` reduced elementwise over the cluster, in
+    one exchange: element by element, ``results[i]`` (an expression of ``peers[j][v]``, block j's value of
+    buffer v) is buffer i's new value."""
+    buffers: tuple  # of TileBuffer, one shape
+    peers: list  # [block][buffer] -> tirx.Var
+    results: tuple  # per buffer, an expression of the peers' vars
 
 
 @dataclass

@@ -16,7 +16,7 @@ import below (the registration).
 
 from __future__ import annotations
 
-from ...lang.ir import error
+from ...lang.ir import error, walk
 
 REGISTRY: dict = {}  # lang.ir node type -> its TileOp
 
@@ -39,6 +39,8 @@ def unit(node) -> "TileOp":
 
 
 class TileOp:
+    orders_itself = False  # it syncs before its own first shared access: the driver puts no barrier before it
+
     def reads(self, node, buffers) -> list:
         """The buffers the op reads (``buffers``: the program's tirx buffer var -> TileBuffer)."""
         return []
@@ -75,6 +77,10 @@ class TileOp:
         return 0
 
     # lowering (lower.py)
+    def setup(self, lw, nodes) -> None:
+        """Before the (consumer) threads' first statement of a kernel that has the op (``nodes``, in program
+        order): the state it keeps across the kernel's tiles."""
+
     def touches_shared(self, lw, node) -> bool:
         """Whether it accesses shared memory with the block's threads: a barrier then orders it after the
         tile ops before it, whose thread mappings differ."""
@@ -95,6 +101,15 @@ class Container(TileOp):
 
     def touches_shared(self, lw, node) -> bool:
         return any(unit(n).touches_shared(lw, n) for n in node.body)
+
+
+def setup(lw) -> None:
+    """Every tile op's ``setup``, for the ops the kernel has."""
+    present: dict = {}
+    for node in walk(lw.kernel.body):
+        present.setdefault(unit(node), []).append(node)
+    for op, nodes in present.items():
+        op.setup(lw, nodes)
 
 
 def accessed(node, buffers) -> list:

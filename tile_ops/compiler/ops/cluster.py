@@ -1,5 +1,5 @@
-"""``T.cluster_allreduce`` / ``T.cluster_softmax_merge``: fragments reduced elementwise over the blocks of a
-thread-block cluster (sm_90a), through their shared memory.
+"""``T.cluster_allreduce``: fragments reduced elementwise over the blocks of a thread-block cluster (sm_90a),
+through their shared memory, by the op's combine expression.
 
 One owner thread per element sends its value(s) into slot ``rank`` of every block's exchange buffer with
 ``st.async`` (to the ``mapa`` address of the same offset in the peer), which counts the bytes on that
@@ -16,14 +16,13 @@ refuses an exchange inside a loop."""
 from __future__ import annotations
 
 import math
-from functools import reduce
 
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ...lang.ir import ClusterReduce, error, walk
-from ..cuda import emit_ptx, exp2_approx
+from ..cuda import emit_ptx
 from ..exprs import flat_index
 from ..targets import sm90
 from . import TileOp, tile_op
@@ -52,12 +51,19 @@ class ClusterReduceOp(TileOp):
             for parity in (0, 1):
                 emit_ptx("mbarrier.init.shared::cta.b64", _exchanged(lw, node, parity, consumer), 1)
 
+    def setup(self, lw, nodes):
+        """The consumer's count of the uses of each exchange (its buffers' and barriers' parity and phase)."""
+        lw.exchanges = T.alloc_local([len(nodes)], "int32")
+        IRBuilder.name("exchanges", lw.exchanges)
+        for i in range(len(nodes)):
+            T.buffer_store(lw.exchanges, 0, [i])
+
     def lower(self, lw, node, vm):
         n, vals = lw.cluster, len(node.buffers)
         lay = lw.infer.layouts[node.buffers[0]]
         if any(lw.infer.layouts[b] != lay for b in node.buffers[1:]):
-            raise error(node.loc, "T.cluster_softmax_merge: row_max and row_sum must have the same layout "
-                                  "(reduce both from the same tile)")
+            raise error(node.loc, f"T.cluster_allreduce: {', '.join(b.name for b in node.buffers)} must have one "
+                                  f"layout (e.g. reductions of the same tile)")
         i = _index(lw, node)
         count = lw.exchanges[i]
         parity = tirx.floormod(count, 2)
@@ -84,28 +90,12 @@ class ClusterReduceOp(TileOp):
         phase = tirx.Cast("uint32", tirx.floormod(tirx.floordiv(count, 2), 2))
         sm90.cluster_wait(bar, phase)
         for r in range(lay.local_size):
-            mine = [[ex[base + (peer * elems + flat[r]) * vals + v] for v in range(vals)] for peer in range(n)]
-            if node.kind == "softmax":
-                top = reduce(tirx.max, [m for m, _ in mine])
-                ninf = tirx.const(float("-inf"), "float32")  # a block without values adds nothing (not NaN)
-                terms = [tirx.Select(m == ninf, tirx.const(0.0, "float32"), l * exp2_approx(m - top)) for m, l in mine]
-                total = reduce(lambda a, b: a + b, terms)
-                T.buffer_store(frags[0], top, [r])
-                T.buffer_store(frags[1], total, [r])
-            else:
-                op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
-                T.buffer_store(frags[0], reduce(op, [v for v, in mine]), [r])
+            slots = {var: ex[base + (peer * elems + flat[r]) * vals + v]
+                     for peer, vars_ in enumerate(node.peers) for v, var in enumerate(vars_)}
+            values = [lw.expr(result, slots) for result in node.results]
+            for frag, value in zip(frags, values):
+                T.buffer_store(frag, value, [r])
         T.buffer_store(lw.exchanges, count + 1, [i])  # after the last use of `count` (a lazy load)
-
-
-def count_exchanges(lw):
-    """The consumer's count of the uses of each cluster exchange (its buffers' and barriers' parity and
-    phase), from 0: at the start of the consumers' code."""
-    uses = max(1, len(_exchanges(lw)))
-    lw.exchanges = T.alloc_local([uses], "int32")
-    IRBuilder.name("exchanges", lw.exchanges)
-    for i in range(uses):
-        T.buffer_store(lw.exchanges, 0, [i])
 
 
 def _exchanges(lw) -> list:

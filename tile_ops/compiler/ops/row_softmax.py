@@ -16,9 +16,8 @@ from ...lang.ir import RowSoftmaxStore, error, walk
 from ..cuda import emit_ptx, helper
 from ..meta import FLAG_SLOTS
 from ..schedules.stream_k import flag_signal, flag_wait
-from . import Container, tile_op
+from . import Container, tile_op, unit
 from .copy import copy
-from .parallel import ParallelOp
 
 # one row's factor 2^(m_own - max) / sum over the n tiles' (max, sum) pairs, `stride` floats apart, in
 # one pass (online max and sum); a tile without values (-inf) adds nothing
@@ -53,7 +52,7 @@ __forceinline__ __device__ void tile_ops_row_stats_read(float* flags, int flag, 
 
 @tile_op(RowSoftmaxStore)
 class RowSoftmaxStoreOp(Container):
-    orders_itself = True  # it syncs before its own first shared access (its publish needs none)
+    orders_itself = True  # (its publish needs no barrier)
 
     def mbarriers(self, lw, node):
         return 4  # "published" and "factors ready", by tile parity
@@ -62,6 +61,12 @@ class RowSoftmaxStoreOp(Container):
         for slot in (0, 1):  # every consumer thread; every lane of the statistics warp
             emit_ptx("mbarrier.init.shared::cta.b64", _published(lw, node, slot), lw.threads)
             emit_ptx("mbarrier.init.shared::cta.b64", _factors_ready(lw, node, slot), 32)
+
+    def setup(self, lw, nodes):
+        """The consumers' record of a staged tile to store, and its block (x, y)."""
+        lw.pending = T.alloc_local([3], "int32")
+        IRBuilder.name("pending_tile", lw.pending)
+        T.buffer_store(lw.pending, 0, [0])
 
     def lower(self, lw, node, vm):
         """Tile t of the block: publish its rows' (max, sum) to the workspace (the statistics warp signals
@@ -129,13 +134,6 @@ def _factors_ready(lw, node, slot):
     return lw.memory.mbarrier(node, 2 + slot)
 
 
-def begin(lw):
-    """The consumers' record of a staged tile to store, and its block (x, y)."""
-    lw.pending = T.alloc_local([3], "int32")
-    IRBuilder.name("pending_tile", lw.pending)
-    T.buffer_store(lw.pending, 0, [0])
-
-
 def store_pending(lw, node, ordinal):
     """Store the block's staged tile, its tile ``ordinal``, if there is one: right after the next
     tile's main loop (its factors were computed during that loop, and TMA reads it while the
@@ -152,7 +150,7 @@ def _store_pending(lw, node, ordinal):
     # barrier; the rescale reads it row-major (compute-sanitizer racecheck found this one missing)
     lw.sync()
     T.evaluate(TS.cuda.mbarrier_wait(_factors_ready(lw, node, slot), tirx.floormod(tirx.floordiv(ordinal, 2), 2)))
-    ParallelOp().lower(lw, node.rescale, {node.slot: slot})
+    unit(node.rescale).lower(lw, node.rescale, {node.slot: slot})
     lw.sync()  # the rescaled tile, complete and fenced for TMA
     bx, by = lw.kernel.block_vars[:2]
     copy(lw, node.store, {bx: lw.pending[1], by: lw.pending[2]})

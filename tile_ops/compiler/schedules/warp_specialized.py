@@ -27,7 +27,7 @@ from ..exprs import dtype_bits, reads_memory, uses
 from ..layout import in_swizzled_panels, shared_layout
 from ..memory import pipelined_loads
 from ..ops import row_softmax, unit
-from ..ops.cluster import count_exchanges
+from ..ops import setup as setup_ops
 from ..ops.copy import copy_extents
 from ..ops.gemm import is_wgmma
 from ..targets import REGISTERS_PER_SM, SHARED_PER_SM, sm90
@@ -60,7 +60,8 @@ class WarpSpecialized:
         self.pingpong = pingpong.PingPong(lw, self._constant_steps("pingpong=True")) if k.pingpong else None
         self.stream_k = None
         if k.stream_k:
-            self.stream_k = StreamK(lw, accumulators(k, loop), k.stream_k, self._constant_steps(f"stream_k={k.stream_k}"))
+            steps = self._constant_steps(f"stream_k={k.stream_k}")
+            self.stream_k = StreamK(lw, accumulators(k, loop), k.stream_k, steps)
         self.peer_empty = None  # (this lane's writer's empty[0], writers): bound before a multicast main loop
 
     @staticmethod
@@ -304,7 +305,7 @@ class WarpSpecialized:
         if lw.cluster > 1:  # every block of the cluster has started (its shared memory exists)
             emit_ptx("barrier.cluster.wait.acquire.aligned")
         self.consumer_steps = _step_counter()
-        count_exchanges(lw)
+        setup_ops(lw)
         # a tile's first shared access is unguarded by its barriers, so the previous tile's readers
         # need one at the end of the tile: unless that access is a main loop that only issues
         # wgmmas on its stages, which the mbarriers guard
@@ -314,8 +315,6 @@ class WarpSpecialized:
             self.pingpong.start(self.consumer_steps)
         if lw.threads > 128:  # A's wgmma descriptors then stay in uniform registers
             lw.wgmma_warpgroup = bind_warpgroup(lw.tid, 128, "wgmma_warpgroup")
-        if lw.row_softmax is not None:
-            row_softmax.begin(lw)
         with self.walk.tiles(cta, lw.consumer if self.pingpong else None):
             lw.body(body)
             if self.walk.persistent and guard_tile_start:
