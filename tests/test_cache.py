@@ -254,11 +254,11 @@ def test_nested_locks_on_different_keys(dc):
     assert dc.load(KEY) is not None
 
 
-@pytest.mark.parametrize("sub", ["lang", "compiler", "kernels", "jit/build.py"])
+@pytest.mark.parametrize("sub", ["lang", "compiler", "compiler/schedules", "compiler/ops", "kernels", "jit/build.py"])
 def test_compiler_fingerprint_covers_the_kernel_library(tmp_path, monkeypatch, sub):
     """A library factory's cache key has its own source, not its helpers' (e.g. the gemm factory's epilogue
     choice): editing any file of the language, the compiler, the kernel library or the nvcc build step must
-    invalidate kernels."""
+    invalidate kernels, in its subpackages too."""
     import shutil
 
     jit = sys.modules["tile_ops.jit"]  # the package (tile_ops.jit the attribute is the decorator)
@@ -267,7 +267,7 @@ def test_compiler_fingerprint_covers_the_kernel_library(tmp_path, monkeypatch, s
         src, dst = os.path.join(jit._PKG, d), pkg / d
         dst.parent.mkdir(parents=True, exist_ok=True)
         if os.path.isdir(src):
-            shutil.copytree(src, dst)
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(src, dst)
     monkeypatch.setattr(jit, "_PKG", str(pkg))

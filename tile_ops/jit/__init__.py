@@ -35,11 +35,11 @@ def compiler_fingerprint() -> str:
     h = hashlib.sha256(f"{__version__}|tvm={TVM_VERSION}".encode())
     for sub in FINGERPRINTED:
         path = os.path.join(_PKG, sub)
-        files = [path] if sub.endswith(".py") else [os.path.join(path, f) for f in sorted(os.listdir(path))
-                                                    if f.endswith(".py")]
+        files = [path] if sub.endswith(".py") else sorted(
+            os.path.join(d, f) for d, _, names in os.walk(path) for f in names if f.endswith(".py"))
         for fname in files:
             with open(fname, "rb") as f:
-                h.update(os.path.basename(fname).encode() + f.read())
+                h.update(os.path.relpath(fname, _PKG).encode() + f.read())
     return h.hexdigest()[:16]
 
 
