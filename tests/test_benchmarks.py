@@ -706,7 +706,7 @@ def test_ab_compiler_rounds_alternate_and_the_summary_takes_medians(tmp_path, mo
         calls.append((cmd, env["PYTHONPATH"].split(os.pathsep)[0]))
         if "--json" in cmd:
             path = cmd[cmd.index("--json") + 1]
-            r = next(ratios[pathlib.Path(path).stem.rstrip("0123456789")])
+            r = next(ratios[pathlib.Path(path).stem.rstrip("0123456789").removeprefix("gemm_")])
             row = {"dtype": "float16", "shape": "1000x1000x1000", "tile_ops": 200.0 * r, "cuBLAS": 200.0,
                    "vs_cuBLAS": r}
             pathlib.Path(path).write_text(json.dumps({"rows": [row]}))
@@ -720,10 +720,11 @@ def test_ab_compiler_rounds_alternate_and_the_summary_takes_medians(tmp_path, mo
     calls.clear()
     monkeypatch.setattr(sys, "argv", ["ab_compiler.py", str(patch), "--out", str(out)])
     ab_compiler.main()
-    assert [pathlib.Path(c[0][-1]).stem for c in calls] == ["main1", "variant1", "main2", "variant2", "main3",
-                                                            "variant3"]
+    assert [pathlib.Path(c[0][-1]).stem for c in calls] == ["gemm_main1", "gemm_variant1", "gemm_main2",
+                                                            "gemm_variant2", "gemm_main3", "gemm_variant3"]
     row = capsys.readouterr().out.splitlines()[-1].split()
-    assert row[2:8] == ["0.900", "0.950", "0.930", "1.000", "0.970", "0.990"] and row[8:10] == ["0.93", "0.99"]
+    assert row[:3] == ["gemm", "float16", "1000x1000x1000"]
+    assert row[3:9] == ["0.900", "0.950", "0.930", "1.000", "0.970", "0.990"] and row[9:12] == ["0.93", "0.99", "1.065"]
     assert float(row[-1]) == pytest.approx(2 * 1000 ** 3 / 200.0 / 1e6, abs=1e-3)  # cuBLAS µs
 
 

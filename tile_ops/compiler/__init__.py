@@ -3,7 +3,7 @@
 ``compile_program(prog, arch)`` infers layouts, lowers the tile ops for the target under the kernel's
 schedule, and returns the CUDA source with the ``KernelMeta`` a launcher needs (entry, grid, block, shared
 memory, parameters, tensor maps).  The package's ``__init__`` imports no TVM: the kernels' heuristics and the
-JIT read ``targets`` and ``meta`` without it.  Its rooms (README "The compiler"): ``lower`` (the driver),
+JIT read ``targets`` and ``meta`` without it.  Its rooms (compiler/README.md): ``lower`` (the driver),
 ``infer`` and ``layout``, ``memory``, ``ops/`` (one unit per tile op), ``schedules/``, ``targets/``.
 """
 
