@@ -68,7 +68,7 @@ def build_target(arch: str):
 
         if torch.cuda.is_available() and default_arch() == arch:
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    except ImportError:
+    except Exception:  # noqa: BLE001 - no usable GPU (a CPU build of torch, a test's stand-in): the table's
         pass
     return Target.of(arch, sms)
 
