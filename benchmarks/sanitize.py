@@ -87,7 +87,7 @@ SHAPES = {
                      # the same walk over one k-step a tile: its 3-stage pipeline never wraps, which is
                      # the walk racecheck finishes (15 s; cluster-walk's never has: NOTES v20)
                      ("cluster-walk-1k", (200, 2312, 8)),
-                     # sm_90a T.row_softmax_store: rows over the grid, statistics through the workspace
+                     # sm_90a T.row_reduce_store: rows over the grid, statistics through the workspace
                      ("deferred", (512, 1024, 512)), ("deferred-ragged", (300, 776, 520))],
 }
 SCALE = 0.125  # gemm_softmax's scale

@@ -1183,15 +1183,16 @@ def test_softmax_walk_stages_every_tile_and_rescales_after_the_stores_landed():
     assert k.meta.resources["spill_stores"] == 0
 
 
-# ----------------------------------------------------------------------------- T.row_softmax_store
+# ----------------------------------------------------------------------------- T.row_reduce_store
 
 
-def test_row_softmax_store_exchanges_statistics_off_the_consumers_path():
+def test_row_reduce_store_exchanges_statistics_off_the_consumers_path():
     """A row's 128x256 tiles over the whole grid (8 per row block, 132 persistent CTAs): the consumers
     publish each tile's (max, sum) to the workspace and arrive on a barrier; the producer warpgroup's
     second warp signals them (GPU-scope fence and count on the row block's flag), waits for the row's
-    other tiles, computes the row factors into shared memory, counts itself a reader (the last resets
-    the flag); the consumers store the previous tile right after the next main loop, before its softmax."""
+    other tiles, computes the row factors (the kernel's normalize_row of every tile's statistics, merged)
+    into shared memory, counts itself a reader (the last resets the flag); the consumers store the previous
+    tile right after the next main loop, before its softmax."""
     from tile_ops.kernels.gemm_softmax import SoftmaxConfig
 
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True)
@@ -1201,9 +1202,11 @@ def test_row_softmax_store_exchanges_statistics_off_the_consumers_path():
     assert k.meta.resources["spill_stores"] == 0 and k.meta.grid == (132, 1, 1)
     start = src.index("(((int)threadIdx.x) >> 5) == 9)")
     helper = src[start:src.index("setmaxnreg_inc", start)]
-    for call in ("tile_ops_flag_signal(", "tile_ops_flag_wait(", "tile_ops_row_factor(",
-                 "tile_ops_row_stats_read("):
+    for call in ("tile_ops_flag_signal(", "tile_ops_flag_wait(", "tile_ops_exp2(", "tile_ops_row_stats_read("):
         assert call in helper, call
+    factors = helper[helper.index("tile_ops_flag_wait("):helper.index("tile_ops_row_stats_read(")]
+    # per row (4 a lane): the own tile without values in it, and each of the row's 8 tiles, as merged
+    assert factors.count("== -CUDART_INF_F) ?") == 4 * (1 + 8)
     consumer = src[src.index("pending_tile_ptr[0] = 0;"):]
     main_loop_end = consumer.index("wait_group_sync_aligned_0();")
     factors_wait = consumer.index("tvm_builtin_cuda_mbarrier_wait", main_loop_end)
@@ -1215,8 +1218,9 @@ def test_row_softmax_store_exchanges_statistics_off_the_consumers_path():
     assert "bar_sync" not in consumer[first_exp:publish]
 
 
-def test_row_softmax_store_errors_say_what_is_accepted():
+def test_row_reduce_store_errors_say_what_is_accepted():
     from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax import merge_row_statistics, normalize_row
 
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True)
     with pytest.raises(ValueError, match="N and K multiples of 8"):
@@ -1252,7 +1256,7 @@ def test_row_softmax_store_errors_say_what_is_accepted():
                         T.gemm(A_s, B_s, S, policy="full_row")
                 T.reduce_max(S, m, dim=1)
                 T.reduce_sum(S, l, dim=1)
-                T.row_softmax_store(S, m, l, P_s, Y[by * 128, bx * 256])
+                T.row_reduce_store(S, (m, l), merge_row_statistics, normalize_row, P_s, Y[by * 128, bx * 256])
         return bad
 
     with pytest.raises(tile_ops.lang.TileLangError, match="T.Pipelined loop at the kernel's top level"):
@@ -1265,7 +1269,7 @@ def test_row_softmax_store_errors_say_what_is_accepted():
                 S = T.alloc_fragment((64, 256), "float32")
                 m = T.alloc_fragment((64,), "float32")
                 P_s = T.alloc_shared((64, 256), "float16")
-                T.row_softmax_store(S, m, m, P_s, Y[0, bx * 256])
+                T.row_reduce_store(S, m, lambda blocks: blocks[0], lambda own, total: 1.0, P_s, Y[0, bx * 256])
         return bad
 
     with pytest.raises(tile_ops.lang.TileLangError, match="without cluster"):

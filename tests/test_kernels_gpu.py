@@ -64,7 +64,7 @@ SOFTMAX_CONFIGS = {
     "cluster_full_col": SoftmaxConfig(64, 256, 64, 4, 256, "full_col", split=4),
     # the last wave's row blocks split along K over the idle clusters (one tile per block)
     "stream_k": SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8, stream_k=3),
-    # a row's tiles over the whole grid, statistics through global memory (T.row_softmax_store)
+    # a row's tiles over the whole grid, statistics through global memory (T.row_reduce_store)
     "deferred": SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True),
     "deferred_128": SoftmaxConfig(128, 128, 64, 4, 256, "full_row", deferred=True),
 }
@@ -82,7 +82,7 @@ def test_gemm_softmax(M, N, K, dtype, target, cfg):
     if cfg is not None and cfg.split > 1 and (target == "sm_90" or not _every_block_has_columns(N, cfg)):
         pytest.skip("clusters are sm_90a only; this split leaves a block without columns at this N")
     if cfg is not None and cfg.deferred and (target == "sm_90" or N % 8 or K % 8):
-        pytest.skip("T.row_softmax_store is sm_90a only, its tiles stored by TMA (N, K multiples of 8)")
+        pytest.skip("T.row_reduce_store is sm_90a only, its tiles stored by TMA (N, K multiples of 8)")
     if cfg is not None and cfg.deferred and -(-N // cfg.block_N) > T.MAX_ROW_TILES:
         with pytest.raises(ValueError, match=f"at most {T.MAX_ROW_TILES} tiles"):  # refused, not run
             gemm_softmax(M, N, K, 0.125, dtype, dtype, cfg, target=target)

@@ -5,7 +5,7 @@ emulator (tests/tir_emulator.py), in each of its three ways of combining a row's
   into each peer's exchange slots with st.async, completing on the peer's mbarrier, and merges them;
 - the same with two consumer warpgroups taking alternate row blocks (pingpong: named-barrier bar.arrive
   hand-offs) over a persistent grid, so the exchange's two slot sets alternate;
-- rows spread over the whole grid (``deferred``, T.row_softmax_store): the statistics go through global
+- rows spread over the whole grid (``deferred``, T.row_reduce_store): the statistics go through global
   memory, each row block's flag counted and spun on, each tile stored after the block's next one.
 
 Inputs are multiples of 1/8, so the scores are exact in float32; the output is the float64 softmax within

@@ -33,7 +33,7 @@ address) counts on the peer's mbarrier at the same offset; either one on a block
 Across clusters (``run(..., resident=True)``: the whole grid in one scheduler, as a persistent grid is
 resident): st.async to a peer (tile_ops_cluster_put, T.cluster_allreduce's exchange) lands at the round's
 end and completes its bytes on the peer's mbarrier; named-barrier bar.arrive counts without waiting
-(pingpong's hand-off); the workspace's int32 flags in global memory (stream-K's and T.row_softmax_store's
+(pingpong's hand-off); the workspace's int32 flags in global memory (stream-K's and T.row_reduce_store's
 signal, spin-wait, reset) and the row factor helper run as their CUDA does, on sequentially consistent
 memory, so a missing wait shows only where the blocks' drift (``stagger``) exposes it, and a flag left
 non-zero shows in the workspace."""
@@ -339,7 +339,7 @@ class Emulator:
         periods 1, 2, 3, 4), so the blocks drift apart (rank 0's producer runs ahead and writes into its peers'
         stages early: a stage released to it too soon shows).  ``resident``: every block of the grid runs in
         one scheduler, as a persistent grid sized to the device is all resident at once, so blocks that wait on
-        each other's flags in global memory (stream-K, T.row_softmax_store) can."""
+        each other's flags in global memory (stream-K, T.row_reduce_store) can."""
         dims = (cluster,) if isinstance(cluster, int) else tuple(int(c) for c in cluster)
         dims += (1,) * (3 - len(dims))
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))

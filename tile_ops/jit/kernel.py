@@ -250,7 +250,7 @@ class Kernel:
 
     def workspace_bytes(self, grid) -> int:
         """A kernel's workspace for a launch of ``grid``: the flags, then a slot of partials per CTA (stream-K)
-        or the row statistics of every tile (T.row_softmax_store)."""
+        or the row statistics of every tile (T.row_reduce_store)."""
         if grid[0] > FLAG_SLOTS:
             raise ValueError(f"{self.meta.name}: a stream-K launch of {grid[0]} CTAs; the workspace has flags for "
                              f"{FLAG_SLOTS}")

@@ -50,7 +50,7 @@ class SoftmaxConfig:
     pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate row blocks
     stream_k: int = 0  # >= 2 (sm_90a, one tile per block): the last wave's row blocks split along K into up to this many parts
     # sm_90a: a row's tiles spread over the grid without a cluster, every tile stored once its row's
-    # statistics are in, after the block's next tile (T.row_softmax_store): all SMs, GEMM-like waves
+    # statistics are in, after the block's next tile (T.row_reduce_store): all SMs, GEMM-like waves
     deferred: bool = False
 
     def __post_init__(self):
@@ -257,8 +257,8 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
 
 
 def _deferred_kernel(M, N, K, dtype, out_dtype, cfg: SoftmaxConfig, scores, post: float, parts: str):
-    """One (bM, bN) tile per block over a (column tiles, row blocks) grid; T.row_softmax_store combines
-    the row's statistics across the grid and stores the tile normalized."""
+    """One (bM, bN) tile per block over a (column tiles, row blocks) grid; T.row_reduce_store merges the
+    row's statistics across the grid and stores the tile normalized."""
     bM, bN = cfg.block_M, cfg.block_N
 
     @T.prim_func
@@ -279,7 +279,7 @@ def _deferred_kernel(M, N, K, dtype, out_dtype, cfg: SoftmaxConfig, scores, post
                     S[r, col] = T.exp2(S[r, col] * post - m[r])
                 T.reduce_sum(S, l, dim=1)
             if parts == "all":
-                T.row_softmax_store(S, m, l, P_s, Out[by * bM, bx * bN])
+                T.row_reduce_store(S, (m, l), merge_row_statistics, normalize_row, P_s, Out[by * bM, bx * bN])
             else:
                 T.copy(S, P_s)
                 T.copy(P_s, Out[by * bM, bx * bN])
@@ -293,6 +293,14 @@ def merge_row_statistics(blocks):
     top = functools.reduce(T.max, [m for m, _ in blocks])
     terms = [T.where(m == -T.infinity("float32"), 0.0, l * T.exp2(m - top)) for m, l in blocks]
     return top, functools.reduce(operator.add, terms)
+
+
+def normalize_row(own, total):
+    """A tile's row factor once the row's statistics are merged: 2^(own max - max) / sum; 0 where the tile has
+    no values in the row (own max -inf)."""
+    m, _ = own
+    top, total_sum = total
+    return T.where(m == -T.infinity("float32"), 0.0, T.exp2(m - top) / total_sum)
 
 
 def _as_float32(x: float) -> float:

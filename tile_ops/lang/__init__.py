@@ -12,14 +12,14 @@ from .errors import SharedMemoryError, TileLangError  # noqa: F401
 
 float16, bfloat16, float32, float64, int32 = "float16", "bfloat16", "float32", "float64", "int32"
 MAX_CLUSTER = 8  # blocks in a thread-block cluster: the portable maximum (T.Kernel(..., cluster=n))
-# T.row_softmax_store: tiles a row, on distinct CTAs of any Hopper grid (a 16-SM MIG slice included): a CTA
+# T.row_reduce_store: tiles a row, on distinct CTAs of any Hopper grid (a 16-SM MIG slice included): a CTA
 # holding two tiles of a row would wait for its own later one
 MAX_ROW_TILES = 16
 
 _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Tensor", "abs", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
     "ceildiv", "clear", "cluster_allreduce", "copy", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log",
-    "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_softmax_store", "serial", "sqrt", "unroll",
+    "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial", "sqrt", "unroll",
     "use_swizzle", "where",
 }
 

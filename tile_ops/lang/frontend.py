@@ -292,40 +292,56 @@ def cluster_allreduce(buffers, op):
                                              for r in results)))
 
 
-def row_softmax_store(tile, row_max, row_sum, staged, dst):
-    """Store ``tile`` (float32 fragment of 2^(s - row_max) per row, ``row_sum`` its row sums) to ``dst``
-    normalized over the whole row, whose tiles are the blocks of the grid's x axis at the same y: the
-    softmax of a row split over many blocks, without a cluster.  Every block publishes its rows' (max,
-    sum); the tile waits in ``staged`` (a shared tile) and is stored once the row's other tiles have
-    published theirs, after the block's next tile: the CTAs walk the tiles in grid order (persistent,
-    without rasterization), so a row's tiles run at the same time.  sm_90a (warp-specialized) only; a row
-    of at most 16 tiles.  The CTAs wait on each other: all must be resident at once (the launcher sizes
-    the grid to the device's SMs; SMs that another kernel holds meanwhile delay the rows they wait on)."""
+def row_reduce_store(tile, stats, combine, scale, staged, dst):
+    """Store ``tile`` (a float32 fragment) to ``dst`` with each row multiplied by ``scale(own, total)``, where
+    ``own`` is this block's row statistics ``stats`` (row fragments of the tile, e.g. from T.reduce_*) and
+    ``total`` is ``combine`` of them over every tile of the row: the blocks of the grid's x axis with this
+    block's y.  A row split over many CTAs without a cluster, normalized once all of them are in: a softmax
+    (``stats`` its max and sum, ``combine`` their merge, ``scale`` 2^(own max - max) / sum), or a norm.
+
+    ``combine(blocks)``: one value per stat (a tuple, or one value) from ``blocks``, block j's values (a
+    tuple: ``blocks[j][v]`` is stat v); ``scale(own, total)``: the row's multiplier.  Both are written with
+    the language's scalar functions and called once, while tracing, on symbolic values.
+
+    Every block publishes its rows' statistics to global memory; the tile waits in ``staged`` (a shared tile)
+    and is stored, scaled, once the row's other tiles have published theirs, after the block's next tile:
+    the CTAs walk the tiles in grid order (persistent, without rasterization), so a row's tiles run at the
+    same time, and a warp of the producer warpgroup waits for the statistics and computes each row's factor
+    while the consumers compute the next tile.  sm_90a (warp-specialized) only; a row of at most 16 tiles.
+    The CTAs wait on each other: all must be resident at once (the launcher sizes the grid to the device's
+    SMs; SMs that another kernel holds meanwhile delay the rows they wait on)."""
     t = ir.tracer()
     k = t.kernel
-    for b, what in ((tile, "tile"), (row_max, "row_max"), (row_sum, "row_sum")):
-        if not isinstance(b, TileBuffer) or b.scope != "fragment" or b.dtype != "float32":
-            raise error(user_loc(), f"T.row_softmax_store: {what} must be a whole float32 fragment")
-    if len(tile.shape) != 2 or row_max.shape != tile.shape[:1] or row_sum.shape != tile.shape[:1]:
-        raise error(user_loc(), f"T.row_softmax_store: row_max and row_sum must have the tile's rows "
-                                f"({tile.shape[0]},), got {row_max.shape} and {row_sum.shape}")
+    stats = tuple(stats) if isinstance(stats, (tuple, list)) else (stats,)
+    if not isinstance(tile, TileBuffer) or tile.scope != "fragment" or tile.dtype != "float32" or len(tile.shape) != 2:
+        raise error(user_loc(), "T.row_reduce_store: tile must be a whole 2-D float32 fragment")
+    for s in stats:
+        if not isinstance(s, TileBuffer) or s.scope != "fragment" or s.dtype != "float32" or s.shape != tile.shape[:1]:
+            raise error(user_loc(), f"T.row_reduce_store: the stats must be float32 fragments of the tile's rows "
+                                    f"({tile.shape[0]},), got {getattr(s, 'name', s)!s}")
     if not isinstance(staged, TileBuffer) or staged.scope != "shared" or staged.shape != tile.shape:
-        raise error(user_loc(), f"T.row_softmax_store: staged must be a shared tile of the tile's shape {tile.shape}")
+        raise error(user_loc(), f"T.row_reduce_store: staged must be a shared tile of the tile's shape {tile.shape}")
     if (len(k.grid) != 2 or k.cluster != (1, 1) or k.pingpong or k.stream_k or not k.persistent
             or k.swizzle_panel):
-        raise error(user_loc(), "T.row_softmax_store needs T.Kernel(column tiles, row blocks, ...) over a 2-D grid, "
+        raise error(user_loc(), "T.row_reduce_store needs T.Kernel(column tiles, row blocks, ...) over a 2-D grid, "
                                 "persistent, without cluster, pingpong, stream_k or T.use_swizzle (the CTAs walk "
                                 "the tiles in grid order so that a row's tiles run at the same time)")
     if k.grid[0] > MAX_ROW_TILES:
-        raise error(user_loc(), f"T.row_softmax_store: {k.grid[0]} tiles a row; at most {MAX_ROW_TILES}, so that "
+        raise error(user_loc(), f"T.row_reduce_store: {k.grid[0]} tiles a row; at most {MAX_ROW_TILES}, so that "
                                 f"a row's tiles run on distinct CTAs of any Hopper grid (even a "
                                 f"{MAX_ROW_TILES}-SM MIG slice)")
-    if len(t.bodies) > 1 or any(isinstance(n, ir.RowSoftmaxStore) for n in k.body):
-        raise error(user_loc(), "T.row_softmax_store: once per tile, at the kernel's top level")
+    if len(t.bodies) > 1 or any(isinstance(n, ir.RowReduceStore) for n in k.body):
+        raise error(user_loc(), "T.row_reduce_store: once per tile, at the kernel's top level")
+    own = [tirx.Var(f"own_{s.name}", "float32") for s in stats]
+    peers = [[tirx.Var(f"block{j}_{s.name}", "float32") for s in stats] for j in range(k.grid[0])]
+    total = combine([tuple(p) for p in peers])
+    total = tuple(total) if isinstance(total, (tuple, list)) else (total,)
+    factor = scale(tuple(own), total)
+    factor = factor if ir.expr_dtype(factor) == "float32" else cast(factor, "float32")
     bM, bN = tile.shape
     factors = ir.new_buffer((2, bM), "float32", "shared", name="row_factors")
     slot = tirx.Var("factor_slot", "int32")
-    node = emit(ir.RowSoftmaxStore(tile, row_max, row_sum, staged, factors, slot))
+    node = emit(ir.RowReduceStore(tile, stats, own, peers, factor, staged, factors, slot))
     t.bodies.append(node.body)
     try:
         copy(tile, staged)

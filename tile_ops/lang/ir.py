@@ -254,14 +254,17 @@ class ClusterReduce(Node):
 
 
 @dataclass
-class RowSoftmaxStore(Node):
-    """``T.row_softmax_store``: the tile of 2^(s - row_max) stored normalized over every tile of its rows,
-    which the grid's x blocks (same y) hold.  ``body`` holds the tile ops the compiler orders around the
-    exchange of row statistics: staging ``tile`` into ``staged``, rescaling ``staged`` by the per-row
-    ``factors[slot, row]`` (two slots, alternating by tile) and storing it to the destination."""
+class RowReduceStore(Node):
+    """``T.row_reduce_store``: ``tile`` stored with each row scaled by ``factor``, an expression of the row's
+    statistics in this block (``own[v]``, stat v) and in every block of the grid row (``peers[j][v]``: the
+    grid's x block j, same y).  ``body`` holds the tile ops the compiler orders around the exchange of
+    statistics: staging ``tile`` into ``staged``, rescaling ``staged`` by the per-row ``factors[slot, row]``
+    (two slots, alternating by tile) and storing it to the destination."""
     tile: TileBuffer
-    row_max: TileBuffer
-    row_sum: TileBuffer
+    stats: tuple  # row fragments
+    own: list  # [stat] -> tirx.Var
+    peers: list  # [block][stat] -> tirx.Var
+    factor: Any
     staged: TileBuffer
     factors: TileBuffer
     slot: tirx.Var

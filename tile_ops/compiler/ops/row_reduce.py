@@ -1,9 +1,10 @@
-"""``T.row_softmax_store``: a tile of 2^(s - row max) stored normalized over every tile of its rows, which
-the grid's x blocks (same y) hold: the softmax of a row split over many CTAs without a cluster.  It needs
-the warp-specialized schedule's persistent tile walk: the consumers publish each tile's row statistics to
-the workspace and stage the tile; the producer warpgroup's second warp (``statistics_warp``) waits until
-every tile of the row block has published, computes each row's factor, and the staged tile is stored,
-rescaled, after the block's next main loop (``store_pending``)."""
+"""``T.row_reduce_store``: a tile stored with each row scaled by a factor of the row's statistics over every
+tile of the row, which the grid's x blocks (same y) hold: a row split over many CTAs without a cluster,
+normalized once all of them are in (the fused softmax's rows).  It needs the warp-specialized schedule's
+persistent tile walk: the consumers publish each tile's row statistics to the workspace and stage the
+tile; the producer warpgroup's second warp (``statistics_warp``) waits until every tile of the row block
+has published and computes each row's factor (the op's expression of every block's statistics), and the
+staged tile is stored, rescaled, after the block's next main loop (``store_pending``)."""
 
 from __future__ import annotations
 
@@ -12,29 +13,13 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ...lang.ir import RowSoftmaxStore, error, walk
+from ...lang.ir import RowReduceStore, error, walk
 from ..cuda import emit_ptx, helper
 from ..meta import FLAG_SLOTS
 from ..schedules.stream_k import flag_signal, flag_wait
 from . import Container, tile_op, unit
 from .copy import copy
 
-# one row's factor 2^(m_own - max) / sum over the n tiles' (max, sum) pairs, `stride` floats apart, in
-# one pass (online max and sum); a tile without values (-inf) adds nothing
-_ROW_FACTOR = """
-__forceinline__ __device__ float tile_ops_row_factor(float* ws, int at, int stride, int n, int own) {
-  float top = -INFINITY, own_max = -INFINITY, sum = 0.0f;
-  #pragma unroll 8
-  for (int j = 0; j < n; ++j) {  // L2 loads (.cg: no stale L1 line), after the flag's acquire
-    float2 s = __ldcg(reinterpret_cast<const float2*>(ws + at + j * stride));
-    float next = fmaxf(top, s.x);
-    sum = (next == -INFINITY ? 0.0f : sum * exp2f(top - next)) + (s.x == -INFINITY ? 0.0f : s.y * exp2f(s.x - next));
-    top = next;
-    own_max = j == own ? s.x : own_max;
-  }
-  return own_max == -INFINITY ? 0.0f : exp2f(own_max - top) / sum;
-}
-"""
 # this reader is done with the row block's statistics; the last of its `count` readers resets the
 # flag and the count for the next launch (kernel boundaries order those stores before its reads)
 _ROW_STATS_READ = """
@@ -50,8 +35,8 @@ __forceinline__ __device__ void tile_ops_row_stats_read(float* flags, int flag, 
 """
 
 
-@tile_op(RowSoftmaxStore)
-class RowSoftmaxStoreOp(Container):
+@tile_op(RowReduceStore)
+class RowReduceStoreOp(Container):
     orders_itself = True  # (its publish needs no barrier)
 
     def mbarriers(self, lw, node):
@@ -73,17 +58,17 @@ class RowSoftmaxStoreOp(Container):
         them, off the consumers' path) and stage the tile in place of the previous one, which
         ``store_pending`` stored after the main loop."""
         if not lw.ws:  # (on sm_90a, ``check`` refuses it while planning)
-            raise error(node.loc, "T.row_softmax_store needs the warp-specialized sm_90a path (TMA loads, "
+            raise error(node.loc, "T.row_reduce_store needs the warp-specialized sm_90a path (TMA loads, "
                                   "wgmma, a producer warpgroup); this kernel is compiled without it")
         bx, by = (lw.expr(v) for v in lw.kernel.block_vars[:2])
-        lay, m, l = lw.infer.layouts[node.row_max], lw.frags[node.row_max], lw.frags[node.row_sum]
+        lay = lw.infer.layouts[node.stats[0]]
         owner = lay.owner(lw.tid)
         with T.If(owner if owner is not None else tirx.const(True, "bool")):
             with T.Then():
                 for r in range(lay.local_size):
                     at = _stats_index(lw, node, bx, by, lay.coords(lw.tid, r)[0])
-                    T.buffer_store(lw.workspace, m[r], [at])
-                    T.buffer_store(lw.workspace, l[r], [at + 1])
+                    for v, stat in enumerate(node.stats):
+                        T.buffer_store(lw.workspace, lw.frags[stat][r], [at + v])
         emit_ptx("mbarrier.arrive.shared::cta.b64", _published(lw, node, tirx.floormod(lw.ws.walk.tile_ordinal, 2)))
         lw.sync()  # TMA has read the staged tile (wait_stores_read): it can be rewritten
         copy(lw, node.stage, vm)
@@ -91,37 +76,38 @@ class RowSoftmaxStoreOp(Container):
             T.buffer_store(lw.pending, v, [i])
 
 
-def find(kernel) -> RowSoftmaxStore | None:
-    return next((n for n in walk(kernel.body) if isinstance(n, RowSoftmaxStore)), None)
+def find(kernel) -> RowReduceStore | None:
+    return next((n for n in walk(kernel.body) if isinstance(n, RowReduceStore)), None)
 
 
 def check(lw, node):
     """What the op needs of the warp-specialized schedule (``lw.ws``, None where the kernel has none)."""
     k = lw.kernel
     if not lw.ws:
-        raise error(node.loc, "T.row_softmax_store needs the warp-specialized sm_90a path: one T.Pipelined "
+        raise error(node.loc, "T.row_reduce_store needs the warp-specialized sm_90a path: one T.Pipelined "
                               "main loop of TMA loads and wgmma gemms")
     if node.store not in lw.ws.stores:
-        raise error(node.loc, "T.row_softmax_store: its destination must be a tile of a global tensor that "
+        raise error(node.loc, "T.row_reduce_store: its destination must be a tile of a global tensor that "
                               "TMA can store (16-byte aligned rows)")
-    lay = lw.infer.layouts[node.row_max]
-    if lw.infer.layouts[node.row_sum] != lay or not hasattr(lay, "owner"):
-        raise error(node.loc, "T.row_softmax_store: row_max and row_sum must be row reductions of the tile")
+    lay = lw.infer.layouts[node.stats[0]]
+    if any(lw.infer.layouts[s] != lay for s in node.stats) or not hasattr(lay, "owner"):
+        raise error(node.loc, f"T.row_reduce_store: the stats ({', '.join(s.name for s in node.stats)}) must be row "
+                              f"reductions of the tile")
     if 2 * k.grid[1] > FLAG_SLOTS:
-        raise error(node.loc, f"T.row_softmax_store: {k.grid[1]} row blocks; at most {FLAG_SLOTS // 2}")
+        raise error(node.loc, f"T.row_reduce_store: {k.grid[1]} row blocks; at most {FLAG_SLOTS // 2}")
     if lw.ws.outer:  # the previous tile is stored after the one main loop of a tile
-        raise error(node.loc, "T.row_softmax_store needs the T.Pipelined loop at the kernel's top level")
+        raise error(node.loc, "T.row_reduce_store needs the T.Pipelined loop at the kernel's top level")
 
 
 def stats_floats(lw, node) -> int:
-    """The row statistics in the workspace (after its flags): (max, sum) of every row of every tile."""
+    """The row statistics in the workspace (after its flags): every stat of every row of every tile."""
     gx, gy = lw.kernel.grid[:2]
-    return gx * gy * node.tile.shape[0] * 2
+    return gx * gy * node.tile.shape[0] * len(node.stats)
 
 
 def _stats_index(lw, node, bx, by, row):
     gx, bM = lw.kernel.grid[0], node.tile.shape[0]
-    return FLAG_SLOTS + ((by * gx + bx) * bM + row) * 2
+    return FLAG_SLOTS + ((by * gx + bx) * bM + row) * len(node.stats)
 
 
 def _published(lw, node, slot):
@@ -160,7 +146,7 @@ def _store_pending(lw, node, ordinal):
 def statistics_warp(lw, node, cta):
     """Per tile of the block, once its consumers have published the tile's row statistics: make them
     visible at GPU scope and count them on the row block's flag; wait until every tile of the row
-    block has; compute each row's factor 2^(own max - max) / sum into the staged tile's slot; count
+    block has; compute each row's factor from every tile's statistics into the staged tile's slot; count
     this reader, the last of the row block's resetting the flag for the next launch."""
     gx, gy = lw.kernel.grid[:2]
     bM = node.tile.shape[0]
@@ -177,9 +163,10 @@ def statistics_warp(lw, node, cta):
         T.evaluate(flag_wait(flags, by, gx, reset=False))  # every lane: the row block's last reader resets
         for q in range(bM // 32):  # (wgmma tiles: bM is a multiple of 64)
             row = lane + 32 * q
-            factor = helper("tile_ops_row_factor", _ROW_FACTOR, flags, _stats_index(lw, node, 0, by, row), bM * 2,
-                            gx, bx, return_type="float32")
-            lw.store(node.factors, [slot, row], factor)
+            stats = {var: lw.workspace[_stats_index(lw, node, j, by, row) + v]  # (after the flag's acquire)
+                     for j, vars_ in enumerate(node.peers) for v, var in enumerate(vars_)}
+            stats.update({var: lw.workspace[_stats_index(lw, node, bx, by, row) + v] for v, var in enumerate(node.own)})
+            lw.store(node.factors, [slot, row], lw.expr(node.factor, stats))
         # every lane releases its own factors (racecheck does not follow a warp sync into one arrive)
         emit_ptx("mbarrier.arrive.shared::cta.b64", _factors_ready(lw, node, slot))
         T.evaluate(TS.cuda.warp_sync())  # every lane is past its spin on the flag before it may be reset
