@@ -9,7 +9,8 @@ a GPU, and a device run with that cache carried needs no TVM (set TILE_OPS_CACHE
 
 Each round runs ``bench_gemm.py --no-triton`` once as main and once as the variant; each process pairs its
 kernel with cuBLAS call by call. Rounds, not one long process, because a kernel's speed at a short grid is
-drawn per process (NOTES v19-v20). The table gives every process's ratio to cuBLAS and their medians.
+drawn per process (at 1000^3 one of two modes ~0.65 us apart, kept for the whole process). The table gives every
+process's ratio to cuBLAS and their medians.
 """
 
 import argparse
