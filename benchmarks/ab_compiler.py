@@ -13,8 +13,9 @@ that cache carried needs no TVM (set TILE_OPS_CACHE_DIR alike on both).
 
 Each round runs each bench (``bench_gemm.py --no-triton``, ``bench_gemm_softmax.py``) once as main and once as
 the variant; each process times its kernel beside cuBLAS.  Rounds, not one long process, because a
-kernel's speed at a short grid is drawn per process.  The table gives every process's ratio to cuBLAS
-(for the fused softmax: cuBLAS's a @ b time over the fused kernel's) and their medians.
+kernel's speed at a short grid is drawn per process (at 1000^3 one of two modes ~0.65 us apart, kept for
+the whole process).  The table gives every process's ratio to cuBLAS (for the fused softmax: cuBLAS's
+a @ b time over the fused kernel's) and their medians.
 """
 
 import argparse

@@ -26,11 +26,11 @@ from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa
 
 # issue 4's ragged shapes beside 1000^3 (>= 0.90x cuBLAS): mid grids that fill 1.4-2.4 waves of 128x128 tiles, one
 # whose rows are not 16-byte aligned (padded for TMA), and 1000^3's grid with a long K (half a wave, 63 k-steps:
-# NOTES v24)
+# the short grid where the default was weakest when it joined)
 RAGGED_SHAPES = [(1000, 1000, 1000), (1500, 2000, 2000), (3000, 1000, 1500), (777, 3001, 1234), (1000, 1000, 4000)]
 DECODE = (16, 8192, 8192)
 # ../shared/ANCHORS.md's shapes and issue 4's bars, in both dtypes; fp16 adds, after the anchor's decode shape,
-# two whose default tiles are unsplit (NOTES v13): 64 rows, and 16 rows of a 14336-wide MLP projection
+# two whose default tiles are unsplit: 64 rows, and 16 rows of a 14336-wide MLP projection
 BAR_SHAPES = [(2048, 2048, 2048), *LARGE_SHAPES, *RAGGED_SHAPES, DECODE]
 SHAPES = {"float16": BAR_SHAPES + [(64, 8192, 8192), (16, 14336, 4096)], "bfloat16": BAR_SHAPES}
 # B stored transposed (N x K: nn.Linear's weight, what a model's decode step multiplies by), fp16
@@ -52,7 +52,7 @@ EXTRA_CONFIGS = {
                GemmConfig(128, 128, 128, 3, 128, 8, epilogue="shared"),
                GemmConfig(128, 64, 64, 4, 128, 8, epilogue="shared"),
                GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared"), GemmConfig(128, 128, 64, 4, 128, 8, split_k=2),
-               # 1000^3, what cuBLAS's nvjet 128x72 kernel suggests (NOTES v7): 112-128 CTAs, deep pipelines,
+               # 1000^3, what cuBLAS's nvjet 128x72 kernel suggests: 112-128 CTAs, deep pipelines,
                # and clusters (cuBLAS reads 24 % fewer L2 bytes than our 128x128)
                GemmConfig(128, 128, 64, 6, 128, 8, epilogue="shared"), GemmConfig(128, 64, 64, 8, 128, 8, epilogue="shared"),
                GemmConfig(128, 64, 64, 6, 128, 8, epilogue="shared", cluster=2),
@@ -107,7 +107,7 @@ EXTRA_CONFIGS = {
                GemmConfig(128, 192, 64, 4, 256, 8, epilogue="shared"), GemmConfig(128, 192, 64, 5, 256, 8),
                GemmConfig(128, 192, 64, 4, 256, 0, epilogue="shared", cluster=2),
                GemmConfig(128, 128, 64, 6, 128, 0, epilogue="shared", cluster=2, stream_k=2),
-               # cuBLAS's 1000^3 tile in our frame (NOTES v16): swapped 72x128, A and B multicast, C^T staged;
+               # cuBLAS's 1000^3 tile in our frame: swapped 72x128, A and B multicast, C^T staged (2x2 clusters);
                # not in the tuner's space: a tuned config serves every layout, and A stored transposed refuses it
                GemmConfig(72, 128, 64, 8, 256, 0, epilogue="shared", cluster=2, cluster_n=2, swap_ab=True)],
 }

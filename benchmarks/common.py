@@ -22,7 +22,7 @@ def paired_medians(fns, rep_ms=1200, warmup_ms=50, flush=None):
     """{name: median ms} of ``fns`` ({name: fn}) timed call by call in turn, each call after the same L2
     flush (``flush()``; default: ``l2_flusher()``'s) and between CUDA events, for about ``rep_ms`` in all:
     clock, heat and power drift hit each alike.  (Blocks of 200 ms, one function's at a time, each drew a
-    mode of its own: at 1000^3 a kernel's median moved by 0.65 us from block to block, NOTES v19.)"""
+    mode of its own: at 1000^3 on the H200 a kernel's median moved by 0.65 us from block to block.)"""
     flush = flush or l2_flusher()
     one_round = _round_ms(fns, flush)
     _rounds(fns, flush, max(1, int(warmup_ms / one_round)))

@@ -10,7 +10,7 @@ call after the same L2 flush (``common.paired_medians``), so clock and power dri
 the ratios compare kernels, not moments. bench_gemm.py times configs one after the other and pairs only
 the winner.
 
-Each round is a process of its own (a short grid's speed is drawn per process, NOTES v19-v20); the table
+Each round is a process of its own (a short grid's speed is drawn per process and kept within it); the table
 gives every process's ratio to cuBLAS and their median.
 """
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install (TVM from the carried kit), GPU tests, then the benchmarks; logs under $OUT.
+# Each benchmark's latest result, with the settings below that produced it, is kept in benchmarks/RESULTS.md.
 #   TESTS="tests/test_kernels_gpu.py"  narrows the tests (TESTS=none: none, e.g. without TVM; TEST_WORKERS: -n);
 #   BENCHES="softmax overhead"  picks benchmarks: gemm gemm80 softmax overhead compile (the default list; none: none),
 #     also sanitize, profile and sustained (seconds-long runs with clock and power; SUSTAINED_ARGS);

@@ -1,5 +1,5 @@
 """Our GEMM beside cuBLAS by the L2's state before each call, by where the flush buffer and the operands sit,
-and by the L2 fill size our tensor maps ask for: what a short ragged grid's ratio depends on (NOTES v20-v21).
+and by the L2 fill size our tensor maps ask for: what a short ragged grid's ratio depends on.
 
     python benchmarks/l2_state.py [--shapes 1000x1000x1000,1024x1024x1024] [--config NAME]
                                   [--states dirty,clean,warm] [--flushes 3] [--operand-sets 2]
@@ -8,7 +8,7 @@ and by the L2 fill size our tensor maps ask for: what a short ragged grid's rati
 
 bench_gemm.py flushes the L2 before each timed call as Triton's do_bench does: it zeroes a 256 MB buffer,
 which leaves the L2 full of dirty lines that the timed kernel's misses must write back first.  At 1000^3
-(2000-byte rows) our kernel lost 1.2 us to that in one process and nothing in another (NOTES v20), so
+(2000-byte rows) our kernel lost 1.2 us to that in one process and nothing in another (H200), so
 bench_gemm.py's 1000^3 ratio is partly a draw.  Each row here is one (operand set, flush buffer, state):
 
 - state: ``dirty`` (bench_gemm.py's flush), ``clean`` (the same, then a 256 MB read, which leaves clean

@@ -42,7 +42,7 @@ METRICS = {
 # --l2-sources: where the L2's requests come from, in 32-byte sectors: the SMs (L1/TEX, TMA included) and the
 # fabric between the two L2 partitions (a line the far partition holds is looked up in both); the SMs' reads
 # the L2 served, against the bytes that arrived in the SMs: every CTA's whole tiles, a multicast counted in
-# each receiver.  The L2 serves fewer: a multicast once, and (H100, NOTES v25) reads of one line by several SMs
+# each receiver.  The L2 serves fewer: a multicast once, and (H100, 1024x1024x4096) reads of one line by several SMs
 # at about the same time once too, so an unclustered 64x128 kernel's 201 MB arrived on 95 MB of L2 reads
 L2_SOURCES = {"lts__t_sectors_srcunit_tex.sum": "l2_from_sm_MB", "lts__t_sectors_srcunit_ltcfabric.sum": "l2_fabric_MB",
               "lts__t_sectors_srcunit_tex_op_read.sum": "l2_reads_MB", "l1tex__m_xbar2l1tex_read_bytes.sum": "into_sms_MB"}

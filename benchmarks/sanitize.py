@@ -85,7 +85,7 @@ SHAPES = {
                      ("cluster", (256, 2048, 64)), ("cluster-walk", (200, 2312, 72)),
                      ("cluster-wrap", (128, 2048, 200)),  # one tile a block, 4 k-steps on 3 stages
                      # the same walk over one k-step a tile: its 3-stage pipeline never wraps, which is
-                     # the walk racecheck finishes (15 s; cluster-walk's never has: NOTES v20)
+                     # the walk racecheck finishes (15 s; cluster-walk's never has, not in 520 s)
                      ("cluster-walk-1k", (200, 2312, 8)),
                      # sm_90a T.row_reduce_store: rows over the grid, statistics through the workspace
                      ("deferred", (512, 1024, 512)), ("deferred-ragged", (300, 776, 520))],

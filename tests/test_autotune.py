@@ -81,7 +81,7 @@ def test_gemm_space_fits_the_problem(arch):
     assert {c.swizzle for c in big} == ({0, 4, 8} if arch == "sm_90a" else {0, 8}) and {c.policy for c in big} == {"square"} and {c.split_k for c in big} == {1}
     assert {(c.block_M, c.block_N) for c in big} >= {(128, 128), (128, 256), (256, 128)}
     assert max(c.block_N for c in gemm_kernels.config_space(512, 64, 512, arch=arch)) == 64
-    if arch == "sm_90a":  # short grids: 64x128 pairs sharing B, and the same tiles unclustered (NOTES v25)
+    if arch == "sm_90a":  # short grids: 64x128 pairs sharing B, and the same tiles unclustered
         short = gemm_kernels.config_space(1024, 1024, 4096, arch=arch)
         assert {(c.block_K, c.num_stages, c.cluster) for c in short if (c.block_M, c.block_N) == (64, 128)
                 and c.epilogue == "shared" and c.swizzle == 8} >= {(64, 8, 2), (64, 8, 1), (128, 4, 2), (128, 4, 1)}

@@ -223,8 +223,8 @@ def test_bench_sustained_refuses_malformed_variants_and_a_missing_gpu():
 @pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None or _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None,
                     reason="needs nvcc and cuobjdump")
 def test_bench_sustained_variants_change_the_named_fields_and_build(tmp_path, monkeypatch):
-    """A variant is the shape's default config with the named fields changed; the ones NOTES v14 measured
-    build for sm_90a (a multicast variant included)."""
+    """A variant is the shape's default config with the named fields changed; variants of the kinds the sustained
+    runs compared (rasterization panels, multicast clusters) build for sm_90a."""
     import bench_sustained
 
     from tile_ops.kernels.gemm import build_gemm, default_config
@@ -495,7 +495,7 @@ def test_profile_gemm_dirty_run_tells_the_child_and_leaves_the_flush_out_of_the_
 def test_paired_medians_alternate_call_by_call_and_take_each_ones_median(monkeypatch):
     """bench_gemm.py (ours, cuBLAS) and bench_gemm_softmax.py (fused, torch) time the two call by call in turn,
     each call after the L2 flush, and report each one's median: blocks of 200 ms, one function's at a time,
-    each took a mode of its own (NOTES v19), and a winner's single sweep timing met torch's one timing."""
+    each took a mode of its own (at 1000^3 on the H200), and a winner's single sweep timing met torch's one timing."""
     import bench_gemm
     import bench_gemm_softmax
 

@@ -471,8 +471,8 @@ def test_hopper_gemm_is_tma_wgmma_warp_specialized(kw):
 @pytest.mark.parametrize("M, N, K, promotion", [(1024, 1024, 1024, {"A": 3, "B": 3}), (1000, 1000, 1000, {"A": 2, "B": 2}),
                                                (1000, 1024, 1000, {"A": 2, "B": 3}), (1024, 1000, 4096, {"A": 3, "B": 2})])
 def test_tensor_maps_fill_l2_by_128_bytes_where_rows_are_not_128_byte_aligned(M, N, K, promotion):
-    """A box row of a 2000-byte-row tensor straddles two L2 lines: 128-byte L2 fills (2) there, 256-byte
-    (3) where rows are aligned (NOTES v16)."""
+    """A box row of a 2000-byte-row tensor straddles two L2 lines: 128-byte L2 fills (2) there (256-byte ones
+    cost the 1000^3 default 4-9 %), 256-byte (3) where rows are aligned."""
     k = _hopper_gemm(M, N, K, block_M=128, block_N=128, block_K=64, num_stages=4)
     assert {t["tensor"]: t["l2_promotion"] for t in k.meta.tensormaps.values()} == promotion
 
@@ -546,7 +546,7 @@ def _listing(*instructions):
 
 
 def test_wgmma_early_reads_flags_accumulators_read_before_the_final_wait():
-    """What ptxas made of the swapped 2x4 gemm's epilogue at 1001x1001x512 (NOTES v28): the fp16 packs of the
+    """What ptxas (CUDA 13.0) made of the swapped 2x4 gemm's epilogue at 1001x1001x512: the fp16 packs of the
     m64n72 accumulators (R24-R59) above the wait that retires the last k-step's wgmmas. After it, or
     registers outside the accumulators, are fine."""
     from tile_ops.jit.build import wgmma_early_reads
@@ -583,7 +583,7 @@ def test_library_hopper_gemms_read_accumulators_only_after_the_final_wait(M, N, 
 @needs_nvcc
 @needs_cuobjdump
 def test_a_kernel_reading_accumulators_before_the_wait_is_refused(monkeypatch):
-    """The consumer loop unrolled again (as before NOTES v28): ptxas hoists the epilogue's reads above the
+    """The consumer loop unrolled again (as before commit 70acbc1): ptxas hoists the epilogue's reads above the
     final wait, and the build refuses the kernel, with what it found, rather than run it wrong."""
     from tile_ops.compiler.schedules import warp_specialized
     from tile_ops.kernels.gemm import _SWAPPED_2X4
@@ -1031,7 +1031,7 @@ def test_pingpong_runs_two_consumer_warpgroups_on_alternate_tiles():
 def test_cooperative_consumers_read_their_wgmma_descriptors_from_uniform_registers():
     """Two consumer warpgroups on one tile (the 128x256 default): the warpgroup index that places A's
     descriptor is bound from lane 0, so nvcc keeps the descriptors uniform; read as threadIdx.x >> 7 in the
-    loop it cost 8 R2UR moves between the HGMMAs of a k-step (+0.5 % at the power cap without them, NOTES v19)."""
+    loop it cost 8 R2UR moves between the HGMMAs of a k-step (+0.5 % at the H200's power cap without them)."""
     from tile_ops.kernels.gemm import build_gemm, default_config
 
     cfg = default_config(4096, 4096, 4096, "sm_90a")
