@@ -242,7 +242,7 @@ def _build(prog, target, out_idx):
     t1 = time.perf_counter()
     cubin, resources = build_cubin(c.source, target.arch, c.meta.entry)
     t2 = time.perf_counter()
-    if "wgmma.mma_async" in c.source:  # ptxas has moved accumulator reads above their wait (NOTES v28)
+    if "wgmma.mma_async" in c.source:  # ptxas has moved accumulator reads above their wait once
         check_accumulator_order(cubin, prog.name)
     t3 = time.perf_counter()
     meta = c.meta.replace(out_idx=out_idx, resources=resources)

@@ -98,7 +98,7 @@ def wgmma_early_reads(sass_text: str) -> list:
     """SASS instructions that touch an HGMMA's accumulator registers while it may still be in flight: after
     the HGMMA, before the ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` that retires every group (or the next HGMMA,
     which takes the registers over).  The PTX orders such reads after ``wgmma.wait_group 0``; ptxas (CUDA
-    13.0) has hoisted them above it after a partly unrolled loop, losing the last k-step (NOTES v28)."""
+    13.0) has hoisted them above it after a partly unrolled loop, losing the last k-step."""
     lines = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass_text)]
     early = []
     for i, line in enumerate(lines):

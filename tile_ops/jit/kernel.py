@@ -160,7 +160,7 @@ class Kernel:
         """This kernel as a later step of a composed gemm (split-K's reduction, the gemm after its pads):
         launched with programmatic stream serialization, so it launches while the step before it runs and
         waits for it at its entry (its launch latency hidden).  Only there: back-to-back single kernels
-        measured up to 5 % slower that way (NOTES v13).  Itself where the code has no such wait."""
+        measured up to 5 % slower that way.  Itself where the code has no such wait."""
         if not self.meta.waits_at_entry or self.programmatic:
             return self
         if self._dependent is None:
