@@ -83,7 +83,7 @@ def host_stages(a, b):
     """The fast path's host stages, each timed alone like host_us: where a call's microseconds go."""
     out = tile_ops.gemm(a, b)
     index = a.device.index
-    kernel = importlib.import_module("tile_ops.kernels.gemm").get_gemm_kernel(a[None], b[None], out[None])[0]
+    kernel = importlib.import_module("tile_ops.kernels.gemm_launch").get_gemm_kernel(a[None], b[None], out[None])[0]
     if not isinstance(kernel, Kernel):  # split-K or padded: several launches, no one launch to take apart
         print(f"host stages: {kernel!r} is several kernels; they are timed for single-kernel shapes only")
         return []

@@ -53,7 +53,7 @@ def install_stand_ins():
     torch.cuda.current_device = lambda: 0
     torch.cuda.device = lambda device: contextlib.nullcontext()
     # plans of host code that does nothing: a native plan's launch needs the driver
-    for module, plan in (("gemm", "gemm_plan"), ("gemm_softmax", "gemm_softmax_plan")):
+    for module, plan in (("gemm_launch", "gemm_plan"), ("gemm_softmax_launch", "gemm_softmax_plan")):
         setattr(importlib.import_module(f"tile_ops.kernels.{module}"), plan, lambda *args: lambda *ptrs: None)
     gemm_mod.gemm_op.register_kernel("cpu", gemm_mod._gemm_cuda)
     softmax_mod.gemm_softmax_op.register_kernel("cpu", softmax_mod._gemm_softmax_cuda)
@@ -71,7 +71,7 @@ def per_call_us(fn, iters, repeat):
 
 
 def cases(a, b):
-    kernel = importlib.import_module("tile_ops.kernels.gemm").get_gemm_kernel(a[None], b[None], a[None])[0]
+    kernel = importlib.import_module("tile_ops.kernels.gemm_launch").get_gemm_kernel(a[None], b[None], a[None])[0]
     return {
         "tile_ops.gemm (fast path)": lambda: tile_ops.gemm(a, b),
         "torch.ops.tile_ops.gemm (dispatcher + plan)": lambda: torch.ops.tile_ops.gemm(a, b),

@@ -1,4 +1,4 @@
-"""CPU stand-ins for ``tile_ops.kernels.gemm`` and ``tile_ops.kernels.gemm_softmax``.
+"""CPU stand-ins for ``tile_ops.kernels.gemm_launch`` and ``tile_ops.kernels.gemm_softmax_launch``.
 
 With them installed (the ``stand_in_kernels`` fixture of conftest.py), the ops' CUDA code paths
 (checks, layouts, plans, the eager fast path) run on CPU tensors.  Like a real kernel, a stand-in
@@ -44,10 +44,10 @@ def _kernel_layout_ok(t):
 
 
 class StandInGemm(types.ModuleType):
-    """``tile_ops.kernels.gemm``: ``get_gemm_kernel`` checks the glue's contract; launches compute on the CPU."""
+    """``tile_ops.kernels.gemm_launch``: ``get_gemm_kernel`` checks the glue's contract; launches compute on the CPU."""
 
     def __init__(self):
-        super().__init__("tile_ops.kernels.gemm")
+        super().__init__("tile_ops.kernels.gemm_launch")
         self.calls = []  # (a, b, out, bias) per kernel lookup, i.e. per launch of the checked path
         self.launches = 0
 
@@ -83,10 +83,10 @@ class StandInGemm(types.ModuleType):
 
 
 class StandInGemmSoftmax(types.ModuleType):
-    """``tile_ops.kernels.gemm_softmax`` on the CPU, through raw pointers like ``StandInGemm``."""
+    """``tile_ops.kernels.gemm_softmax_launch`` on the CPU, through raw pointers like ``StandInGemm``."""
 
     def __init__(self):
-        super().__init__("tile_ops.kernels.gemm_softmax")
+        super().__init__("tile_ops.kernels.gemm_softmax_launch")
         self.calls = []  # (a, b, out, scale) per kernel lookup
         self.launches = 0
 
@@ -124,8 +124,8 @@ class _NoDeviceSwitch(contextlib.nullcontext):
 def install(monkeypatch):
     """Stand-in kernel modules, no CUDA device switch, and no plans; returns the two modules."""
     gemm, softmax = StandInGemm(), StandInGemmSoftmax()
-    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm", gemm)
-    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_softmax", softmax)
+    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_launch", gemm)
+    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_softmax_launch", softmax)
     monkeypatch.setattr(torch.cuda, "device", _NoDeviceSwitch)
     fastpath.clear()
     return gemm, softmax

@@ -11,8 +11,10 @@ import tile_ops.lang as T
 from test_compiler import needs_cuobjdump, needs_nvcc
 from tile_ops.compiler.stream_k import MIN_STEPS, plan, unit
 from tile_ops.jit.kernel import WORKSPACE, EntryArgs, KernelMeta
-from tile_ops.kernels.gemm import GemmConfig, gemm
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+from tile_ops.kernels.gemm import gemm
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 from tile_ops.lang.errors import TileLangError
 
 

@@ -14,23 +14,23 @@ class Target:
     """One tunable op.  ``inputs`` returns a tensor per kernel parameter, in order; the output is last."""
 
     name: str
-    module_name: str  # the kernel module: config class, config_space, default_config, shared_memory_bytes
+    kernel: str  # tile_ops.kernels.<kernel>_config (config class, shared_memory_bytes), _defaults, _space, _launch
     config_name: str
 
-    def module(self):
-        return importlib.import_module(self.module_name)
+    def module(self, part: str):
+        return importlib.import_module(f"tile_ops.kernels.{self.kernel}_{part}")
 
     def config_class(self) -> type:
-        return getattr(self.module(), self.config_name)
+        return getattr(self.module("config"), self.config_name)
 
     def config_space(self, shape, dtype: str, arch: str) -> list:
-        return self.module().config_space(*shape, dtype, arch)
+        return self.module("space").config_space(*shape, dtype, arch)
 
     def default_config(self, shape, arch: str | None = None):
-        return self.module().default_config(*shape, arch)
+        return self.module("defaults").default_config(*shape, arch)
 
     def shared_memory_bytes(self, cfg, shape, dtype: str) -> int:
-        return self.module().shared_memory_bytes(cfg, *shape, dtype)
+        return self.module("config").shared_memory_bytes(cfg, *shape, dtype)
 
     def flops(self, shape) -> int:
         M, N, K = shape
@@ -38,12 +38,12 @@ class Target:
 
 
 class GemmTarget(Target):
-    name, module_name, config_name = "gemm", "tile_ops.kernels.gemm", "GemmConfig"
+    name, kernel, config_name = "gemm", "gemm", "GemmConfig"
 
     def compile(self, shape, dtype: str, cfg, arch: str):
         M, N, K = shape
         # a split-K config builds two kernels (the gemm's partials, their reduction): one launchable
-        return self.module().build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
+        return self.module("launch").build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
 
     def inputs(self, shape, dtype: str, device):
         import torch
@@ -61,11 +61,12 @@ class GemmTarget(Target):
 
 
 class GemmSoftmaxTarget(Target):
-    name, module_name, config_name = "gemm_softmax", "tile_ops.kernels.gemm_softmax", "SoftmaxConfig"
+    name, kernel, config_name = "gemm_softmax", "gemm_softmax", "SoftmaxConfig"
 
     def compile(self, shape, dtype: str, cfg, arch: str):
         M, N, K = shape
-        return self.module().gemm_softmax(M, N, K, 1.0, dtype, dtype, cfg, target=arch)
+        program = importlib.import_module("tile_ops.kernels.gemm_softmax").gemm_softmax
+        return program(M, N, K, 1.0, dtype, dtype, cfg, target=arch)
 
     def inputs(self, shape, dtype: str, device):
         import torch

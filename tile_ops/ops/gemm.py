@@ -90,7 +90,7 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     tensor and ``launch_args`` is ``None`` when there is nothing to launch
     (empty result, or K == 0 where the result is zeros / the bias, already
     written), else ``(a3, b3, out3, bias)`` for
-    ``tile_ops.kernels.gemm.launch_gemm``:
+    ``tile_ops.kernels.gemm_launch.launch_gemm``:
 
     * ``a3`` (Bt, M, K) and ``b3`` (Bt, K, N): last two dims row-major or a plain
       transpose (exact strides), batch stride anything (0 for a broadcast 2-D
@@ -147,7 +147,7 @@ def _gemm_cuda_checked(a, b, bias, out_dtype):
     if launch_args is None:
         return out
     a3, b3, out3, bias3 = launch_args
-    kernels = load_kernel_module("gemm", OP)
+    kernels = load_kernel_module("gemm_launch", OP)
     with torch.cuda.device(a.device):  # the JIT compiles for the current device's arch
         kernel, a3, b3 = kernels.get_gemm_kernel(a3, b3, out3, bias3)
     launch = kernels.gemm_launcher(kernel, a.device)

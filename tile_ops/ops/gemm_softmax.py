@@ -137,7 +137,7 @@ def _gemm_softmax_cuda_checked(a, b, scale, out_dtype):
     out, launches, finish = prepare_gemm_softmax_launch(a, b, scale, out_dtype, kind="cuda")
     if not launches:
         return out
-    kernels = load_kernel_module("gemm_softmax", OP)
+    kernels = load_kernel_module("gemm_softmax_launch", OP)
     with torch.cuda.device(a.device):  # the JIT compiles for the current device's arch
         for a2, b2, out2, s in launches:
             kernel = kernels.get_gemm_softmax_kernel(a2, b2, out2, s)
