@@ -78,7 +78,7 @@ def cases(a, b):
         "gemm checked path (a signature's first call)": lambda: gemm_mod._gemm_cuda_checked(a, b, None, None),
         "tile_ops.gemm_softmax (fast path)": lambda: tile_ops.gemm_softmax(a, b, 0.125),
         "torch.ops.tile_ops.gemm_softmax (dispatcher + plan)": lambda: torch.ops.tile_ops.gemm_softmax(a, b, 0.125),
-        "fast path stage: fastpath.call (C++)": lambda: fastpath.call(fastpath.GEMM, a, b, None, None, None, True),
+        "fast path stage: fastpath.call (C++)": lambda: fastpath.call(fastpath.GEMM, (a, b, None), (None,), True),
         "  for scale: torch.empty from Python": lambda: torch.empty(64, 64, dtype=a.dtype),
         "  for scale: Kernel.launch_ptrs (the checked path's launch)": lambda: kernel.launch_ptrs([16, 32, 48, 64], a.device),
         "the dispatcher alone (trivial kernel)": lambda: torch.ops.tile_ops.gemm(a, b),

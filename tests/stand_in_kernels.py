@@ -9,6 +9,7 @@ wrong pointers, or a plan reused for operands of another layout, gives wrong res
 
 import contextlib
 import ctypes
+import importlib
 import sys
 import types
 from typing import NamedTuple
@@ -16,6 +17,9 @@ from typing import NamedTuple
 import torch
 
 from tile_ops.ops import fastpath
+
+gemm_ops = importlib.import_module("tile_ops.ops.gemm")  # the modules (tile_ops.ops.gemm is the function)
+softmax_ops = importlib.import_module("tile_ops.ops.gemm_softmax")
 
 ALIGNMENT = 16
 
@@ -77,9 +81,12 @@ class StandInGemm(types.ModuleType):
         return launch
 
     def gemm_plan(self, kernel, device, a, b, out, bias=None, scratch=None):
-        """A host-code plan (fastpath.record takes a callable launch(a, b, out, c)) on the fast path's buffers."""
-        assert (a, b, out, bias) == (fastpath.A, fastpath.B, fastpath.OUT, None if kernel[3] is None else fastpath.C)
-        return self.gemm_launcher(kernel, device)
+        """A host-code plan (fastpath.record takes a callable launch(*pointers of the plan's buffers)) on the op's
+        plan buffers."""
+        assert (a, b, out, bias, scratch) == (gemm_ops.A, gemm_ops.B, gemm_ops.OUT,
+                                              None if kernel[3] is None else gemm_ops.BIAS, gemm_ops.SCRATCH)
+        launch = self.gemm_launcher(kernel, device)
+        return lambda a_ptr, b_ptr, bias_ptr, out_ptr: launch(a_ptr, b_ptr, out_ptr, bias_ptr)
 
 
 class StandInGemmSoftmax(types.ModuleType):
@@ -108,9 +115,8 @@ class StandInGemmSoftmax(types.ModuleType):
         return launch
 
     def gemm_softmax_plan(self, kernel, device, a, b, out):
-        assert (a, b, out) == (fastpath.A, fastpath.B, fastpath.OUT)
-        launch = self.gemm_softmax_launcher(kernel, device)
-        return lambda a_ptr, b_ptr, out_ptr, c_ptr: launch(a_ptr, b_ptr, out_ptr)
+        assert (a, b, out) == (softmax_ops.A, softmax_ops.B, softmax_ops.OUT)
+        return self.gemm_softmax_launcher(kernel, device)
 
 
 class _NoDeviceSwitch(contextlib.nullcontext):

@@ -113,8 +113,8 @@ def test_padded_gemm_plan_is_its_launch_where_the_gemm_runs_host_code():
     log = []
     k = _padded(log)
     k.main.meta.needs_workspace = True  # stream-K: its plan is its launcher, which runs host code
-    launch = k.plan(torch.device("cpu"), [0, 1, 2, 3], 4)
+    launch = gemm_launch.gemm_plan(k, torch.device("cpu"), 0, 1, 3, 2, 4)  # buffers a, b, out, bias; scratch
     assert callable(launch)
-    launch(0x100, 0x200, 0x300, 0x400)  # plan buffers a, b, out, c
+    launch(0x100, 0x200, 0x300, 0x400)  # the pointers of the plan buffers a, b, bias, out
     assert [n for n, _, _ in log] == ["pad A", "pad B", "gemm"] and log[0][1][0] == 0x100 and log[1][1][0] == 0x200
-    assert log[2][1][2:] == [0x400, 0x300]  # bias slot <- c, output <- out
+    assert log[2][1][2:] == [0x300, 0x400]  # bias slot <- bias, output <- out

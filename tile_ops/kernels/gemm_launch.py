@@ -115,9 +115,7 @@ class PaddedGemm(_ComposedGemm):
 
     def plan(self, device, buffers, scratch):
         """The pads and the gemm as one plan program, each padded operand a scratch buffer from ``scratch``
-        on; where the gemm's launch runs host code (stream-K), the whole launch is the program."""
-        if self.main.meta.needs_workspace:
-            return lambda a, b, out, c: self.launch_ptrs([(a, b, c, out)[i] for i in buffers], device)
+        on (a gemm whose launch runs host code, stream-K, is planned whole by ``launch_plan``)."""
         padded, spaces, steps = list(buffers), [], []
         for i, pad in self.pads.items():
             spaces.append(_workspace(pad))
@@ -224,10 +222,21 @@ def gemm_launcher(kernel, device):
 
 
 def gemm_plan(kernel, device, a, b, out, bias=None, scratch=None):
-    """``gemm_launcher``'s launch as a plan program (``Kernel.plan``) over plan buffer indices a, b, out and
+    """``gemm_launcher``'s launch as a plan program (``launch_plan``) over plan buffer indices a, b, out and
     bias (None: no bias); workspaces (a split-K gemm's partials, a PaddedGemm's padded operands) are the
     buffers from ``scratch`` on."""
-    return kernel.plan(device, _gemm_params(a, b, out, bias), scratch)
+    return launch_plan(kernel, device, _gemm_params(a, b, out, bias), scratch)
+
+
+def launch_plan(kernel, device, buffers, scratch=None):
+    """``kernel.plan(device, buffers, scratch)``: the launch as a plan program for the ops' fast path
+    (ops/fastpath.py), ``buffers[i]`` the plan buffer of the kernel's parameter i.  A launch keeping a workspace
+    per stream (stream-K), which a recorded plan cannot hold, is planned as host code instead: a callable
+    ``launch(*pointers)`` taking the pointers of all the plan's buffers, in order."""
+    if kernel.meta.needs_workspace:
+        run = kernel.launcher(device)
+        return lambda *pointers: run([pointers[i] for i in buffers])
+    return kernel.plan(device, buffers, scratch)
 
 
 def _gemm_params(a, b, out, bias):

@@ -9,7 +9,7 @@ from dataclasses import replace
 from tile_ops.autotune import config_for
 from tile_ops.lang import SharedMemoryError
 
-from .gemm_launch import _DT
+from .gemm_launch import _DT, launch_plan
 from .gemm_softmax import gemm_softmax
 from .gemm_softmax_config import _output_tile_fits, _widest_split, shared_memory_bytes
 
@@ -60,8 +60,8 @@ def gemm_softmax_launcher(kernel, device):
 
 
 def gemm_softmax_plan(kernel, device, a, b, out):
-    """``gemm_softmax_launcher``'s launch as a plan program (``Kernel.plan``) over plan buffer indices."""
-    return kernel.plan(device, [a, b, out])
+    """``gemm_softmax_launcher``'s launch as a plan program (``launch_plan``) over plan buffer indices."""
+    return launch_plan(kernel, device, [a, b, out])
 
 
 def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):

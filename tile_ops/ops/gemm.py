@@ -36,6 +36,9 @@ from . import checks, dense_only, fastpath, forward_ad, functorch, sharding
 
 OP = "tile_ops.gemm"
 
+# the plan's buffers (fastpath.py): the signature's tensors, the output, the scratch buffers
+A, B, BIAS, OUT, SCRATCH = range(5)
+
 GEMM_SCHEMA = "(Tensor a, Tensor b, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor"
 
 
@@ -155,14 +158,13 @@ def _gemm_cuda_checked(a, b, bias, out_dtype):
     operands = (a3, b3, out3) if bias is None else (a3, b3, out3, bias3)
     callers = (a, b, out) if bias is None else (a, b, out, bias)
     if fastpath.launched_in_place(operands, callers):
-        program = kernels.gemm_plan(kernel, a.device, fastpath.A, fastpath.B, fastpath.OUT,
-                                    None if bias is None else fastpath.C, fastpath.SCRATCH)
-        fastpath.record(fastpath.GEMM, a, b, bias, out_dtype, None, out, program)
+        program = kernels.gemm_plan(kernel, a.device, A, B, OUT, None if bias is None else BIAS, SCRATCH)
+        fastpath.record(fastpath.GEMM, (a, b, bias), (out_dtype,), (out,), program)
     return out
 
 
 def _gemm_cuda(a, b, bias=None, out_dtype=None):
-    out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, False)
+    out = fastpath.call(fastpath.GEMM, (a, b, bias), (out_dtype,), False)
     return out if out is not None else _gemm_cuda_checked(a, b, bias, out_dtype)
 
 
@@ -315,7 +317,7 @@ def gemm(
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
     casting = checks.autocasting(a)
     if eager and not casting and not forward_ad.plain_operands_may_be_dual():
-        out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, True)
+        out = fastpath.call(fastpath.GEMM, (a, b, bias), (out_dtype,), True)
         if out is not None:
             return out
     checks.check_argument_types(OP, a, b, bias, out_dtype)

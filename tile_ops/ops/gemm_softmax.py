@@ -33,6 +33,9 @@ from .gemm import _compute_dtype, gemm, load_kernel_module, matmul_input_grads, 
 
 OP = "tile_ops.gemm_softmax"
 
+# the plan's buffers (fastpath.py): the signature's tensors, the output
+A, B, OUT = range(3)
+
 GEMM_SOFTMAX_SCHEMA = "(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dtype=None) -> Tensor"
 
 
@@ -145,13 +148,13 @@ def _gemm_softmax_cuda_checked(a, b, scale, out_dtype):
         if finish is not None:
             finish()
     if len(launches) == 1 and fastpath.launched_in_place((a2, b2, out2), (a, b, out)):
-        program = kernels.gemm_softmax_plan(kernel, a.device, fastpath.A, fastpath.B, fastpath.OUT)
-        fastpath.record(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, out, program)
+        program = kernels.gemm_softmax_plan(kernel, a.device, A, B, OUT)
+        fastpath.record(fastpath.GEMM_SOFTMAX, (a, b), (scale, out_dtype), (out,), program)
     return out
 
 
 def _gemm_softmax_cuda(a, b, scale=1.0, out_dtype=None):
-    out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, False)
+    out = fastpath.call(fastpath.GEMM_SOFTMAX, (a, b), (scale, out_dtype), False)
     return out if out is not None else _gemm_softmax_cuda_checked(a, b, scale, out_dtype)
 
 
@@ -271,7 +274,7 @@ def gemm_softmax(
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
     casting = checks.autocasting(a)
     if eager and not casting and not forward_ad.plain_operands_may_be_dual():
-        out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, True)
+        out = fastpath.call(fastpath.GEMM_SOFTMAX, (a, b), (scale, out_dtype), True)
         if out is not None:
             return out
     checks.check_argument_types(OP, a, b, out_dtype=out_dtype)
