@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, dense_only, fastpath, forward_ad, functorch, sharding
+from . import checks, dense_only, fastpath, forward_ad, functorch, matmul, sharding
 
 OP = "tile_ops.gemm"
 
@@ -40,10 +40,6 @@ OP = "tile_ops.gemm"
 A, B, BIAS, OUT, SCRATCH = range(5)
 
 GEMM_SCHEMA = "(Tensor a, Tensor b, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor"
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def load_kernel_module(name: str, op: str):
@@ -62,8 +58,8 @@ def load_kernel_module(name: str, op: str):
 
 def gemm_reference(a, b, bias=None, out_dtype=None):
     """Plain-torch reference: ``(a @ b + bias)`` computed in float32 (float64 for float64)."""
-    _, _, _, _, _, odt = checks.check_matmul_inputs(OP, a, b, bias, out_dtype)
-    cdt = _compute_dtype(a.dtype)
+    _, _, _, _, _, odt = matmul.check_matmul_inputs(OP, a, b, bias, out_dtype)
+    cdt = matmul.compute_dtype(a.dtype)
     acc = torch.matmul(a.to(cdt), b.to(cdt))
     if bias is not None:
         acc = acc + bias.to(cdt)
@@ -104,8 +100,8 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     A 3-D ``a`` with row-major rows and a 2-D ``b`` is folded into a single
     (1, B*M, K) problem.
     """
-    _, batch, M, K, N, odt = checks.check_matmul_inputs(OP, a, b, bias, out_dtype, kind=kind)
-    out = torch.empty(checks.output_shape(batch, M, N), dtype=odt, device=a.device)
+    _, batch, M, K, N, odt = matmul.check_matmul_inputs(OP, a, b, bias, out_dtype, kind=kind)
+    out = torch.empty(matmul.output_shape(batch, M, N), dtype=odt, device=a.device)
     if out.numel() == 0:
         return out, None
     if K == 0:
@@ -123,17 +119,17 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     if (
         a.dim() == 3
         and b.dim() == 2
-        and checks.kernel_layout(a) == "row"
+        and matmul.kernel_layout(a) == "row"
         and (a.shape[0] == 1 or a.stride(0) == M * K)
     ):
         # (B, M, K) @ (K, N) with a row-major batch: one (B*M, K) @ (K, N) problem.
         a3 = a.as_strided((1, batch * M, K), (batch * M * K, K, 1), a.storage_offset())
-        b3 = checks.as_kernel_operand(b)
+        b3 = matmul.as_kernel_operand(b)
         out3 = out.view(1, batch * M, N)
     else:
         Bt = 1 if batch is None else batch
-        a3 = checks.as_kernel_operand(a)
-        b3 = checks.as_kernel_operand(b)
+        a3 = matmul.as_kernel_operand(a)
+        b3 = matmul.as_kernel_operand(b)
         if a3.shape[0] != Bt:
             a3 = a3.expand(Bt, M, K)
         if b3.shape[0] != Bt:
@@ -176,8 +172,8 @@ gemm_op.register_kernel("cuda", _gemm_cuda)
 
 @gemm_op.register_fake
 def _gemm_fake(a, b, bias=None, out_dtype=None):
-    _, batch, M, K, N, odt = checks.check_matmul_inputs(OP, a, b, bias, out_dtype)
-    return a.new_empty(checks.output_shape(batch, M, N), dtype=odt)
+    _, batch, M, K, N, odt = matmul.check_matmul_inputs(OP, a, b, bias, out_dtype)
+    return a.new_empty(matmul.output_shape(batch, M, N), dtype=odt)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -236,7 +232,7 @@ def _gemm_backward(ctx, grad):
     dbias = None
     if need_bias and ctx.bias_dtype is not None:
         rows = tuple(range(grad.dim() - 1))  # (not flatten: see matmul_input_grads)
-        dbias = grad.sum(rows, dtype=_compute_dtype(grad.dtype)).to(ctx.bias_dtype)
+        dbias = grad.sum(rows, dtype=matmul.compute_dtype(grad.dtype)).to(ctx.bias_dtype)
     return da, db, dbias, None
 
 
@@ -257,8 +253,8 @@ def _gemm_jvp(ctx, ta, tb, tbias, _):
     return forward_ad.gemm_tangent(gemm, a, b, ta, tb, tbias, y.dtype, y)
 
 
-gemm_op.register_vmap(functorch.gemm_vmap_rule(gemm_op, _compute_dtype,
-                                                functools.partial(checks.check_matmul_inputs, OP)))
+gemm_op.register_vmap(functorch.gemm_vmap_rule(gemm_op, matmul.compute_dtype,
+                                                functools.partial(matmul.check_matmul_inputs, OP)))
 _GemmFunction = functorch.autograd_function(  # torch.func and forward mode, eagerly: the same formulas
     "GemmFunction", gemm_op, _gemm_setup_context, _gemm_backward,
     lambda inputs, y: (inputs[1], inputs[0], y), _gemm_jvp)  # (b, a) as the op's backward reads them, then y
@@ -320,7 +316,7 @@ def gemm(
         out = fastpath.call(fastpath.GEMM, (a, b, bias), (out_dtype,), True)
         if out is not None:
             return out
-    checks.check_argument_types(OP, a, b, bias, out_dtype)
+    checks.check_argument_types(OP, out_dtype, a=a, b=b, bias=bias)
     if casting:
         a, b, bias = checks.autocast(a, b, bias)
     if eager:

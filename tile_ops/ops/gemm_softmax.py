@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from . import checks, dense_only, fastpath, forward_ad, functorch
-from .gemm import _compute_dtype, gemm, load_kernel_module, matmul_input_grads, needs_input_grad
+from . import checks, dense_only, fastpath, forward_ad, functorch, matmul
+from .gemm import gemm, load_kernel_module, matmul_input_grads, needs_input_grad
 
 OP = "tile_ops.gemm_softmax"
 
@@ -40,7 +40,7 @@ GEMM_SOFTMAX_SCHEMA = "(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dty
 
 
 def _check(a, b, scale, out_dtype, kind=None):
-    out = checks.check_matmul_inputs(OP, a, b, None, out_dtype, kind=kind)
+    out = matmul.check_matmul_inputs(OP, a, b, None, out_dtype, kind=kind)
     scale = checks.check_scale(OP, scale, a.dtype)
     return out, scale
 
@@ -51,7 +51,7 @@ def _check(a, b, scale, out_dtype, kind=None):
 def gemm_softmax_reference(a, b, scale=1.0, out_dtype=None):
     """Plain-torch reference: ``softmax(scale * (a @ b), -1)`` in float32 (float64 for float64)."""
     (_, _, _, _, _, odt), scale = _check(a, b, scale, out_dtype)
-    cdt = _compute_dtype(a.dtype)
+    cdt = matmul.compute_dtype(a.dtype)
     s = torch.matmul(a.to(cdt), b.to(cdt)) * scale
     return torch.softmax(s, dim=-1).to(odt).contiguous()
 
@@ -104,7 +104,7 @@ def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cu
     or None.
     """
     (_, batch, M, K, N, odt), scale = _check(a, b, scale, out_dtype, kind=kind)
-    out = torch.empty(checks.output_shape(batch, M, N), dtype=odt, device=a.device)
+    out = torch.empty(matmul.output_shape(batch, M, N), dtype=odt, device=a.device)
     if out.numel() == 0:
         return out, [], None
     if K == 0:
@@ -167,7 +167,7 @@ gemm_softmax_op.register_kernel("cuda", _gemm_softmax_cuda)
 @gemm_softmax_op.register_fake
 def _gemm_softmax_fake(a, b, scale=1.0, out_dtype=None):
     (_, batch, M, K, N, odt), _ = _check(a, b, scale, out_dtype)
-    return a.new_empty(checks.output_shape(batch, M, N), dtype=odt)
+    return a.new_empty(matmul.output_shape(batch, M, N), dtype=odt)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -185,7 +185,7 @@ def _gemm_softmax_setup_context(ctx, inputs, output):
 
 def softmax_backward(P, dP, scale, dtype):
     """``dS = scale * P * (dP - rowsum(dP * P))``, computed in float32 (float64 for float64)."""
-    cdt = _compute_dtype(P.dtype if P.dtype == torch.float64 else dP.dtype)
+    cdt = matmul.compute_dtype(P.dtype if P.dtype == torch.float64 else dP.dtype)
     Pc, g = P.to(cdt), dP.to(cdt)
     dS = Pc * (g - (g * Pc).sum(-1, keepdim=True))
     return (dS * scale).to(dtype)
@@ -277,7 +277,7 @@ def gemm_softmax(
         out = fastpath.call(fastpath.GEMM_SOFTMAX, (a, b), (scale, out_dtype), True)
         if out is not None:
             return out
-    checks.check_argument_types(OP, a, b, out_dtype=out_dtype)
+    checks.check_argument_types(OP, out_dtype, a=a, b=b)
     checks.check_scale(OP, scale, a.dtype)
     if casting:  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
