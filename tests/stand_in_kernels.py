@@ -1,6 +1,6 @@
 """CPU stand-ins for ``tile_ops.kernels.gemm_launch`` and ``tile_ops.kernels.gemm_softmax_launch``.
 
-With them installed (the ``stand_in_kernels`` fixture of conftest.py), the ops' CUDA code paths
+With them installed as the ops' kernels (the ``stand_in_kernels`` fixture of conftest.py), the ops' CUDA code paths
 (checks, layouts, plans, the eager fast path) run on CPU tensors.  Like a real kernel, a stand-in
 kernel is specialized on the shapes, strides and dtypes of the operands it was built for, and a
 launch reads and writes memory only through the raw data pointers it is given: a launch on the
@@ -10,7 +10,6 @@ wrong pointers, or a plan reused for operands of another layout, gives wrong res
 import contextlib
 import ctypes
 import importlib
-import sys
 import types
 from typing import NamedTuple
 
@@ -128,10 +127,10 @@ class _NoDeviceSwitch(contextlib.nullcontext):
 
 
 def install(monkeypatch):
-    """Stand-in kernel modules, no CUDA device switch, and no plans; returns the two modules."""
+    """Stand-in kernel modules as the ops' kernels, no CUDA device switch, and no plans; returns the two modules."""
     gemm, softmax = StandInGemm(), StandInGemmSoftmax()
-    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_launch", gemm)
-    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_softmax_launch", softmax)
+    monkeypatch.setattr(gemm_ops, "_kernels", lambda: gemm)
+    monkeypatch.setattr(softmax_ops, "_kernels", lambda: softmax)
     monkeypatch.setattr(torch.cuda, "device", _NoDeviceSwitch)
     fastpath.clear()
     return gemm, softmax

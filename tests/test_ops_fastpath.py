@@ -19,8 +19,8 @@ import tile_ops
 import tile_ops.nn
 from tile_ops.ops import fastpath
 
-gemm_mod = importlib.import_module("tile_ops.ops.gemm")
-softmax_mod = importlib.import_module("tile_ops.ops.gemm_softmax")
+GEMM = importlib.import_module("tile_ops.ops.gemm").GEMM  # the op's OpSpec (tile_ops.ops.gemm is the function)
+GEMM_SOFTMAX = importlib.import_module("tile_ops.ops.gemm_softmax").GEMM_SOFTMAX
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -39,10 +39,10 @@ class Counter:
 @pytest.fixture
 def ops(stand_in_kernels, monkeypatch):
     """CPU calls of the ops run their CUDA implementations: (gemm op counter, gemm_softmax op counter, stand-ins)."""
-    gemm_op = Counter(gemm_mod._gemm_cuda)
-    softmax_op = Counter(softmax_mod._gemm_softmax_cuda)
-    monkeypatch.setitem(gemm_mod.gemm_op._backend_fns, "cpu", gemm_op)
-    monkeypatch.setitem(softmax_mod.gemm_softmax_op._backend_fns, "cpu", softmax_op)
+    gemm_op = Counter(GEMM.cuda)
+    softmax_op = Counter(GEMM_SOFTMAX.cuda)
+    monkeypatch.setitem(GEMM.op._backend_fns, "cpu", gemm_op)
+    monkeypatch.setitem(GEMM_SOFTMAX.op._backend_fns, "cpu", softmax_op)
     return gemm_op, softmax_op, stand_in_kernels
 
 
@@ -262,7 +262,7 @@ def test_dispatch_checks_of_the_wrappers_call(ops):
     tile_ops.gemm(a, b, bias)
 
     def served(x, y, c=None, check=True):
-        return fastpath.call(fastpath.GEMM, (x, y, c), (None,), check) is not None
+        return fastpath.call(GEMM.plan_id, (x, y, c), (None,), check) is not None
 
     w = torch.nn.Parameter(b.clone())
     assert served(a, b) and served(a, b, bias) and served(a, w.detach())
@@ -300,10 +300,10 @@ def test_signature_fields_each_count(ops):
               dict(flags=(F32,)), dict(flags=(1.0,)), dict(flags=(None, None)), dict(x=a[None])]
     for change in [{}] + others:
         args = {**same, **change}
-        out = fastpath.call(fastpath.GEMM, (args["x"], args["y"], args["c"]), args["flags"], True)
+        out = fastpath.call(GEMM.plan_id, (args["x"], args["y"], args["c"]), args["flags"], True)
         assert (out is not None) == (not change), change
-    assert fastpath.call(fastpath.GEMM, (a, b), (None,), True) is None  # how many tensors
-    assert fastpath.call(fastpath.GEMM_SOFTMAX, (a, b, None), (None,), True) is None  # the op counts too
+    assert fastpath.call(GEMM.plan_id, (a, b), (None,), True) is None  # how many tensors
+    assert fastpath.call(GEMM_SOFTMAX.plan_id, (a, b, None), (None,), True) is None  # the op counts too
 
 
 @pytest.mark.parametrize("make", [
@@ -320,7 +320,7 @@ def test_only_dense_plain_memory_reaches_a_plan(ops, make):
     a, b = rnd(16, 32), rnd(32, 24)
     tile_ops.gemm(a, b)  # a plan for this signature
     x = make(a)
-    assert fastpath.call(fastpath.GEMM, (x, b, None), (None,), False) is None
+    assert fastpath.call(GEMM.plan_id, (x, b, None), (None,), False) is None
     got, want = _outcome(tile_ops.gemm, x, b), _outcome(torch.ops.tile_ops.gemm, x, b)
     if x.is_nested or x.layout != torch.strided:
         assert got[0] is want[0] is ValueError and "must be a dense tensor" in got[1] and got[1] == want[1]
@@ -340,13 +340,13 @@ def test_call_arguments_are_checked(ops):
             raise ValueError("no truth value")
 
     with pytest.raises(ValueError, match="no truth value"):
-        fastpath.call(fastpath.GEMM, (a, b, None), (None,), BadBool())
+        fastpath.call(GEMM.plan_id, (a, b, None), (None,), BadBool())
     with pytest.raises(OverflowError):
         fastpath.call(2 ** 70, (a, b, None), (None,), True)
     with pytest.raises(TypeError, match="takes 4 arguments"):
-        fastpath.call(fastpath.GEMM, (a, b, None))
+        fastpath.call(GEMM.plan_id, (a, b, None))
     with pytest.raises(TypeError, match="tensors and flags must be tuples"):
-        fastpath.call(fastpath.GEMM, [a, b, None], (None,), True)
+        fastpath.call(GEMM.plan_id, [a, b, None], (None,), True)
 
 
 def test_recorded_programs_are_checked(ops):
@@ -354,17 +354,17 @@ def test_recorded_programs_are_checked(ops):
     out = torch.empty(16, 24, dtype=F16)
     step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(0, None), (7, None)])
     with pytest.raises(ValueError, match=r"argument buffer 7 of kernel 'k' is not one of the plan's 4 buffers"):
-        fastpath.record(fastpath.GEMM, (a, b, None), (None,), (out,), ([], [step]))
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (out,), ([], [step]))
     spec = dict(tensor="A", dtype="float16", dims=[32, 16], strides=[60], box=[64, 16], element_strides=[1, 1],
                 swizzle=3, l2_promotion=2, oob_fill=0)
     step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(0, spec)])
     with pytest.raises(ValueError, match=r"strides_bytes\[0\] = 60 must be a positive multiple of 16"):
-        fastpath.record(fastpath.GEMM, (a, b, None), (None,), (out,), ([], [step]))
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (out,), ([], [step]))
     step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(0, None)])
     with pytest.raises(ValueError, match=r"kernel 'k' is not a loaded function"):
-        fastpath.record(fastpath.GEMM, (a, b, None), (None,), (out,), ([], [step]))
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (out,), ([], [step]))
     with pytest.raises(ValueError, match=r"an op's plan makes at least one output"):
-        fastpath.record(fastpath.GEMM, (a, b, None), (None,), (), lambda *pointers: None)
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (), lambda *pointers: None)
     assert fastpath.count() == 0
 
 
@@ -423,7 +423,7 @@ def test_plans_are_bounded(ops):
     b = rnd(32, 8)
     for m in range(1, 4098):
         a = torch.empty(m, 32, dtype=F16)
-        fastpath.record(fastpath.GEMM, (a, b, None), (None,), (torch.empty(m, 8, dtype=F16),), lambda *ptrs: None)
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (torch.empty(m, 8, dtype=F16),), lambda *ptrs: None)
     assert fastpath.count() == 1
 
 

@@ -311,7 +311,7 @@ def test_check_helpers_cuda_kind():
 def _run_glue(stand_ins, a, b, bias=None, out_dtype=None):
     """The CUDA implementation on CPU tensors: its output and the operands it gave the kernel."""
     gemm_kernels, _ = stand_ins
-    out = gemm_mod._gemm_cuda(a, b, bias, out_dtype)
+    out = gemm_mod.GEMM.cuda(a, b, bias, out_dtype)
     return out, gemm_kernels.calls
 
 

@@ -252,9 +252,9 @@ def op_calls(monkeypatch):
 
         return counted
 
-    monkeypatch.setitem(gemm_mod.gemm_op._backend_fns, "cuda", counting("gemm", gemm_mod._gemm_cuda))
-    monkeypatch.setitem(softmax_mod.gemm_softmax_op._backend_fns, "cuda",
-                        counting("gemm_softmax", softmax_mod._gemm_softmax_cuda))
+    monkeypatch.setitem(gemm_mod.GEMM.op._backend_fns, "cuda", counting("gemm", gemm_mod.GEMM.cuda))
+    monkeypatch.setitem(softmax_mod.GEMM_SOFTMAX.op._backend_fns, "cuda",
+                        counting("gemm_softmax", softmax_mod.GEMM_SOFTMAX.cuda))
     return calls
 
 

@@ -1,96 +1,69 @@
-"""What the tuner needs to drive each op's kernel: build one config, make inputs, compute the reference.
-
-The kernel modules own the configs (``config_space``, ``default_config``, ``shared_memory_bytes``);
-this module only knows where they are and how to call each kernel the way its op does for a plain
-row-major problem.  No torch or TVM import at module level.
+"""What the tuner and the command line (``python -m tile_ops demo | precompile | tune``) need of each op's kernel:
+its configs, how to build one, inputs and a reference to check it against, its FLOPs.  Each op's module
+(tile_ops/ops/<op>.py) defines a :class:`Target`, which its ``OpSpec`` registers here.  No torch or TVM import at
+module level.
 """
 
 from __future__ import annotations
 
-import importlib
+import abc
 
 
-class Target:
-    """One tunable op.  ``inputs`` returns a tensor per kernel parameter, in order; the output is last."""
+class Target(abc.ABC):
+    """An op's kernel, for a plain row-major problem of ``shape`` (M, N, K) in ``dtype`` (a name: "float16")."""
 
-    name: str
-    kernel: str  # tile_ops.kernels.<kernel>_config (config class, shared_memory_bytes), _defaults, _space, _launch
-    config_name: str
+    scaled = False  # its kernel takes a scale as a compile-time constant (precompile --scale)
+    speed = "TFLOP/s"  # how the demo reports its time: "TFLOP/s" (from flops) or "us"
+    demo: list = []  # [(shape, dtype)] the demo builds, and with --quick
+    demo_quick: list = []
+    precompile: list = []  # the shapes precompile builds when given none
 
-    def module(self, part: str):
-        return importlib.import_module(f"tile_ops.kernels.{self.kernel}_{part}")
-
+    @abc.abstractmethod
     def config_class(self) -> type:
-        return getattr(self.module("config"), self.config_name)
+        """The kernel's frozen config dataclass (the tuned table stores it as a dict)."""
 
+    @abc.abstractmethod
     def config_space(self, shape, dtype: str, arch: str) -> list:
-        return self.module("space").config_space(*shape, dtype, arch)
+        """The candidates the tuner compiles and times."""
 
+    @abc.abstractmethod
     def default_config(self, shape, arch: str | None = None):
-        return self.module("defaults").default_config(*shape, arch)
+        """The config launched where the table has no entry."""
 
+    @abc.abstractmethod
     def shared_memory_bytes(self, cfg, shape, dtype: str) -> int:
-        return self.module("config").shared_memory_bytes(cfg, *shape, dtype)
+        """An upper estimate, to skip candidates that cannot fit before compiling them."""
+
+    @abc.abstractmethod
+    def compile(self, shape, dtype: str, cfg, arch: str):
+        """The launchable for ``cfg``: ``launch_ptrs(pointers, device)`` over ``inputs``' tensors, and ``meta``."""
+
+    @abc.abstractmethod
+    def launched(self, shape, dtype: str, arch: str, scale: float):
+        """(the cache key of the main kernel the op launches for this problem, a callable building all it launches)."""
+
+    @abc.abstractmethod
+    def inputs(self, shape, dtype: str, device) -> list:
+        """A tensor per kernel parameter, in order; the output is last."""
+
+    @abc.abstractmethod
+    def reference(self, args, scale: float = 1.0, dtype=None):
+        """What the output of a launch on ``args`` should be, computed in ``dtype`` (default float32)."""
+
+    @abc.abstractmethod
+    def torch_equivalent(self, args, scale: float):
+        """A callable computing the same with torch alone (what the demo times beside the kernel)."""
 
     def flops(self, shape) -> int:
         M, N, K = shape
         return 2 * M * N * K
 
 
-class GemmTarget(Target):
-    name, kernel, config_name = "gemm", "gemm", "GemmConfig"
-
-    def compile(self, shape, dtype: str, cfg, arch: str):
-        M, N, K = shape
-        # a split-K config builds two kernels (the gemm's partials, their reduction): one launchable
-        return self.module("launch").build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
-
-    def inputs(self, shape, dtype: str, device):
-        import torch
-
-        M, N, K = shape
-        dt = getattr(torch, dtype)
-        a, b = _operands(M, N, K, dt, device)
-        bias = torch.zeros(N, dtype=dt, device=device)  # unused (has_bias=False) but a valid pointer
-        return [a.unsqueeze(0), b.unsqueeze(0), bias, torch.empty(1, M, N, dtype=dt, device=device)]
-
-    def reference(self, args):
-        import torch
-
-        return torch.matmul(args[0][0].float(), args[1][0].float())
+TARGETS: dict[str, Target] = {}  # by op name, in registration order
 
 
-class GemmSoftmaxTarget(Target):
-    name, kernel, config_name = "gemm_softmax", "gemm_softmax", "SoftmaxConfig"
-
-    def compile(self, shape, dtype: str, cfg, arch: str):
-        M, N, K = shape
-        program = importlib.import_module("tile_ops.kernels.gemm_softmax").gemm_softmax
-        return program(M, N, K, 1.0, dtype, dtype, cfg, target=arch)
-
-    def inputs(self, shape, dtype: str, device):
-        import torch
-
-        M, N, K = shape
-        dt = getattr(torch, dtype)
-        a, b = _operands(M, N, K, dt, device)
-        return [a, b, torch.empty(M, N, dtype=dt, device=device)]
-
-    def reference(self, args):
-        import torch
-
-        return torch.softmax(torch.matmul(args[0].float(), args[1].float()), dim=-1)
-
-
-def _operands(M, N, K, dt, device):
-    """Random A (M, K) and B (K, N) scaled so that A @ B has entries of about unit size."""
-    import torch
-
-    s = K ** -0.25
-    return (torch.randn(M, K, device=device) * s).to(dt), (torch.randn(K, N, device=device) * s).to(dt)
-
-
-TARGETS = {t.name: t for t in (GemmTarget(), GemmSoftmaxTarget())}
+def register(op: str, target: Target) -> None:
+    TARGETS[op] = target
 
 
 def get(op: str) -> Target:

@@ -22,16 +22,13 @@ returns None and goes through the checked path, so every error message is the
 checked path's own.
 
 A plan's buffers, which its kernel arguments name by index: the op's tensor
-operands in the order it passes them to :func:`record` and :data:`call`, then
-its outputs, then its scratch buffers.
+operands in the order of its signature (``OpSpec.signature``), then its
+outputs, then its scratch buffers.
 """
 
 from __future__ import annotations
 
 import torch
-
-# Ops, a part of the signature.
-GEMM, GEMM_SOFTMAX = 0, 1
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses: DTensor, FakeTensor, ...
 
@@ -41,8 +38,8 @@ def _no_plans(op, tensors, flags, check_dispatch):
 
 
 # call(op, tensors, flags, check_dispatch) -> the result of the signature's plan, launched, or None.  op: the
-# op's id above; tensors: its tensor operands (None: an optional one left out), flags: its scalar arguments;
-# check_dispatch: also return None when the dispatcher would add something (the wrappers' call).  The extension's plans_call once a plan exists, so
+# op's ``OpSpec.plan_id``; tensors, flags: its ``OpSpec.signature``; check_dispatch: also return None when the
+# dispatcher would add something (the wrappers' call).  The extension's plans_call once a plan exists, so
 # processes that never record one never load it.
 call = _no_plans
 

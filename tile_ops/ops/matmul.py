@@ -167,3 +167,8 @@ def as_kernel_operand(t: torch.Tensor) -> torch.Tensor:
         layout = "row"
     return canonical_view(t, layout)
 
+
+def random_operands(M, N, K, dtype, device):
+    """Random A (M, K) and B (K, N) scaled so that A @ B has entries of about unit size."""
+    s = K ** -0.25
+    return (torch.randn(M, K, device=device) * s).to(dtype), (torch.randn(K, N, device=device) * s).to(dtype)
