@@ -7,6 +7,18 @@ module level.
 from __future__ import annotations
 
 import abc
+from typing import Callable, NamedTuple
+
+
+class KernelConfigs(NamedTuple):
+    """An op kernel's configs: its config dataclass (the tuned table stores it as a dict), the candidates
+    ``space(M, N, K, dtype, arch)``, the ``default(M, N, K, arch)`` launched where the table has no entry, and an
+    upper estimate ``shared_memory_bytes(cfg, M, N, K, dtype)``, to skip candidates that cannot fit unbuilt."""
+
+    config: type
+    space: Callable
+    default: Callable
+    shared_memory_bytes: Callable
 
 
 class Target(abc.ABC):
@@ -19,20 +31,20 @@ class Target(abc.ABC):
     precompile: list = []  # the shapes precompile builds when given none
 
     @abc.abstractmethod
+    def configs(self) -> KernelConfigs:
+        """The kernel's configs, its modules imported here (on first use: the CPU path imports no kernel)."""
+
     def config_class(self) -> type:
-        """The kernel's frozen config dataclass (the tuned table stores it as a dict)."""
+        return self.configs().config
 
-    @abc.abstractmethod
     def config_space(self, shape, dtype: str, arch: str) -> list:
-        """The candidates the tuner compiles and times."""
+        return self.configs().space(*shape, dtype, arch)
 
-    @abc.abstractmethod
     def default_config(self, shape, arch: str | None = None):
-        """The config launched where the table has no entry."""
+        return self.configs().default(*shape, arch)
 
-    @abc.abstractmethod
     def shared_memory_bytes(self, cfg, shape, dtype: str) -> int:
-        """An upper estimate, to skip candidates that cannot fit before compiling them."""
+        return self.configs().shared_memory_bytes(cfg, *shape, dtype)
 
     @abc.abstractmethod
     def compile(self, shape, dtype: str, cfg, arch: str):

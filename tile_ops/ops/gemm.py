@@ -275,25 +275,11 @@ class GemmTarget(targets.Target):
     demo_quick = [((256, 256, 128), "float16"), ((256, 256, 128), "bfloat16")]
     precompile = [(4096, 4096, 4096), (8192, 8192, 8192), (1000, 1000, 1000)]  # bench_gemm.py's main shapes
 
-    def config_class(self):
-        from ..kernels.gemm_config import GemmConfig
+    def configs(self):
+        from ..kernels import gemm_config, gemm_defaults, gemm_space
 
-        return GemmConfig
-
-    def config_space(self, shape, dtype: str, arch: str) -> list:
-        from ..kernels.gemm_space import config_space
-
-        return config_space(*shape, dtype, arch)
-
-    def default_config(self, shape, arch=None):
-        from ..kernels.gemm_defaults import default_config
-
-        return default_config(*shape, arch)
-
-    def shared_memory_bytes(self, cfg, shape, dtype: str) -> int:
-        from ..kernels.gemm_config import shared_memory_bytes
-
-        return shared_memory_bytes(cfg, *shape, dtype)
+        return targets.KernelConfigs(gemm_config.GemmConfig, gemm_space.config_space, gemm_defaults.default_config,
+                                     gemm_config.shared_memory_bytes)
 
     def compile(self, shape, dtype: str, cfg, arch: str):
         M, N, K = shape

@@ -223,25 +223,11 @@ class GemmSoftmaxTarget(targets.Target):
     demo_quick = [((200, 96, 64), "float16")]
     precompile = [(8192, 2048, 1024)]  # bench_gemm_softmax.py's main shape
 
-    def config_class(self):
-        from ..kernels.gemm_softmax_config import SoftmaxConfig
+    def configs(self):
+        from ..kernels import gemm_softmax_config, gemm_softmax_defaults, gemm_softmax_space
 
-        return SoftmaxConfig
-
-    def config_space(self, shape, dtype: str, arch: str) -> list:
-        from ..kernels.gemm_softmax_space import config_space
-
-        return config_space(*shape, dtype, arch)
-
-    def default_config(self, shape, arch=None):
-        from ..kernels.gemm_softmax_defaults import default_config
-
-        return default_config(*shape, arch)
-
-    def shared_memory_bytes(self, cfg, shape, dtype: str) -> int:
-        from ..kernels.gemm_softmax_config import shared_memory_bytes
-
-        return shared_memory_bytes(cfg, *shape, dtype)
+        return targets.KernelConfigs(gemm_softmax_config.SoftmaxConfig, gemm_softmax_space.config_space,
+                                     gemm_softmax_defaults.default_config, gemm_softmax_config.shared_memory_bytes)
 
     def compile(self, shape, dtype: str, cfg, arch: str):
         from ..kernels.gemm_softmax import gemm_softmax as program
