@@ -309,6 +309,10 @@ class GemmTarget(targets.Target):
     def torch_equivalent(self, args, scale: float):
         return lambda: torch.matmul(args[0][0], args[1][0])
 
+    def flops(self, shape) -> int:
+        M, N, K = shape
+        return 2 * M * N * K
+
 
 # --------------------------------------------------------------------------- public API
 

@@ -254,6 +254,10 @@ class GemmSoftmaxTarget(targets.Target):
     def torch_equivalent(self, args, scale: float):
         return lambda: torch.softmax(scale * (args[0] @ args[1]), -1)
 
+    def flops(self, shape) -> int:  # the product's (the softmax adds a few per score)
+        M, N, K = shape
+        return 2 * M * N * K
+
 
 # --------------------------------------------------------------------------- public API
 
