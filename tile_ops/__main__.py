@@ -23,6 +23,9 @@ import os
 import sys
 import time
 
+from .autotune import cli as tune_cli
+from .cli_common import parse_arch, parse_jobs, parse_scale, parse_shape, print_table
+
 INTERESTING_OPS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SHFL", "BAR")
 # the scale the demo compiles into the kernels that take one (benchmarks/bench_gemm_softmax.py's)
 DEMO_SCALE = 0.125
@@ -107,59 +110,6 @@ def build_all(jobs, workers=None):
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     with cf.ThreadPoolExecutor(workers) as pool:
         return list(pool.map(build, jobs))
-
-
-# --------------------------------------------------------------------------------------- formatting
-def print_table(rows, columns, title=None, file=None):
-    file = file or sys.stdout
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in columns]
-    if title:
-        print(title, file=file)
-    print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))), file=file)
-    for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(w) if i == 0 else str(r.get(c, "")).rjust(w)
-                        for i, (c, w) in enumerate(zip(columns, widths))), file=file)
-    file.flush()
-
-
-def parse_shape(text: str) -> tuple:
-    parts = text.lower().replace("*", "x").split("x")
-    try:
-        dims = tuple(int(p) for p in parts)
-    except ValueError:
-        dims = ()
-    if len(dims) != 3 or min(dims) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a shape MxNxK of three positive integers, got {text!r}")
-    return dims
-
-
-def parse_arch(text: str) -> str:
-    from .jit import check_arch
-
-    try:
-        return check_arch(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("tile_ops: ")) from None
-
-
-def parse_scale(text: str) -> float:
-    try:
-        scale = float(text)
-    except ValueError:
-        scale = math.nan
-    if not math.isfinite(scale):  # the op refuses such a scale: its kernel could never launch
-        raise argparse.ArgumentTypeError(f"expected a finite float, got {text!r}")
-    return scale
-
-
-def parse_jobs(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of threads, at least 1, got {text!r}")
-    return n
 
 
 def instruction_mix(kernel) -> dict | None:
@@ -373,28 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "up to the CPU count)")
     pc.set_defaults(func=cmd_precompile)
 
-    _add_optional_commands(sub)
+    tune_cli.add_parser(sub)
     return p
-
-
-def _add_optional_commands(sub) -> None:
-    """Subcommands owned by other modules: a module with ``add_parser(subparsers)`` registers itself
-    (its parser sets ``func``).  ``tile_ops.autotune.cli`` provides ``tune`` when it exists."""
-    import importlib
-
-    for name in ("tile_ops.autotune.cli",):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and name.startswith(e.name):
-                continue  # not there (yet)
-            print(f"tile_ops: warning: cannot load {name}: {e}", file=sys.stderr)
-            continue
-        except Exception as e:  # noqa: BLE001 - a broken plug-in must not break demo/cache/precompile
-            print(f"tile_ops: warning: cannot load {name}: {type(e).__name__}: {e}", file=sys.stderr)
-            continue
-        if hasattr(mod, "add_parser"):
-            mod.add_parser(sub)
 
 
 def main(argv=None) -> int:
