@@ -333,6 +333,22 @@ at::Tensor allocate(const Buffer& buffer, const at::Device& device) {
   return at::empty(buffer.shape, at::TensorOptions().dtype(buffer.dtype).device(device));
 }
 
+// launch(*pointers), with no list or tuple in between.
+void call_host_launch(const py::object& launch, const std::vector<uint64_t>& pointers) {
+  std::vector<py::object> ints;
+  std::vector<PyObject*> args;
+  ints.reserve(pointers.size());
+  args.reserve(pointers.size());
+  for (uint64_t p : pointers) {
+    ints.push_back(py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(p)));
+    if (!ints.back()) throw py::error_already_set();
+    args.push_back(ints.back().ptr());
+  }
+  PyObject* done = PyObject_Vectorcall(launch.ptr(), args.data(), args.size(), nullptr);
+  if (done == nullptr) throw py::error_already_set();
+  Py_DECREF(done);
+}
+
 // The op's result: its one output, or a tuple of them.
 PyObject* result(std::vector<at::Tensor>& outputs) {
   if (outputs.size() == 1) return THPVariable_Wrap(std::move(outputs[0]));
@@ -382,6 +398,7 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const at::Device device = first->device();
   size_t next = n;
   std::vector<at::Tensor> outputs;
+  outputs.reserve(plan.outputs.size());
   for (const Buffer& b : plan.outputs) {
     outputs.push_back(allocate(b, device));
     pointers[next++] = reinterpret_cast<uint64_t>(outputs.back().data_ptr());
@@ -393,7 +410,7 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (plan.host_launch) {
     py::object launch = plan.host_launch;  // owned: the callback may clear the plans
-    launch(*py::cast(pointers));
+    call_host_launch(launch, pointers);
   } else if (!run_steps(plan, pointers, device.index())) {
     auto again = s.plans.find(key);  // a kernel was unloaded: the checked path loads it again and records anew
     if (again != s.plans.end() && again->second == held) s.plans.erase(again);

