@@ -276,6 +276,29 @@ def test_default_tiles_fit_the_waves(shape, default):
     assert cfg in gemm_space.config_space(*shape, arch="sm_90a")  # the tuner measures it too
 
 
+def test_default_configs_count_waves_on_the_gpus_sms(monkeypatch):
+    """The sm_90a heuristics fill the SMs of the GPU they run on: an H100 PCIe has 114, where 112 tiles of
+    128x256 (1792x2048) make one nearly full wave and 128 (2048^2) more than one; with no sm_90a GPU (none, or
+    an A100) they count the 132 of the H100 SXM / H200 the defaults were fitted on."""
+    import types
+
+    def gpu(arch, sms):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: arch is not None)
+        monkeypatch.setattr(gemm_defaults, "default_arch", lambda: arch)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: types.SimpleNamespace(multi_processor_count=sms))
+
+    wide = gemm_defaults.SM90A.one_wave_wide
+    for arch, sms in ((None, 0), ("sm_80", 108), ("sm_90a", 132)):
+        gpu(arch, sms)
+        assert gemm_defaults.sm_count("sm_90a") == 132, arch
+        assert default_config(2048, 2048, 2048, "sm_90a") == wide and default_config(1792, 2048, 2048, "sm_90a") != wide
+    gpu("sm_90a", 114)
+    assert gemm_defaults.sm_count("sm_90a") == 114
+    assert default_config(2048, 2048, 2048, "sm_90a") != wide and default_config(1792, 2048, 2048, "sm_90a") == wide
+
+
 def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
     built = []
     monkeypatch.setattr(gemm_launch, "gemm",
