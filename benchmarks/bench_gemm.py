@@ -22,7 +22,9 @@ from common import LARGE_SHAPES, bench_ms, fastest_correct, paired_medians, pick
 import tilelang_matmul  # noqa: E402
 
 from tile_ops.jit import default_arch  # noqa: E402
-from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa: E402
+from tile_ops.kernels.gemm_config import GemmConfig  # noqa: E402
+from tile_ops.kernels.gemm_defaults import default_config  # noqa: E402
+from tile_ops.kernels.gemm_launch import build_gemm  # noqa: E402
 
 # issue 4's ragged shapes beside 1000^3 (>= 0.90x cuBLAS): mid grids that fill 1.4-2.4 waves of 128x128 tiles, one
 # whose rows are not 16-byte aligned (padded for TMA), and 1000^3's grid with a long K (half a wave, 63 k-steps:

@@ -23,8 +23,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import bench_ms, fastest_correct, paired_medians, pick_shapes, png_path_or_none, print_table, save  # noqa: E402
 
-from tile_ops.kernels.gemm import build_gemm, default_config as gemm_config  # noqa: E402
-from tile_ops.kernels.gemm_softmax import LOG2E, SoftmaxConfig, default_config, gemm_softmax  # noqa: E402
+from tile_ops.kernels.gemm_defaults import default_config as gemm_config  # noqa: E402
+from tile_ops.kernels.gemm_launch import build_gemm  # noqa: E402
+from tile_ops.kernels.gemm_softmax import LOG2E, gemm_softmax  # noqa: E402
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig  # noqa: E402
+from tile_ops.kernels.gemm_softmax_defaults import default_config  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 2048, 1024), (16384, 1024, 512), (4096, 64, 512), (2048, 8192, 256)]
 # torch's softmax(a @ b) in fp16, µs, as ../shared/ANCHORS.md measured it on our H200 (issue 4's 2.5x is against it)

@@ -33,6 +33,9 @@ import tile_ops  # noqa: E402
 from tile_ops.jit import Kernel  # noqa: E402
 from tile_ops.ops import fastpath  # noqa: E402
 
+GEMM = importlib.import_module("tile_ops.ops.gemm").GEMM  # the ops' OpSpecs (tile_ops.ops.gemm is the function)
+GEMM_SOFTMAX = importlib.import_module("tile_ops.ops.gemm_softmax").GEMM_SOFTMAX
+
 BAR_US = 10.0
 GRAPH_CALLS = 200
 HOST_BATCH = 200
@@ -83,7 +86,7 @@ def host_stages(a, b):
     """The fast path's host stages, each timed alone like host_us: where a call's microseconds go."""
     out = tile_ops.gemm(a, b)
     index = a.device.index
-    kernel = importlib.import_module("tile_ops.kernels.gemm").get_gemm_kernel(a[None], b[None], out[None])[0]
+    kernel = importlib.import_module("tile_ops.kernels.gemm_launch").get_gemm_kernel(a[None], b[None], out[None])[0]
     if not isinstance(kernel, Kernel):  # split-K or padded: several launches, no one launch to take apart
         print(f"host stages: {kernel!r} is several kernels; they are timed for single-kernel shapes only")
         return []
@@ -94,7 +97,7 @@ def host_stages(a, b):
     stages = {
         "torch.compiler.is_compiling()": torch.compiler.is_compiling,
         "fastpath.call (C++: checks, lookup, torch.empty, launch)":
-            lambda: fastpath.call(fastpath.GEMM, a, b, None, None, None, True),
+            lambda: fastpath.call(GEMM.plan_id, (a, b, None), (None,), True),
         "  for scale: torch.empty (output, from Python)": lambda: torch.empty(*out.shape, dtype=out.dtype, device=a.device),
         "  for scale: the extension's launch (from Python)": lambda: lib_launch(handle, grid, block, smem, stream, args, name),
         "tile_ops.gemm (all)": lambda: tile_ops.gemm(a, b),
@@ -105,8 +108,8 @@ def host_stages(a, b):
 
 def check_fast_path_taken(a, b, scale):
     """The fast-path rows must not silently measure the dispatcher path."""
-    planned = (fastpath.call(fastpath.GEMM, a, b, None, None, None, True) is not None
-               and fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, None, scale, True) is not None)
+    planned = (fastpath.call(GEMM.plan_id, (a, b, None), (None,), True) is not None
+               and fastpath.call(GEMM_SOFTMAX.plan_id, (a, b), (scale, None), True) is not None)
     if not planned:
         raise SystemExit("bench_overhead: tile_ops.gemm / gemm_softmax would not take the eager fast path here")
 

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import LARGE_SHAPES, pick_shapes, print_table, save  # noqa: E402
 
-from tile_ops.kernels.gemm import build_gemm, default_config  # noqa: E402
+from tile_ops.kernels.gemm_defaults import default_config  # noqa: E402
+from tile_ops.kernels.gemm_launch import build_gemm  # noqa: E402
 
 # a variant: "default", or "+"-joined changes to a shape's default config: rasterN (panels of N column tiles,
 # 0: grid order), clusterN (B multicast to N M tiles), cluster_nN (A multicast to N N tiles); e.g. raster8

@@ -33,7 +33,8 @@ def run_round(shapes, names, dtype, rep_ms):
     from bench_gemm import kernels_for
     from common import paired_medians, passing
 
-    from tile_ops.kernels.gemm import GemmConfig, default_config
+    from tile_ops.kernels.gemm_config import GemmConfig
+    from tile_ops.kernels.gemm_defaults import default_config
 
     rows = []
     for M, N, K in shapes:
@@ -86,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--json")
     p.add_argument("--child-out", help=argparse.SUPPRESS)  # a round's process: its rows go to this file
     args = p.parse_args(argv)
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     args.names = list(dict.fromkeys(["default"] + [n for n in args.configs.split(",") if n]))
     for name in args.names[1:]:

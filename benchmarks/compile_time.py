@@ -36,10 +36,12 @@ SOFTMAX_SCALE = 0.125  # as in bench_gemm_softmax.py
 def _factory(op, shape, dtype):
     M, N, K = shape
     if op == "gemm":
-        from tile_ops.kernels.gemm import default_config, gemm
+        from tile_ops.kernels.gemm import gemm
+        from tile_ops.kernels.gemm_defaults import default_config
 
         return gemm, (M, N, K, 1, 1, 1, False, False, False, dtype, dtype, default_config(M, N, K))
-    from tile_ops.kernels.gemm_softmax import default_config, gemm_softmax
+    from tile_ops.kernels.gemm_softmax import gemm_softmax
+    from tile_ops.kernels.gemm_softmax_defaults import default_config
 
     return gemm_softmax, (M, N, K, SOFTMAX_SCALE, dtype, dtype, default_config(M, N, K))
 

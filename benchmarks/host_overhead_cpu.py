@@ -29,8 +29,8 @@ from tile_ops.jit.kernel import Kernel  # noqa: E402
 from tile_ops.ops import fastpath  # noqa: E402
 
 jit_mod = importlib.import_module("tile_ops.jit")  # the module: tile_ops.jit is the decorator
-gemm_mod = importlib.import_module("tile_ops.ops.gemm")
-softmax_mod = importlib.import_module("tile_ops.ops.gemm_softmax")
+GEMM = importlib.import_module("tile_ops.ops.gemm").GEMM  # the ops' OpSpecs (tile_ops.ops.gemm is the function)
+GEMM_SOFTMAX = importlib.import_module("tile_ops.ops.gemm_softmax").GEMM_SOFTMAX
 
 
 class _NoLaunch:
@@ -55,10 +55,10 @@ def install_stand_ins():
     torch.cuda.current_device = lambda: 0
     torch.cuda.device = lambda device: contextlib.nullcontext()
     # plans of host code that does nothing: a native plan's launch needs the driver
-    for module, plan in (("gemm", "gemm_plan"), ("gemm_softmax", "gemm_softmax_plan")):
+    for module, plan in (("gemm_launch", "gemm_plan"), ("gemm_softmax_launch", "gemm_softmax_plan")):
         setattr(importlib.import_module(f"tile_ops.kernels.{module}"), plan, lambda *args: lambda *ptrs: None)
-    gemm_mod.gemm_op.register_kernel("cpu", gemm_mod._gemm_cuda)
-    softmax_mod.gemm_softmax_op.register_kernel("cpu", softmax_mod._gemm_softmax_cuda)
+    GEMM.op.register_kernel("cpu", GEMM.cuda)
+    GEMM_SOFTMAX.op.register_kernel("cpu", GEMM_SOFTMAX.cuda)
 
 
 def per_call_us(fn, iters, repeat):
@@ -73,14 +73,14 @@ def per_call_us(fn, iters, repeat):
 
 
 def cases(a, b):
-    kernel = importlib.import_module("tile_ops.kernels.gemm").get_gemm_kernel(a[None], b[None], a[None])[0]
+    kernel = importlib.import_module("tile_ops.kernels.gemm_launch").get_gemm_kernel(a[None], b[None], a[None])[0]
     return {
         "tile_ops.gemm (fast path)": lambda: tile_ops.gemm(a, b),
         "torch.ops.tile_ops.gemm (dispatcher + plan)": lambda: torch.ops.tile_ops.gemm(a, b),
-        "gemm checked path (a signature's first call)": lambda: gemm_mod._gemm_cuda_checked(a, b, None, None),
+        "gemm checked path (a signature's first call)": lambda: GEMM.launch(a, b, None, None),
         "tile_ops.gemm_softmax (fast path)": lambda: tile_ops.gemm_softmax(a, b, 0.125),
         "torch.ops.tile_ops.gemm_softmax (dispatcher + plan)": lambda: torch.ops.tile_ops.gemm_softmax(a, b, 0.125),
-        "fast path stage: fastpath.call (C++)": lambda: fastpath.call(fastpath.GEMM, a, b, None, None, None, True),
+        "fast path stage: fastpath.call (C++)": lambda: fastpath.call(GEMM.plan_id, (a, b, None), (None,), True),
         "  for scale: torch.empty from Python": lambda: torch.empty(64, 64, dtype=a.dtype),
         "  for scale: Kernel.launch_ptrs (the checked path's launch)": lambda: kernel.launch_ptrs([16, 32, 48, 64], a.device),
         "the dispatcher alone (trivial kernel)": lambda: torch.ops.tile_ops.gemm(a, b),
@@ -101,7 +101,7 @@ def main():
     rows = []
     for name, fn in cases(a, b).items():
         if name.startswith("the dispatcher alone"):
-            gemm_mod.gemm_op.register_kernel("cpu", lambda *_: torch.empty(64, 64, dtype=a.dtype))
+            GEMM.op.register_kernel("cpu", lambda *_: torch.empty(64, 64, dtype=a.dtype))
         rows.append({"path": name, "us_per_call": round(per_call_us(fn, args.iters, args.repeat), 2)})
     print_table(rows, ["path", "us_per_call"], f"Host cost per call on the CPU with CUDA stand-ins, 64x64x64 fp16 "
                 f"(torch {torch.__version__}, best of {args.repeat} x {args.iters})")

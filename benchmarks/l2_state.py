@@ -37,7 +37,9 @@ from common import l2_flusher, paired_medians, print_table  # noqa: E402
 from profile_gemm import parse_config  # noqa: E402
 
 from tile_ops.jit.kernel import Kernel  # noqa: E402
-from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config  # noqa: E402
+from tile_ops.kernels.gemm_config import GemmConfig  # noqa: E402
+from tile_ops.kernels.gemm_defaults import default_config  # noqa: E402
+from tile_ops.kernels.gemm_launch import build_gemm  # noqa: E402
 
 PROMOTIONS = {"none": 0, "64": 1, "128": 2, "256": 3}  # CUtensorMapL2promotion
 STATES = ("dirty", "clean", "warm")

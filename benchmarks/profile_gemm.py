@@ -138,7 +138,9 @@ def print_stall_reasons(child, l2="clean"):
 
 def our_launch(op, shape, dtype, config):
     """``launch(a, b, c)`` of our kernel for ``op`` at ``shape``."""
-    from tile_ops.kernels.gemm import GemmConfig, build_gemm, default_config
+    from tile_ops.kernels.gemm_config import GemmConfig
+    from tile_ops.kernels.gemm_defaults import default_config
+    from tile_ops.kernels.gemm_launch import build_gemm
     from tile_ops.kernels.gemm_softmax import gemm_softmax
 
     M, N, K = shape

@@ -104,13 +104,16 @@ def build(kernel, arch, shape, label):
     """The tile_ops.Kernel for one (kernel, path, shape): compiled, or loaded from the cache."""
     M, N, K = shape
     if kernel == "gemm":
-        from tile_ops.kernels.gemm import default_config, gemm, padded_cols
+        from tile_ops.kernels.gemm import gemm
+        from tile_ops.kernels.gemm_defaults import default_config
+        from tile_ops.kernels.gemm_launch import padded_cols
 
         cols = padded_cols(M, N, K, target=arch) if label == "padded" else {}
         return gemm(M, N, K, 1, 1, 1, False, False, label != "small", "float16", "float16",
                     default_config(M, N, K, arch), **cols, target=arch)
     if kernel == "gemm_softmax":
-        from tile_ops.kernels.gemm_softmax import default_config, gemm_softmax
+        from tile_ops.kernels.gemm_softmax import gemm_softmax
+        from tile_ops.kernels.gemm_softmax_defaults import default_config
 
         return gemm_softmax(M, N, K, SCALE, "float16", "float16", default_config(M, N, K, arch), target=arch)
     if kernel == "pad_rows":

@@ -1,22 +1,24 @@
 // The ops' eager fast path: a repeated call of an op launched from one C++ call.
 //
-// For a given input signature (shapes, strides, dtypes and devices of the operands, and the op's
-// flags) every check and layout decision of an op comes out the same, so once the checked Python
-// path has launched a signature's kernels on the caller's own tensors it records a plan here: the
-// output to allocate and the launches.  plans_call then does, per call, what the Python path took
-// ~12 µs for: the dispatcher checks, the signature lookup, the pointer alignment check, the output
-// (and scratch) allocation and the driver launches.  A call it cannot serve returns None and the op
-// takes its checked path, which reports every error.
+// For a given input signature (the op, the shapes, strides, dtypes and devices of its tensor
+// operands, and its scalar flags) every check and layout decision of an op comes out the same, so
+// once the checked Python path has launched a signature's kernels on the caller's own tensors it
+// records a plan here: the outputs to allocate and the launches.  plans_call then does, per call,
+// what the Python path took ~12 µs for: the dispatcher checks, the signature lookup, the pointer
+// alignment check, the output (and scratch) allocation and the driver launches.  A call it cannot
+// serve returns None and the op takes its checked path, which reports every error.
 //
 // Python API (tile_ops/ops/fastpath.py is the only caller; INTERFACES.md):
 //   plans_configure(plain_types: tuple[type, ...], stream_getter: callable | None)
-//   plans_record(op, a, b, c, out_dtype, scale, out_shape, result_dtype, program) -> bool
-//   plans_call(op, a, b, c, out_dtype, scale, check_dispatch) -> Tensor | None
+//   plans_record(op, tensors, flags, outputs, program) -> bool
+//   plans_call(op, tensors, flags, check_dispatch) -> Tensor | tuple[Tensor, ...] | None
 //   plans_clear(); plans_size() -> int
-// where `program` is either (scratch, steps) -- scratch [(shape, dtype)], steps [(function, grid,
-// block, smem, kernel_name, args)], args [(buffer, tensormap spec dict | None)] over the buffers
-// a=0, b=1, c=2, out=3, scratch 4.. -- or a callable launch(a_ptr, b_ptr, out_ptr, c_ptr) for a
-// launcher that runs host code (tests' stand-in kernels).
+// where `tensors` is a tuple of the op's tensor operands (None for an omitted optional one), `flags`
+// a tuple of its scalar arguments (None, bool, int, float or torch.dtype), `outputs` a list of
+// (shape, dtype), and `program` either (scratch, steps) -- scratch [(shape, dtype)], steps [(function,
+// grid, block, smem, kernel_name, args)], args [(buffer, tensormap spec dict | None)] over the plan's
+// buffers: the tensor operands, then the outputs, then the scratch buffers -- or a callable
+// launch(*pointers), the pointers of those buffers in that order, for a launch that runs host code.
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/Tensor.h>
@@ -43,9 +45,9 @@ namespace py = pybind11;
 namespace tile_ops {
 namespace {
 
-constexpr int kOperands = 3;         // a, b and the optional c (gemm's bias)
-constexpr int kOut = 3;              // buffer index of the output; scratch buffers follow
-constexpr int kMaxRank = 3;          // the ops take 1-D to 3-D operands
+constexpr int kMaxTensors = 8;       // tensor operands of an op
+constexpr int kMaxFlags = 8;         // scalar arguments of an op
+constexpr int kMaxRank = 4;          // dims of a tensor operand
 constexpr size_t kMaxPlans = 4096;   // cleared when full: varying shapes cannot grow it forever
 constexpr int kDescriptorsPerMap = 4;  // TMA descriptors kept per tensor map (per pointer seen)
 constexpr uint64_t kPointerAlignment = 16;
@@ -53,7 +55,7 @@ constexpr size_t kMaxArgs = 64;      // kernel arguments per step
 
 // The signature of a call: every field of it that the op's checks and layout decisions read.
 struct Key {
-  std::array<int64_t, 4 + kOperands * (3 + 2 * kMaxRank)> words{};
+  std::array<int64_t, 3 + kMaxTensors * (3 + 2 * kMaxRank) + 2 * kMaxFlags> words{};
   int n = 0;
   void add(int64_t w) { words[n++] = w; }
   bool operator==(const Key& o) const { return n == o.n && std::memcmp(words.data(), o.words.data(), n * 8) == 0; }
@@ -93,8 +95,9 @@ struct Buffer {
 };
 
 struct Plan {
-  Buffer out;
-  py::object host_launch;  // a Python launch(a, b, out, c) instead of steps
+  int tensors = 0;  // the tensor operands: buffers 0..tensors-1; the outputs follow, then the scratch
+  std::vector<Buffer> outputs;
+  py::object host_launch;  // a Python launch(*pointers) instead of steps
   std::vector<Buffer> scratch;
   std::vector<Step> steps;
   std::vector<TensorMapSlot> tensormaps;
@@ -134,9 +137,9 @@ bool is_dense(const at::Tensor& t) {
 // The same rule as running the op through the dispatcher would apply: nothing to record (no
 // autograd graph, no tracing), nothing that intercepts ops (dispatch or torch-function modes,
 // functorch transforms).  torch.compile is ruled out by the Python caller (dynamo folds it there).
-bool dispatcher_adds_nothing(const at::Tensor* const tensors[kOperands]) {
+bool dispatcher_adds_nothing(const at::Tensor* const tensors[], int n) {
   if (c10::GradMode::is_enabled())
-    for (int i = 0; i < kOperands; ++i)
+    for (int i = 0; i < n; ++i)
       if (tensors[i] != nullptr && tensors[i]->requires_grad()) return false;
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled()) return false;
   const c10::DispatchKeySet included = c10::impl::tls_local_dispatch_key_set().included_;
@@ -144,11 +147,39 @@ bool dispatcher_adds_nothing(const at::Tensor* const tensors[kOperands]) {
            included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode));
 }
 
-// Fills `key`; false when the call cannot have a plan (an odd scale, a rank the ops do not take).
-bool make_key(int64_t op, const at::Tensor* const tensors[kOperands], PyObject* out_dtype, PyObject* scale,
-              Key& key) {
+// Adds a scalar flag to `key` (its type, then its value); false for a type a plan cannot key on.
+bool add_flag(PyObject* flag, Key& key) {
+  key.add(reinterpret_cast<int64_t>(Py_TYPE(flag)));  // 1 == 1.0 == True, but the op may treat them differently
+  if (flag == Py_None) {
+    key.add(0);
+  } else if (PyFloat_CheckExact(flag)) {
+    const double value = PyFloat_AS_DOUBLE(flag);
+    int64_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    key.add(bits);
+  } else if (PyLong_CheckExact(flag) || PyBool_Check(flag)) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(flag, &overflow);
+    if (overflow || (value == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    key.add(value);
+  } else if (THPDtype_Check(flag)) {
+    key.add(reinterpret_cast<int64_t>(flag));  // dtypes are singletons
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Fills `key`; false when the call cannot have a plan (an odd flag, a rank or a count the plans do not take).
+bool make_key(int64_t op, const at::Tensor* const tensors[], int n, PyObject* flags, Key& key) {
+  const Py_ssize_t n_flags = PyTuple_GET_SIZE(flags);
+  if (n_flags > kMaxFlags) return false;
   key.add(op);
-  for (int i = 0; i < kOperands; ++i) {
+  key.add(n);
+  for (int i = 0; i < n; ++i) {
     const at::Tensor* t = tensors[i];
     if (t == nullptr) {
       key.add(-1);
@@ -162,37 +193,29 @@ bool make_key(int64_t op, const at::Tensor* const tensors[kOperands], PyObject* 
     for (int64_t d = 0; d < rank; ++d) key.add(t->size(d));
     for (int64_t d = 0; d < rank; ++d) key.add(t->stride(d));
   }
-  key.add(reinterpret_cast<int64_t>(out_dtype));  // None or a torch.dtype: both singletons
-  // The scale's type counts: 1 == 1.0 == True, but the op may treat them differently.
-  key.add(reinterpret_cast<int64_t>(Py_TYPE(scale)));
-  double value = 0.0;
-  if (PyFloat_CheckExact(scale)) {
-    value = PyFloat_AS_DOUBLE(scale);
-  } else if (PyLong_CheckExact(scale) || PyBool_Check(scale)) {
-    value = PyLong_AsDouble(scale);
-    if (value == -1.0 && PyErr_Occurred()) {
-      PyErr_Clear();
-      return false;
-    }
-  } else if (scale != Py_None) {
-    return false;
-  }
-  int64_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  key.add(bits);
+  key.add(n_flags);
+  for (Py_ssize_t i = 0; i < n_flags; ++i)
+    if (!add_flag(PyTuple_GET_ITEM(flags, i), key)) return false;
   return true;
 }
 
-// The operands as tensors (c may be None); false when one is not a plain, dense tensor.
-bool unpack(PyObject* const objs[kOperands], const at::Tensor* tensors[kOperands]) {
-  for (int i = 0; i < kOperands; ++i) {
+// The tensor operands (None: an omitted one); false when one is not a plain, dense tensor, there are
+// more than a plan takes, or none at all.
+bool unpack(PyObject* objs, const at::Tensor* tensors[kMaxTensors], int& n) {
+  const Py_ssize_t count = PyTuple_GET_SIZE(objs);
+  if (count > kMaxTensors) return false;
+  n = static_cast<int>(count);
+  bool any = false;
+  for (int i = 0; i < n; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(objs, i);
     tensors[i] = nullptr;
-    if (objs[i] == Py_None && i == kOperands - 1) continue;
-    if (!is_plain(objs[i])) return false;
-    tensors[i] = &THPVariable_Unpack(objs[i]);
+    if (obj == Py_None) continue;
+    if (!is_plain(obj)) return false;
+    tensors[i] = &THPVariable_Unpack(obj);
     if (!is_dense(*tensors[i])) return false;
+    any = true;
   }
-  return true;
+  return any;
 }
 
 at::ScalarType scalar_type_of(py::handle dtype) {
@@ -229,7 +252,7 @@ void read_program(py::handle program, Plan& plan) {
     auto [shape, dtype] = s.cast<std::pair<py::object, py::object>>();
     plan.scratch.push_back(buffer_of(shape, dtype));
   }
-  const int buffers = kOut + 1 + static_cast<int>(plan.scratch.size());
+  const int buffers = plan.tensors + static_cast<int>(plan.outputs.size() + plan.scratch.size());
   for (py::handle s : steps) {
     py::tuple t = s.cast<py::tuple>();
     if (t.size() != 6) throw py::value_error("tile_ops: plans: a step is (function, grid, block, smem, name, args)");
@@ -310,64 +333,105 @@ at::Tensor allocate(const Buffer& buffer, const at::Device& device) {
   return at::empty(buffer.shape, at::TensorOptions().dtype(buffer.dtype).device(device));
 }
 
-// plans_call(op, a, b, c, out_dtype, scale, check_dispatch): the output, or None (no plan).
+// launch(*pointers), with no list or tuple in between.
+void call_host_launch(const py::object& launch, const std::vector<uint64_t>& pointers) {
+  std::vector<py::object> ints;
+  std::vector<PyObject*> args;
+  ints.reserve(pointers.size());
+  args.reserve(pointers.size());
+  for (uint64_t p : pointers) {
+    ints.push_back(py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(p)));
+    if (!ints.back()) throw py::error_already_set();
+    args.push_back(ints.back().ptr());
+  }
+  PyObject* done = PyObject_Vectorcall(launch.ptr(), args.data(), args.size(), nullptr);
+  if (done == nullptr) throw py::error_already_set();
+  Py_DECREF(done);
+}
+
+// The op's result: its one output, or a tuple of them.
+PyObject* result(std::vector<at::Tensor>& outputs) {
+  if (outputs.size() == 1) return THPVariable_Wrap(std::move(outputs[0]));
+  py::tuple all(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i)
+    all[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[i])));
+  return all.release().ptr();
+}
+
+// plans_call(op, tensors, flags, check_dispatch): the op's result, or None (no plan).
 PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "tile_ops: plans_call takes 7 arguments");
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "tile_ops: plans_call takes 4 arguments (op, tensors, flags, check_dispatch)");
     return nullptr;
   }
   const long long op = PyLong_AsLongLong(args[0]);
   if (op == -1 && PyErr_Occurred()) return nullptr;
-  const int check_dispatch = PyObject_IsTrue(args[6]);
+  if (!PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "tile_ops: plans_call: tensors and flags must be tuples");
+    return nullptr;
+  }
+  const int check_dispatch = PyObject_IsTrue(args[3]);
   if (check_dispatch < 0) return nullptr;
-  const at::Tensor* tensors[kOperands];
-  if (!unpack(args + 1, tensors)) Py_RETURN_NONE;
-  if (check_dispatch && !dispatcher_adds_nothing(tensors)) Py_RETURN_NONE;
+  const at::Tensor* tensors[kMaxTensors];
+  int n = 0;
+  if (!unpack(args[1], tensors, n)) Py_RETURN_NONE;
+  if (check_dispatch && !dispatcher_adds_nothing(tensors, n)) Py_RETURN_NONE;
   Key key;
-  if (!make_key(op, tensors, args[4], args[5], key)) Py_RETURN_NONE;
+  if (!make_key(op, tensors, n, args[2], key)) Py_RETURN_NONE;
   State& s = state();
   auto it = s.plans.find(key);
   if (it == s.plans.end()) Py_RETURN_NONE;
   const std::shared_ptr<Plan> held = it->second;  // the iterator dies with the first Python call below
   Plan& plan = *held;
 
-  std::vector<uint64_t> pointers(kOut + 1 + plan.scratch.size(), 0);
+  std::vector<uint64_t> pointers(n + plan.outputs.size() + plan.scratch.size(), 0);
   uint64_t misaligned = 0;
-  for (int i = 0; i < kOperands; ++i) {
+  const at::Tensor* first = nullptr;
+  for (int i = 0; i < n; ++i) {
     if (tensors[i] == nullptr) continue;
+    first = first ? first : tensors[i];
     pointers[i] = reinterpret_cast<uint64_t>(tensors[i]->data_ptr());
     misaligned |= pointers[i] % kPointerAlignment;
   }
   if (misaligned) Py_RETURN_NONE;  // the checked path says what is accepted
-  const at::Device device = tensors[0]->device();
-  at::Tensor out = allocate(plan.out, device);
-  pointers[kOut] = reinterpret_cast<uint64_t>(out.data_ptr());
+  const at::Device device = first->device();
+  size_t next = n;
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(plan.outputs.size());
+  for (const Buffer& b : plan.outputs) {
+    outputs.push_back(allocate(b, device));
+    pointers[next++] = reinterpret_cast<uint64_t>(outputs.back().data_ptr());
+  }
   std::vector<at::Tensor> scratch;  // freed on return: stream-ordered, like the checked path's workspace
   for (const Buffer& b : plan.scratch) {
     scratch.push_back(allocate(b, device));
-    pointers[kOut + scratch.size()] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
+    pointers[next++] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
   }
   if (plan.host_launch) {
     py::object launch = plan.host_launch;  // owned: the callback may clear the plans
-    launch(pointers[0], pointers[1], pointers[kOut], pointers[2]);
+    call_host_launch(launch, pointers);
   } else if (!run_steps(plan, pointers, device.index())) {
     auto again = s.plans.find(key);  // a kernel was unloaded: the checked path loads it again and records anew
     if (again != s.plans.end() && again->second == held) s.plans.erase(again);
     Py_RETURN_NONE;
   }
-  return THPVariable_Wrap(std::move(out));
+  return result(outputs);
   END_HANDLE_TH_ERRORS  // c10 errors keep their Python type (torch.OutOfMemoryError, ...)
 }
 
-bool plans_record(int64_t op, py::handle a, py::handle b, py::handle c, py::handle out_dtype, py::handle scale,
-                  py::handle out_shape, py::handle result_dtype, py::handle program) {
-  PyObject* objs[kOperands] = {a.ptr(), b.ptr(), c.ptr()};
-  const at::Tensor* tensors[kOperands];
+bool plans_record(int64_t op, py::tuple tensor_args, py::tuple flags, py::list outputs, py::handle program) {
+  const at::Tensor* tensors[kMaxTensors];
+  int n = 0;
   Key key;
-  if (!unpack(objs, tensors) || !make_key(op, tensors, out_dtype.ptr(), scale.ptr(), key)) return false;
+  if (!unpack(tensor_args.ptr(), tensors, n) || !make_key(op, tensors, n, flags.ptr(), key)) return false;
   auto plan = std::make_shared<Plan>();
-  plan->out = buffer_of(out_shape, result_dtype);
+  plan->tensors = n;
+  for (py::handle o : outputs) {
+    auto [shape, dtype] = o.cast<std::pair<py::object, py::object>>();
+    plan->outputs.push_back(buffer_of(shape, dtype));
+  }
+  if (plan->outputs.empty()) throw py::value_error("tile_ops: plans: an op's plan makes at least one output");
   read_program(program, *plan);
   State& s = state();
   Plans dropped;  // destroyed on return, once the table is whole again
@@ -392,16 +456,15 @@ void plans_configure(py::tuple plain_types, py::object stream_getter) {
 
 PyMethodDef kPlansCall = {"plans_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(plans_call)),
                           METH_FASTCALL,
-                          "plans_call(op, a, b, c, out_dtype, scale, check_dispatch): the output of the "
-                          "call's recorded plan, launched, or None"};
+                          "plans_call(op, tensors, flags, check_dispatch): the result of the call's recorded "
+                          "plan, launched, or None"};
 
 }  // namespace
 
 void register_plans(py::module_& m) {
   m.def("plans_configure", &plans_configure, py::arg("plain_types"), py::arg("stream_getter"),
         "The tensor types a plan may take (not subclasses) and the current-stream getter.");
-  m.def("plans_record", &plans_record, py::arg("op"), py::arg("a"), py::arg("b"), py::arg("c"),
-        py::arg("out_dtype"), py::arg("scale"), py::arg("out_shape"), py::arg("result_dtype"),
+  m.def("plans_record", &plans_record, py::arg("op"), py::arg("tensors"), py::arg("flags"), py::arg("outputs"),
         py::arg("program"), "Record the plan of a call's signature; False when it cannot have one.");
   m.def("plans_clear", []() {
     Plans dropped;  // destroyed on return, after the table is empty

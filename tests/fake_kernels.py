@@ -1,5 +1,5 @@
 """A fake launchable kernel and a workspace-allocation recorder, for the composed gemms' launch and
-plan plumbing on the CPU (SplitKGemm, PaddedGemm in tile_ops.kernels.gemm)."""
+plan plumbing on the CPU (SplitKGemm, PaddedGemm in tile_ops.kernels.gemm_launch)."""
 
 import copy
 

@@ -1,6 +1,6 @@
-"""CPU stand-ins for ``tile_ops.kernels.gemm`` and ``tile_ops.kernels.gemm_softmax``.
+"""CPU stand-ins for ``tile_ops.kernels.gemm_launch`` and ``tile_ops.kernels.gemm_softmax_launch``.
 
-With them installed (the ``stand_in_kernels`` fixture of conftest.py), the ops' CUDA code paths
+With them installed as the ops' kernels (the ``stand_in_kernels`` fixture of conftest.py), the ops' CUDA code paths
 (checks, layouts, plans, the eager fast path) run on CPU tensors.  Like a real kernel, a stand-in
 kernel is specialized on the shapes, strides and dtypes of the operands it was built for, and a
 launch reads and writes memory only through the raw data pointers it is given: a launch on the
@@ -9,13 +9,16 @@ wrong pointers, or a plan reused for operands of another layout, gives wrong res
 
 import contextlib
 import ctypes
-import sys
+import importlib
 import types
 from typing import NamedTuple
 
 import torch
 
 from tile_ops.ops import fastpath
+
+gemm_ops = importlib.import_module("tile_ops.ops.gemm")  # the modules (tile_ops.ops.gemm is the function)
+softmax_ops = importlib.import_module("tile_ops.ops.gemm_softmax")
 
 ALIGNMENT = 16
 
@@ -44,10 +47,10 @@ def _kernel_layout_ok(t):
 
 
 class StandInGemm(types.ModuleType):
-    """``tile_ops.kernels.gemm``: ``get_gemm_kernel`` checks the glue's contract; launches compute on the CPU."""
+    """``tile_ops.kernels.gemm_launch``: ``get_gemm_kernel`` checks the glue's contract; launches compute on the CPU."""
 
     def __init__(self):
-        super().__init__("tile_ops.kernels.gemm")
+        super().__init__("tile_ops.kernels.gemm_launch")
         self.calls = []  # (a, b, out, bias) per kernel lookup, i.e. per launch of the checked path
         self.launches = 0
 
@@ -77,16 +80,19 @@ class StandInGemm(types.ModuleType):
         return launch
 
     def gemm_plan(self, kernel, device, a, b, out, bias=None, scratch=None):
-        """A host-code plan (fastpath.record takes a callable launch(a, b, out, c)) on the fast path's buffers."""
-        assert (a, b, out, bias) == (fastpath.A, fastpath.B, fastpath.OUT, None if kernel[3] is None else fastpath.C)
-        return self.gemm_launcher(kernel, device)
+        """A host-code plan (fastpath.record takes a callable launch(*pointers of the plan's buffers)) on the op's
+        plan buffers."""
+        assert (a, b, out, bias, scratch) == (gemm_ops.A, gemm_ops.B, gemm_ops.OUT,
+                                              None if kernel[3] is None else gemm_ops.BIAS, gemm_ops.SCRATCH)
+        launch = self.gemm_launcher(kernel, device)
+        return lambda a_ptr, b_ptr, bias_ptr, out_ptr: launch(a_ptr, b_ptr, out_ptr, bias_ptr)
 
 
 class StandInGemmSoftmax(types.ModuleType):
-    """``tile_ops.kernels.gemm_softmax`` on the CPU, through raw pointers like ``StandInGemm``."""
+    """``tile_ops.kernels.gemm_softmax_launch`` on the CPU, through raw pointers like ``StandInGemm``."""
 
     def __init__(self):
-        super().__init__("tile_ops.kernels.gemm_softmax")
+        super().__init__("tile_ops.kernels.gemm_softmax_launch")
         self.calls = []  # (a, b, out, scale) per kernel lookup
         self.launches = 0
 
@@ -108,9 +114,8 @@ class StandInGemmSoftmax(types.ModuleType):
         return launch
 
     def gemm_softmax_plan(self, kernel, device, a, b, out):
-        assert (a, b, out) == (fastpath.A, fastpath.B, fastpath.OUT)
-        launch = self.gemm_softmax_launcher(kernel, device)
-        return lambda a_ptr, b_ptr, out_ptr, c_ptr: launch(a_ptr, b_ptr, out_ptr)
+        assert (a, b, out) == (softmax_ops.A, softmax_ops.B, softmax_ops.OUT)
+        return self.gemm_softmax_launcher(kernel, device)
 
 
 class _NoDeviceSwitch(contextlib.nullcontext):
@@ -122,10 +127,10 @@ class _NoDeviceSwitch(contextlib.nullcontext):
 
 
 def install(monkeypatch):
-    """Stand-in kernel modules, no CUDA device switch, and no plans; returns the two modules."""
+    """Stand-in kernel modules as the ops' kernels, no CUDA device switch, and no plans; returns the two modules."""
     gemm, softmax = StandInGemm(), StandInGemmSoftmax()
-    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm", gemm)
-    monkeypatch.setitem(sys.modules, "tile_ops.kernels.gemm_softmax", softmax)
+    monkeypatch.setattr(gemm_ops, "_kernels", lambda: gemm)
+    monkeypatch.setattr(softmax_ops, "_kernels", lambda: softmax)
     monkeypatch.setattr(torch.cuda, "device", _NoDeviceSwitch)
     fastpath.clear()
     return gemm, softmax

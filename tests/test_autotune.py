@@ -4,6 +4,7 @@ and the ``tune`` command.  One GPU test tunes a small shape end to end."""
 
 import dataclasses
 import errno
+import importlib
 import json
 import os
 import pathlib
@@ -21,11 +22,15 @@ from tile_ops.autotune import bench, table, targets
 from tile_ops.autotune.progress import _Bar
 from tile_ops.autotune.tuner import make_candidates, prune, smem_limit
 from tile_ops.jit.build import _find_tool
-from tile_ops.kernels import gemm as gemm_kernels
-from tile_ops.kernels import gemm_softmax as softmax_kernels
-from tile_ops.kernels.gemm import GemmConfig
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+from tile_ops.kernels import gemm as gemm_programs
+from tile_ops.kernels import gemm_defaults, gemm_launch, gemm_space
+from tile_ops.kernels import gemm_softmax as softmax_programs
+from tile_ops.kernels import gemm_softmax_defaults as softmax_defaults
+from tile_ops.kernels import gemm_softmax_launch as softmax_launch
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
+GemmTarget = importlib.import_module("tile_ops.ops.gemm").GemmTarget  # (tile_ops.ops.gemm is the function)
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
 FAKE_GPU = "FAKE GPU"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +73,7 @@ def test_config_space_is_declared_by_the_kernel_and_round_trips_json(op, shape):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
 def test_gemm_space_fits_the_problem(arch):
-    decode = gemm_kernels.config_space(16, 8192, 8192, arch=arch)
+    decode = gemm_space.config_space(16, 8192, 8192, arch=arch)
     if arch == "sm_90a":  # wgmma: 64-row tiles, thin N so B streams from every SM, K split over 1, 2 or 4 CTAs;
         # or swapped (C^T = B^T A^T): M's 16 rows along wgmma's n
         assert {c.block_M for c in decode if not c.swap_ab} == {64} and min(c.block_N for c in decode) == 32
@@ -77,12 +82,12 @@ def test_gemm_space_fits_the_problem(arch):
     else:
         assert {c.block_M for c in decode} == {16} and {c.policy for c in decode} == {"full_col"}
         assert {c.split_k for c in decode} == {1}
-    big = gemm_kernels.config_space(4096, 4096, 4096, arch=arch)
+    big = gemm_space.config_space(4096, 4096, 4096, arch=arch)
     assert {c.swizzle for c in big} == ({0, 4, 8} if arch == "sm_90a" else {0, 8}) and {c.policy for c in big} == {"square"} and {c.split_k for c in big} == {1}
     assert {(c.block_M, c.block_N) for c in big} >= {(128, 128), (128, 256), (256, 128)}
-    assert max(c.block_N for c in gemm_kernels.config_space(512, 64, 512, arch=arch)) == 64
+    assert max(c.block_N for c in gemm_space.config_space(512, 64, 512, arch=arch)) == 64
     if arch == "sm_90a":  # short grids: 64x128 pairs sharing B, and the same tiles unclustered
-        short = gemm_kernels.config_space(1024, 1024, 4096, arch=arch)
+        short = gemm_space.config_space(1024, 1024, 4096, arch=arch)
         assert {(c.block_K, c.num_stages, c.cluster) for c in short if (c.block_M, c.block_N) == (64, 128)
                 and c.epilogue == "shared" and c.swizzle == 8} >= {(64, 8, 2), (64, 8, 1), (128, 4, 2), (128, 4, 1)}
 
@@ -118,9 +123,9 @@ def test_shared_memory_estimate_bounds_the_compiler(op, cfg, shape):
 
     M, N, K = shape
     if op == "gemm":
-        prog = gemm_kernels.gemm.fn(M, N, K, 1, 1, 1, False, False, True, "float16", "float16", cfg)
+        prog = gemm_programs.gemm.fn(M, N, K, 1, 1, 1, False, False, True, "float16", "float16", cfg)
     else:
-        prog = softmax_kernels.gemm_softmax.fn(M, N, K, 1.0, "float16", "float16", cfg)
+        prog = softmax_programs.gemm_softmax.fn(M, N, K, 1.0, "float16", "float16", cfg)
     used = compile_program(prog, "sm_90a").meta.smem_bytes
     estimate = targets.get(op).shared_memory_bytes(cfg, shape, "float16")
     assert used <= estimate <= used + 4096, (used, estimate)
@@ -161,7 +166,7 @@ def test_table_file_format_and_location(tmp_path):
 _PROCESS = """
 import pathlib, sys, time
 from tile_ops import autotune
-from tile_ops.kernels.gemm import GemmConfig
+from tile_ops.kernels.gemm_config import GemmConfig
 print(autotune.lookup("gemm", (30, 4096, 4096), "float16", "FAKE GPU"))  # the parent's entry, M in its bucket
 tag, sync = sys.argv[1], pathlib.Path(sys.argv[2])
 (sync / ("ready-" + tag)).touch()
@@ -196,7 +201,7 @@ def test_corrupt_or_stale_table_falls_back_with_a_warning(fake_gpu):
     path.parent.mkdir(parents=True)
     path.write_text('{"version": 1, "entries": {')  # truncated
     with pytest.warns(UserWarning, match="ignoring the autotune table"):
-        assert autotune.config_for("gemm", 256, 256, 256, "float16") == gemm_kernels.default_config(256, 256, 256)
+        assert autotune.config_for("gemm", 256, 256, 256, "float16") == gemm_defaults.default_config(256, 256, 256)
     cfg = GemmConfig(64, 64, 32, 3, 128, 0)
     with pytest.warns(UserWarning, match="ignoring the autotune table"):
         autotune.record("gemm", (256, 256, 256), "float16", FAKE_GPU, cfg)  # rewrites the file whole
@@ -207,7 +212,7 @@ def test_corrupt_or_stale_table_falls_back_with_a_warning(fake_gpu):
     path.write_text(json.dumps({"version": 1, "entries": entries}))
     autotune.reload()
     with pytest.warns(UserWarning, match="no field"):
-        assert autotune.config_for("gemm", 256, 256, 256, "float16") == gemm_kernels.default_config(256, 256, 256)
+        assert autotune.config_for("gemm", 256, 256, 256, "float16") == gemm_defaults.default_config(256, 256, 256)
 
 
 def test_a_writer_keeps_a_table_it_cannot_read():
@@ -326,39 +331,39 @@ def test_entries_with_wrong_value_types_are_skipped_with_one_warning(fake_gpu, c
 # ------------------------------------------------------------------------------ what the ops launch
 def test_gemm_op_launches_the_tuned_config_else_the_default(fake_gpu, monkeypatch):
     seen = []
-    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, **kw: seen.append(args[-1]))
+    monkeypatch.setattr(gemm_launch, "gemm", lambda *args, **kw: seen.append(args[-1]))
     a, b = torch.randn(1, 300, 256, dtype=torch.float16), torch.randn(1, 256, 512, dtype=torch.float16)
     out = torch.empty(1, 300, 512, dtype=torch.float16)
-    gemm_kernels.get_gemm_kernel(a, b, out)
-    assert seen[-1] == gemm_kernels.default_config(300, 512, 256)
+    gemm_launch.get_gemm_kernel(a, b, out)
+    assert seen[-1] == gemm_defaults.default_config(300, 512, 256)
 
     tuned = GemmConfig(64, 128, 64, 2, 128, 0)
     autotune.record("gemm", (500, 512, 256), "float16", FAKE_GPU, tuned)  # 300 is in 500's bucket (257..512)
-    gemm_kernels.get_gemm_kernel(a, b, out)
+    gemm_launch.get_gemm_kernel(a, b, out)
     assert seen[-1] == tuned
-    gemm_kernels.get_gemm_kernel(a.bfloat16(), b.bfloat16(), out.bfloat16())
-    assert seen[-1] == gemm_kernels.default_config(300, 512, 256)  # tuned for float16 only
+    gemm_launch.get_gemm_kernel(a.bfloat16(), b.bfloat16(), out.bfloat16())
+    assert seen[-1] == gemm_defaults.default_config(300, 512, 256)  # tuned for float16 only
     explicit = GemmConfig(128, 64, 32, 3, 128, 0)
-    gemm_kernels.get_gemm_kernel(a, b, out, cfg=explicit)
+    gemm_launch.get_gemm_kernel(a, b, out, cfg=explicit)
     assert seen[-1] == explicit
 
 
 def test_a_tuned_config_that_cannot_build_here_gives_way_to_the_default(fake_gpu, monkeypatch):
     """1024's tuned pairs of 64-row tiles (cluster 2) reach 520 through the bucket rule: 9 row tiles, which a
     cluster of 2 cannot divide. That M gets its default instead of a ValueError from every call."""
-    seen, factory = [], gemm_kernels.gemm
-    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, **kw: seen.append(args[-1]))
+    seen, factory = [], gemm_programs.gemm
+    monkeypatch.setattr(gemm_launch, "gemm", lambda *args, **kw: seen.append(args[-1]))
     pairs = GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2)
     autotune.record("gemm", (1024, 1024, 1024), "float16", FAKE_GPU, pairs)
-    for M, expected in ((1024, pairs), (640, pairs), (520, gemm_kernels.default_config(520, 1024, 1024))):
+    for M, expected in ((1024, pairs), (640, pairs), (520, gemm_defaults.default_config(520, 1024, 1024))):
         a, b = torch.randn(1, M, 1024, dtype=torch.float16), torch.randn(1, 1024, 1024, dtype=torch.float16)
-        gemm_kernels.get_gemm_kernel(a, b, torch.empty(1, M, 1024, dtype=torch.float16))
+        gemm_launch.get_gemm_kernel(a, b, torch.empty(1, M, 1024, dtype=torch.float16))
         assert seen[-1] == expected, M
     with pytest.raises(ValueError, match="cluster=2 must divide the 9 row tiles of M=520"):  # asked for: refused
         factory.fn(520, 1024, 1024, cfg=pairs)
     # precompile builds what the op launches: the same choice
-    assert gemm_kernels.launch_config(520, 1024, 1024, "float16") == gemm_kernels.default_config(520, 1024, 1024)
-    assert gemm_kernels.launch_config(640, 1024, 1024, "float16") == pairs
+    assert gemm_launch.launch_config(520, 1024, 1024, "float16") == gemm_defaults.default_config(520, 1024, 1024)
+    assert gemm_launch.launch_config(640, 1024, 1024, "float16") == pairs
 
 
 def test_gemm_softmax_op_launches_the_tuned_config(fake_gpu, monkeypatch):
@@ -368,14 +373,14 @@ def test_gemm_softmax_op_launches_the_tuned_config(fake_gpu, monkeypatch):
         def launcher(self, device):
             return lambda ptrs: None
 
-    monkeypatch.setattr(softmax_kernels, "gemm_softmax", lambda *args, **kw: seen.append(args[-1]) or FakeKernel())
+    monkeypatch.setattr(softmax_launch, "gemm_softmax", lambda *args, **kw: seen.append(args[-1]) or FakeKernel())
     a, b = torch.randn(128, 64, dtype=torch.float16), torch.randn(64, 96, dtype=torch.float16)
     out = torch.empty(128, 96, dtype=torch.float16)
-    softmax_kernels.launch_gemm_softmax(a, b, out)
-    assert seen[-1] == softmax_kernels.default_config(128, 96, 64)
+    softmax_launch.launch_gemm_softmax(a, b, out)
+    assert seen[-1] == softmax_defaults.default_config(128, 96, 64)
     tuned = SoftmaxConfig(128, 64, 64, 2, 256, "full_row")
     autotune.record("gemm_softmax", (128, 96, 64), "float16", FAKE_GPU, tuned)
-    softmax_kernels.launch_gemm_softmax(a, b, out)
+    softmax_launch.launch_gemm_softmax(a, b, out)
     assert seen[-1] == tuned
 
 
@@ -386,7 +391,7 @@ def test_an_entry_serves_only_the_arch_it_was_tuned_for(fake_gpu):
     autotune.record("gemm", (1024, 1024, 1024), "float16", FAKE_GPU, clustered, arch="sm_90a")
     assert autotune.config_for("gemm", 1024, 1024, 1024, "float16", arch="sm_90a") == clustered
     assert autotune.config_for("gemm", 1024, 1024, 1024, "float16", arch="sm_80") == \
-        gemm_kernels.default_config(1024, 1024, 1024, "sm_80")
+        gemm_defaults.default_config(1024, 1024, 1024, "sm_80")
     assert table.lookup("gemm", (1024, 1024, 1024), "float16", FAKE_GPU) == clustered  # no arch asked: any
 
 
@@ -395,7 +400,7 @@ def test_no_gpu_means_the_default(monkeypatch):
     autotune.record("gemm", (16, 4096, 4096), "float16", FAKE_GPU, tuned)
     assert table.gpu_name("cpu") is None
     assert autotune.config_for("gemm", 16, 4096, 4096, "float16", torch.device("cpu")) == \
-        gemm_kernels.default_config(16, 4096, 4096)
+        gemm_defaults.default_config(16, 4096, 4096)
     monkeypatch.setattr(table, "gpu_name", lambda device=None: FAKE_GPU)  # the entry is there for a GPU
     autotune.reload()  # (config_for memoizes per device)
     assert autotune.config_for("gemm", 16, 4096, 4096, "float16", torch.device("cpu")) == tuned
@@ -429,7 +434,7 @@ def test_tune_picks_the_fastest_and_skips_failures_with_reasons(fake_gpu):
     assert reasons[wrong].startswith("wrong result: relative error")
     assert reasons[crashes].startswith("launch error: RuntimeError: tile_ops: CUDA error")
     assert too_big not in calls and untileable not in calls
-    default = gemm_kernels.default_config(*shape)
+    default = gemm_defaults.default_config(*shape)
     assert set(calls) == {fast, wrong, crashes, default} and result.default_ms == 2.0
     assert result.best.config == fast and result.best.ms == 1.0
     assert result.key == f"{FAKE_GPU}|gemm|float16|128x128x64|sm_90a"
@@ -455,7 +460,7 @@ def _fake_compile(monkeypatch, archs=None, store=None):
             store()
         return types.SimpleNamespace(meta=types.SimpleNamespace(smem_bytes=0))
 
-    monkeypatch.setattr(targets.GemmTarget, "compile", compile)
+    monkeypatch.setattr(GemmTarget, "compile", compile)
 
 
 def test_tune_on_a_device_compiles_for_that_devices_arch(monkeypatch):
@@ -487,7 +492,7 @@ def test_a_failed_table_write_prints_the_results_and_says_why(fake_gpu, monkeypa
                                       r"config, printed above, was not recorded"):
         autotune.tune("gemm", (64, 64, 64), configs=[], arch="sm_90a", measure=lambda kernel, cfg: 1.0, gpu=FAKE_GPU,
                       show_progress=False)
-    default = gemm_kernels.default_config(64, 64, 64, "sm_90a")
+    default = gemm_defaults.default_config(64, 64, 64, "sm_90a")
     assert f"best of gemm 64x64x64 float16 on {FAKE_GPU} (sm_90a): {default}, 1.0000 ms" in capsys.readouterr().err
 
     def tune_that_cannot_record(*args, **kwargs):
@@ -507,7 +512,7 @@ def test_tune_compile_only_says_when_its_kernels_were_not_stored(tmp_path, monke
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "tmp").write_text("")  # where stores make their temp dirs: every store fails
     _fake_compile(monkeypatch, store=lambda: DiskCache().store("ab" * 16, CacheEntry("// src", b"cubin")))
-    monkeypatch.setattr(targets.GemmTarget, "config_space", lambda self, shape, dtype, arch: [])
+    monkeypatch.setattr(GemmTarget, "config_space", lambda self, shape, dtype, arch: [])
     with pytest.warns(UserWarning, match="could not store kernel"):
         assert main(["tune", "gemm", "--shape", "64x64x64", "--compile-only", "--quiet", "--arch", "sm_90a"]) == 1
     assert "1 kernel(s) built but NOT stored in the kernel cache ([Errno 17] File exists" in capsys.readouterr().err
@@ -570,7 +575,7 @@ def test_cli_list_and_bad_input(capsys):
 
     assert main(["tune", "--list"]) == 0
     out = capsys.readouterr().out
-    assert "gemm: tile_ops.kernels.gemm.GemmConfig(block_M=" in out and "gemm_softmax:" in out
+    assert "gemm: tile_ops.kernels.gemm_config.GemmConfig(block_M=" in out and "gemm_softmax:" in out
 
     assert main(["tune", "--list", "gemm", "--shape", "4096x4096x4096", "--arch", "sm_86"]) == 0
     out = capsys.readouterr().out
@@ -613,18 +618,18 @@ def test_tune_end_to_end_on_the_gpu(op, shape, configs):
 
 def test_a_scale_that_changes_every_call_is_called_out_once(monkeypatch):
     """Each scale compiles its own kernel (a constant of it): a learnable temperature would compile every step."""
-    monkeypatch.setattr(softmax_kernels, "gemm_softmax", lambda *args, **kw: None)
-    monkeypatch.setattr(softmax_kernels, "_SCALES_SEEN", {})
+    monkeypatch.setattr(softmax_launch, "gemm_softmax", lambda *args, **kw: None)
+    monkeypatch.setattr(softmax_launch, "_SCALES_SEEN", {})
     a, b = torch.randn(128, 64, dtype=torch.float16), torch.randn(64, 96, dtype=torch.float16)
     out = torch.empty(128, 96, dtype=torch.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(3):  # one scale, however often: silent
-            softmax_kernels.get_gemm_softmax_kernel(a, b, out, 0.125)
-        for i in range(softmax_kernels.MANY_SCALES - 2):
-            softmax_kernels.get_gemm_softmax_kernel(a, b, out, 1.0 + i)
+            softmax_launch.get_gemm_softmax_kernel(a, b, out, 0.125)
+        for i in range(softmax_launch.MANY_SCALES - 2):
+            softmax_launch.get_gemm_softmax_kernel(a, b, out, 1.0 + i)
     with pytest.warns(UserWarning, match=r"8 different scales for one problem \(128, 96, 64\).*multiply a"):
-        softmax_kernels.get_gemm_softmax_kernel(a, b, out, 0.5)
+        softmax_launch.get_gemm_softmax_kernel(a, b, out, 0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        softmax_kernels.get_gemm_softmax_kernel(a, b, out, 0.25)  # said once
+        softmax_launch.get_gemm_softmax_kernel(a, b, out, 0.25)  # said once

@@ -77,15 +77,17 @@ def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_f
     ``*-wrap`` shapes wait on released stages (k-steps > stages), ``short-grid-lines`` does unclustered,
     ``short-grid-swapped`` runs the swapped 2x4 clusters past their stages,
     ``cluster-walk-1k`` never does."""
-    from tile_ops.kernels import gemm_softmax
-    from tile_ops.kernels.gemm import default_config
+    from tile_ops.kernels import gemm_softmax_defaults
+    from tile_ops.kernels.gemm_defaults import default_config
+    from tile_ops.kernels.gemm_softmax_config import block_columns
 
     san = _sanitize()
     shapes = {**{("gemm", lb): s for lb, s in san.SHAPES["gemm"]},
               **{("gemm_softmax", lb): s for lb, s in san.SHAPES["gemm_softmax"]}}
 
     def config(kernel, label):
-        cfg = (default_config if kernel == "gemm" else gemm_softmax.default_config)(*shapes[kernel, label], "sm_90a")
+        cfg = (default_config if kernel == "gemm" else gemm_softmax_defaults.default_config)(*shapes[kernel, label],
+                                                                                             "sm_90a")
         k_steps = -(-shapes[kernel, label][2] // cfg.block_K)
         return cfg, k_steps
 
@@ -98,7 +100,7 @@ def test_sanitize_wrap_shapes_take_more_k_steps_than_stages_and_the_short_walk_f
     cfg, k_steps = config("gemm", "short-grid-swapped")
     assert cfg.swap_ab and cfg.cluster_n > 1 and k_steps > cfg.num_stages, cfg
     cfg, k_steps = config("gemm_softmax", "cluster-walk-1k")
-    tiles = gemm_softmax.block_columns(shapes["gemm_softmax", "cluster-walk-1k"][1], cfg) // cfg.block_N
+    tiles = block_columns(shapes["gemm_softmax", "cluster-walk-1k"][1], cfg) // cfg.block_N
     assert tiles > 1 and k_steps * tiles <= cfg.num_stages, cfg  # each block walks, its pipeline never wraps
 
 
@@ -227,7 +229,8 @@ def test_bench_sustained_variants_change_the_named_fields_and_build(tmp_path, mo
     runs compared (rasterization panels, multicast clusters) build for sm_90a."""
     import bench_sustained
 
-    from tile_ops.kernels.gemm import build_gemm, default_config
+    from tile_ops.kernels.gemm_defaults import default_config
+    from tile_ops.kernels.gemm_launch import build_gemm
 
     monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
     base = default_config(4096, 4096, 4096, "sm_90a")
@@ -250,7 +253,8 @@ def test_profile_gemm_reads_back_every_config_name_bench_gemm_prints():
     import bench_gemm
     import profile_gemm
 
-    from tile_ops.kernels.gemm import GemmConfig, default_config
+    from tile_ops.kernels.gemm_config import GemmConfig
+    from tile_ops.kernels.gemm_defaults import default_config
 
     shapes = [(4096, 4096, 4096), (1000, 1000, 1000), (16, 8192, 8192), (2048, 2048, 2048), (1500, 2000, 2000)]
     configs = [default_config(*s, "sm_90a") for s in shapes] + bench_gemm.EXTRA_CONFIGS["sm_90a"] + [
@@ -269,8 +273,10 @@ def test_profile_gemm_stall_view_finds_each_of_our_gemm_kernels():
 
     import profile_gemm
 
-    from tile_ops.kernels import gemm_softmax
-    from tile_ops.kernels.gemm import GemmConfig, default_config, gemm
+    from tile_ops.kernels import gemm_softmax, gemm_softmax_defaults
+    from tile_ops.kernels.gemm import gemm
+    from tile_ops.kernels.gemm_config import GemmConfig
+    from tile_ops.kernels.gemm_defaults import default_config
 
     def cuda_name(program):  # TVM's codegen names the __global__ function <program>_kernel
         return program.name + "_kernel"
@@ -286,7 +292,7 @@ def test_profile_gemm_stall_view_finds_each_of_our_gemm_kernels():
     assert names == {"gemm_kernel_kernel", "gemm_swapped_kernel_kernel", "gemm_splitk_kernel_kernel"}
     assert all(re.search(pattern("gemm"), n) for n in names)
     fused = cuda_name(gemm_softmax.gemm_softmax.fn(256, 2048, 64, 0.125,
-                                                   cfg=gemm_softmax.default_config(256, 2048, 64, "sm_90a")))
+                                                   cfg=gemm_softmax_defaults.default_config(256, 2048, 64, "sm_90a")))
     assert re.search(pattern("gemm_softmax"), fused) and not re.search(pattern("gemm"), fused)
     assert not any(re.search(pattern("gemm_softmax"), n) for n in names)
 
@@ -536,7 +542,7 @@ def test_bench_gemm_softmax_checks_the_gemm_it_holds_the_fused_kernel_to():
     bench_gemm_softmax.check_gemm_alone(lambda: out.copy_(a @ b), out, a, b)
     with pytest.raises(SystemExit, match=r"our gemm alone is wrong at \(8, 4\)x16"):
         bench_gemm_softmax.check_gemm_alone(lambda: out[:4].copy_((a @ b)[:4]), out, a, b)  # half the rows
-    assert bench_gemm_softmax.build_gemm.__module__ == "tile_ops.kernels.gemm"
+    assert bench_gemm_softmax.build_gemm.__module__ == "tile_ops.kernels.gemm_launch"
 
 
 def test_l2_state_promotions_relaunch_the_same_cubin_with_other_l2_fills():
@@ -735,7 +741,7 @@ def test_compare_configs_summarizes_rounds_and_reads_every_name():
     import compare_configs
     import profile_gemm
 
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     r = lambda cfg, ratio, us: {"shape": "1000x1000x4000", "config": cfg, "vs_cuBLAS": ratio, "us": us}  # noqa: E731
     rounds = [[r("cuBLAS", 1.0, 20.0), r("default", 0.9, 22.2), r("x", None, None)],
@@ -791,7 +797,7 @@ def test_profile_gemm_refuses_a_config_name_it_cannot_read(name, why):
     """A misspelt part is an error, not a silently different kernel timed under the name given."""
     import profile_gemm
 
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     with pytest.raises(ValueError, match=why):
         profile_gemm.parse_config(name, GemmConfig)

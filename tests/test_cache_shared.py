@@ -184,7 +184,7 @@ def test_cache_clear_on_a_read_only_cache_says_what_is_left(dc, deny, monkeypatc
 def test_tune_clear_on_an_unwritable_table_is_a_clear_error(tmp_path, deny, monkeypatch, capsys):
     from tile_ops import autotune
     from tile_ops.__main__ import main
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
     autotune.record("gemm", (64, 64, 64), "float16", "GPU", GemmConfig())

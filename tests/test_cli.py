@@ -190,7 +190,7 @@ def test_show_and_clear_refuse_an_op_or_shape(tmp_path, monkeypatch, capsys):
     from tile_ops import autotune
 
     monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path))
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     autotune.record("gemm_softmax", (8, 8, 8), "float16", "gpu", SoftmaxConfig(64, 64, 32, 3, 128, "full_row"))
     for bad in (["tune", "--clear", "gemm"], ["tune", "--show", "--shape", "8x8x8"]):

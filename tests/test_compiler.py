@@ -13,8 +13,12 @@ import tile_ops.lang as T
 from programs import matmul
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
-from tile_ops.kernels.gemm import GemmConfig, build_gemm, gemm
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, default_config as gemm_softmax_config, gemm_softmax
+from tile_ops.kernels.gemm import gemm
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_launch import build_gemm
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
+from tile_ops.kernels.gemm_softmax_defaults import default_config as gemm_softmax_config
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
 needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
@@ -511,7 +515,8 @@ def test_sm90a_kernels_wait_for_their_predecessor_and_the_later_steps_launch_pro
     """On sm_90a every kernel starts with griddepcontrol.wait (SASS ACQBULK), then lets its successor launch
     (PREEXIT); a split-K decode's reduction is launched with programmatic stream serialization, so it starts
     while the partial kernel runs and waits at its entry.  The sm_90 path has neither."""
-    from tile_ops.kernels.gemm import build_gemm, default_config
+    from tile_ops.kernels.gemm_defaults import default_config
+    from tile_ops.kernels.gemm_launch import build_gemm
 
     k = build_gemm(16, 2048, 8192, 1, 1, 1, False, False, False, "float16", "float16",
                    default_config(16, 2048, 8192, "sm_90a"), target=target)  # 32 tiles of 64 columns: split
@@ -530,7 +535,7 @@ def test_sm90a_kernels_wait_for_their_predecessor_and_the_later_steps_launch_pro
                                    (704, 704, 4096), (1024, 1024, 1024), (1536, 2048, 2048), (1152, 2048, 2048)])
 def test_library_gemm_default_configs_on_hopper_have_no_spills(shape):
     """The configs the ops launch by default on sm_90a: TMA + wgmma + mbarriers in SASS, no register spills."""
-    from tile_ops.kernels.gemm import default_config
+    from tile_ops.kernels.gemm_defaults import default_config
 
     cfg = default_config(*shape, "sm_90a")
     M, N, K = shape
@@ -572,7 +577,8 @@ def test_library_hopper_gemms_read_accumulators_only_after_the_final_wait(M, N, 
     twice (its C rows not 16-byte multiples, so stored by threads): a quarter of the norm wrong on the GPU,
     never in the emulator. The loop is not unrolled now."""
     from tile_ops.jit.build import wgmma_early_reads
-    from tile_ops.kernels.gemm import default_config, padded_cols
+    from tile_ops.kernels.gemm_defaults import default_config
+    from tile_ops.kernels.gemm_launch import padded_cols
 
     cfg = default_config(M, N, K, "sm_90a")
     cols = padded_cols(M, N, K, target="sm_90a")
@@ -586,12 +592,12 @@ def test_a_kernel_reading_accumulators_before_the_wait_is_refused(monkeypatch):
     """The consumer loop unrolled again (as before commit 70acbc1): ptxas hoists the epilogue's reads above the
     final wait, and the build refuses the kernel, with what it found, rather than run it wrong."""
     from tile_ops.compiler.schedules import warp_specialized
-    from tile_ops.kernels.gemm import _SWAPPED_2X4
+    from tile_ops.kernels.gemm_defaults import SM90A
 
     serial = warp_specialized.T.serial
     monkeypatch.setattr(warp_specialized.T, "serial", lambda *args, unroll=None, **kw: serial(*args, **kw))
     with pytest.raises(RuntimeError, match=r"read wgmma accumulators before the wgmma.wait_group .*F2FP"):
-        gemm(1001, 1001, 1024, 1, 1, 1, False, False, False, "float16", "float16", _SWAPPED_2X4, b_cols=1008,
+        gemm(1001, 1001, 1024, 1, 1, 1, False, False, False, "float16", "float16", SM90A.swapped_2x4, b_cols=1008,
              target="sm_90a")
 
 
@@ -612,7 +618,7 @@ def test_gemm_softmax_reads_accumulators_only_after_the_wait(shape):
 def test_shared_epilogue_is_a_tma_store_on_hopper(M, N, K, out_dtype, panels):
     """GemmConfig(epilogue="shared"): C_f -> shared tile -> TMA store, one box per 128-byte panel (TMA clips
     the ragged edge); no global store instructions are left."""
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     cfg = GemmConfig(128, 128, 64, 2, 128, 8, epilogue="shared")
     k = gemm(M, N, K, 1, 1, 1, False, False, True, "float16", out_dtype, cfg, target="sm_90a")
@@ -677,7 +683,7 @@ def test_tma_store_is_waited_on_only_before_the_next_barrier():
 @needs_nvcc
 @needs_cuobjdump
 def test_shared_epilogue_on_the_ampere_path_stores_from_shared():
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     cfg = GemmConfig(128, 128, 32, 3, 128, 8, epilogue="shared")
     k = gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16", cfg, target="sm_80")
@@ -709,7 +715,8 @@ def test_full_col_policy_splits_wgmma_along_n_between_warpgroups():
     would start inside a B swizzle panel keep warpgroups along M (or fall back to mma.sync)."""
     import re
 
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+    from tile_ops.kernels.gemm_softmax import gemm_softmax
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", SoftmaxConfig(64, 256, 64, 3, 256, "full_col"),
                      target="sm_90a")
@@ -727,7 +734,8 @@ def test_full_col_policy_splits_wgmma_along_n_between_warpgroups():
 def test_gemm_softmax_parts_for_attribution():
     """gemm_softmax(parts=...): "no_rescale" drops the final pass (fewer exponentials), "gemm" the softmax
     math too (no exponentials, no row statistics); "all" is the op's kernel. Anything else is refused."""
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+    from tile_ops.kernels.gemm_softmax import gemm_softmax
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     cfg = SoftmaxConfig(64, 128, 64, 4, 128)
     mufu = {parts: gemm_softmax(1024, 512, 256, 0.125, "float16", "float16", cfg, parts=parts,
@@ -767,7 +775,7 @@ def test_clustered_softmax_is_one_pass_over_a_cluster():
     """8192x2048 rows split over clusters of 8 blocks with one 128x256 tile each: __cluster_dims__, a
     persistent grid of 16 whole clusters (128 SMs), the row max and sum exchanged through the peers'
     shared memory on mbarriers (the producer runs ahead into the next tile), the output stored once by TMA."""
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8)  # (the default is deferred=True since v10)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
@@ -904,7 +912,7 @@ def _row_split_over_a_cluster(N):
     """128x256 tiles, a row split over the widest cluster (the default before deferred stores, v10)."""
     from dataclasses import replace
 
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig, _widest_split
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig, _widest_split
 
     tiles = SoftmaxConfig(128, 256, 64, 3, 256, "full_row")
     return replace(tiles, split=_widest_split(N, tiles))
@@ -970,7 +978,7 @@ def test_cluster_errors_say_what_is_accepted():
         merge(op=lambda blocks: blocks[0][0])
     with pytest.raises(tile_ops.lang.TileLangError, match=r"op=3; accepted"):
         merge(op=3)
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     with pytest.raises(ValueError, match=r"split=9: must be in \[1, 8\]"):
         SoftmaxConfig(split=9)
@@ -982,7 +990,7 @@ def test_cluster_errors_say_what_is_accepted():
 @needs_nvcc
 def test_non_persistent_kernel_keeps_a_block_per_tile():
     """T.Kernel(..., persistent=False): 64 row blocks x 8 blocks a row launch as they are, no tile loop."""
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8, persistent=False)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
@@ -998,7 +1006,8 @@ def test_pingpong_runs_two_consumer_warpgroups_on_alternate_tiles():
     w takes the CTA's tiles w, w + 2, ... and starts its pipeline count one tile in (the stages are
     consumed in the producer's order); its epilogue tile and named barrier are its own; registers move
     to the consumers (setmaxnreg), nothing spills."""
-    from tile_ops.kernels.gemm import GemmConfig, build_gemm, gemm
+    from tile_ops.kernels.gemm import gemm
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     plain = gemm(4096, 4096, 4096, 1, 1, 1, False, False, False, "float16", "float16",
                  GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared"), target="sm_90a")
@@ -1032,7 +1041,8 @@ def test_cooperative_consumers_read_their_wgmma_descriptors_from_uniform_registe
     """Two consumer warpgroups on one tile (the 128x256 default): the warpgroup index that places A's
     descriptor is bound from lane 0, so nvcc keeps the descriptors uniform; read as threadIdx.x >> 7 in the
     loop it cost 8 R2UR moves between the HGMMAs of a k-step (+0.5 % at the H200's power cap without them)."""
-    from tile_ops.kernels.gemm import build_gemm, default_config
+    from tile_ops.kernels.gemm_defaults import default_config
+    from tile_ops.kernels.gemm_launch import build_gemm
 
     cfg = default_config(4096, 4096, 4096, "sm_90a")
     assert cfg.threads == 256 and not cfg.pingpong
@@ -1048,7 +1058,7 @@ def test_cooperative_consumers_read_their_wgmma_descriptors_from_uniform_registe
 def test_pingpong_softmax_exchanges_per_warpgroup():
     """The clustered softmax with ping-pong: each warpgroup has its own exchange slots and mbarriers (two
     parities each), so its peers' bytes land in its copy; one thread per warpgroup expects them."""
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     cfg = SoftmaxConfig(64, 256, 64, 3, 128, "full_row", split=8, pingpong=True)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
@@ -1065,7 +1075,8 @@ def test_pingpong_softmax_exchanges_per_warpgroup():
 
 
 def test_pingpong_errors_say_what_is_accepted():
-    from tile_ops.kernels.gemm import GemmConfig, build_gemm, gemm
+    from tile_ops.kernels.gemm import gemm
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     def prog(threads=128, persistent=True):
         @T.prim_func
@@ -1081,7 +1092,7 @@ def test_pingpong_errors_say_what_is_accepted():
     with pytest.raises(tile_ops.lang.TileLangError, match="the same number of pipeline steps in every tile"):
         gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16",
              GemmConfig(128, 128, 64, 4, 128, 8, split_k=2, pingpong=True), target="sm_90a")
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     with pytest.raises(ValueError, match=r"pingpong needs one column tile per block \(N=4096 gives 2 of 256"):
         gemm_softmax(8192, 4096, 1024, 0.125, "float16", "float16",
@@ -1164,7 +1175,7 @@ def test_softmax_walk_stages_every_tile_and_rescales_after_the_stores_landed():
     moved past column N); the rescale pass reads the output only after the issuer waited for the stores'
     writes (not only their reads of shared memory) and the async proxy's writes were fenced, and reads it
     as whole vectors, all loads of a tile in flight before its stores."""
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=2)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
@@ -1193,7 +1204,7 @@ def test_row_reduce_store_exchanges_statistics_off_the_consumers_path():
     other tiles, computes the row factors (the kernel's normalize_row of every tile's statistics, merged)
     into shared memory, counts itself a reader (the last resets the flag); the consumers store the previous
     tile right after the next main loop, before its softmax."""
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True)
     k = gemm_softmax(8192, 2048, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
@@ -1219,8 +1230,8 @@ def test_row_reduce_store_exchanges_statistics_off_the_consumers_path():
 
 
 def test_row_reduce_store_errors_say_what_is_accepted():
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
     from tile_ops.kernels.gemm_softmax import merge_row_statistics, normalize_row
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
     cfg = SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True)
     with pytest.raises(ValueError, match="N and K multiples of 8"):
@@ -1232,7 +1243,8 @@ def test_row_reduce_store_errors_say_what_is_accepted():
     # a CTA holding two tiles of one row would wait on its own later tile: rows of at most 16 tiles
     with pytest.raises(ValueError, match="at most 16 tiles"):
         gemm_softmax(1024, 50304, 1024, 0.125, "float16", "float16", cfg, target="sm_90a")
-    from tile_ops.kernels.gemm_softmax import config_space, default_config
+    from tile_ops.kernels.gemm_softmax_defaults import default_config
+    from tile_ops.kernels.gemm_softmax_space import config_space
 
     assert not default_config(4096, 50304, 1024, "sm_90a").deferred
     assert all(-(-50304 // c.block_N) <= 16 for c in config_space(4096, 50304, 1024) if c.deferred)
@@ -1283,16 +1295,16 @@ def test_a_float32_output_falls_back_from_deferred_to_a_cluster_split(monkeypatc
     import torch
 
     from tile_ops.compiler.targets import smem_limit
-    from tile_ops.kernels import gemm_softmax as softmax_kernels
-    from tile_ops.kernels.gemm_softmax import SoftmaxConfig
+    from tile_ops.kernels import gemm_softmax_defaults, gemm_softmax_launch
+    from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
-    monkeypatch.setattr(softmax_kernels, "default_arch", lambda: "sm_90a")
+    monkeypatch.setattr(gemm_softmax_defaults, "default_arch", lambda: "sm_90a")
     built = []
-    monkeypatch.setattr(softmax_kernels, "gemm_softmax", lambda *args: built.append(args))
+    monkeypatch.setattr(gemm_softmax_launch, "gemm_softmax", lambda *args: built.append(args))
     M, N, K = 1000, 4096, 1000
-    assert softmax_kernels.default_config(M, N, K, "sm_90a").deferred
+    assert gemm_softmax_defaults.default_config(M, N, K, "sm_90a").deferred
     a, b = torch.empty(M, K, dtype=torch.float16), torch.empty(K, N, dtype=torch.float16)
-    softmax_kernels.get_gemm_softmax_kernel(a, b, torch.empty(M, N, dtype=torch.float32), 0.125)
+    gemm_softmax_launch.get_gemm_softmax_kernel(a, b, torch.empty(M, N, dtype=torch.float32), 0.125)
     cfg = built[0][-1]
     assert cfg == SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8)
     assert compile_program(gemm_softmax.fn(*built[0]), "sm_90a").meta.smem_bytes <= smem_limit("sm_90a")
@@ -1481,7 +1493,8 @@ def test_a_huge_operand_no_tma_copies_is_refused_before_tvm_builds_it():
     ~24 GB) before the 32-bit offset check ran. Refused up front, in a memory-capped child process."""
     code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
             "from tile_ops.compiler import compile_program\n"
-            "from tile_ops.kernels.gemm import gemm, launch_config\n"
+            "from tile_ops.kernels.gemm import gemm\n"
+            "from tile_ops.kernels.gemm_launch import launch_config\n"
             "M, N, K = 8, 8, 2**31\n"
             "try:\n"
             "    compile_program(gemm.fn(M, N, K, cfg=launch_config(M, N, K, 'float16', arch='sm_80')), 'sm_80')\n"
@@ -1497,15 +1510,15 @@ def test_gemm_softmax_rows_too_wide_for_shared_memory_say_so_in_the_ops_words(mo
     library's kernel line and asked to reduce block sizes, nothing an op caller can change."""
     import torch
 
-    from tile_ops.kernels import gemm_softmax as softmax_kernels
+    from tile_ops.kernels import gemm_softmax_defaults, gemm_softmax_launch
 
-    monkeypatch.setattr(softmax_kernels, "default_arch", lambda: "sm_80")
+    monkeypatch.setattr(gemm_softmax_defaults, "default_arch", lambda: "sm_80")
     monkeypatch.setattr(sys.modules["tile_ops.jit"], "default_arch", lambda: "sm_80")
     M, N, K = 256, 65537, 64
     a, b, out = torch.empty(M, K, dtype=torch.float16), torch.empty(K, N, dtype=torch.float16), torch.empty(M, N)
     with pytest.raises(ValueError, match=r"rows of N = 65537 scores are too wide for its kernel on sm_80: .*"
                                          r"\(\d+ bytes of shared memory needed, 166912 available\).*torch.softmax"):
-        softmax_kernels.get_gemm_softmax_kernel(a, b, out.half(), 1.0)
+        gemm_softmax_launch.get_gemm_softmax_kernel(a, b, out.half(), 1.0)
 
 
 @needs_nvcc

@@ -6,10 +6,9 @@ the direct epilogue).  Covers the two-CTAs-per-SM pipelines and the shared-memor
 import pytest
 import torch
 
-from tile_ops.kernels.gemm import (_HALF_WAVE, _HALF_WAVE_K128, _HALF_WAVE_LINES, _HALF_WAVE_LINES_K128,
-                                   _ONE_WAVE_WIDE, _PAIRED_128, _SWAPPED_2X4, _WIDE, _WIDE_PAIRED, _WIDE_SWAPPED,
-                                   GemmConfig, build_gemm, default_config,
-                                   launch_config)
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_defaults import SM90A, default_config
+from tile_ops.kernels.gemm_launch import build_gemm, launch_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,10 +31,10 @@ CONFIGS = [
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", cluster=2, cluster_n=2),  # A and B multicast
     GemmConfig(64, 128, 64, 6, 128, 8, epilogue="shared", cluster=4, cluster_n=2),
     GemmConfig(64, 128, 64, 8, 128, 8, epilogue="shared", cluster=2),  # short grids: 64-row pairs
-    _HALF_WAVE_LINES,  # ... unclustered: the default where rows are whole 128-byte lines
-    _HALF_WAVE_K128,  # ... in 128-deep k-steps (K of 512-2048)
-    _HALF_WAVE_LINES_K128,
-    _SWAPPED_2X4,  # ... swapped 72x128 tiles in 2x4 clusters where rows are not whole lines
+    SM90A.half_wave_lines,  # ... unclustered: the default where rows are whole 128-byte lines
+    SM90A.half_wave_k128,  # ... in 128-deep k-steps (K of 512-2048)
+    SM90A.half_wave_lines_k128,
+    SM90A.swapped_2x4,  # ... swapped 72x128 tiles in 2x4 clusters where rows are not whole lines
     GemmConfig(64, 256, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # two warpgroups, alternate tiles
     GemmConfig(128, 128, 64, 5, 128, 8, pingpong=True),
     GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared", pingpong=True),  # the tuner's ping-pong candidate
@@ -86,9 +85,11 @@ def test_gemm_config_on_hopper(cfg, shape, variant):
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("shape, cfg", [((1000, 700, 999), _HALF_WAVE_K128), ((1024, 1001, 1000), _HALF_WAVE_K128),
-                                        ((1000, 700, 4000), _HALF_WAVE), ((1000, 1000, 200), _HALF_WAVE),
-                                        ((768, 1024, 2048), _HALF_WAVE_LINES_K128), ((960, 1024, 4096), _HALF_WAVE_LINES)],
+@pytest.mark.parametrize("shape, cfg", [((1000, 700, 999), SM90A.half_wave_k128),
+                                        ((1024, 1001, 1000), SM90A.half_wave_k128),
+                                        ((1000, 700, 4000), SM90A.half_wave), ((1000, 1000, 200), SM90A.half_wave),
+                                        ((768, 1024, 2048), SM90A.half_wave_lines_k128),
+                                        ((960, 1024, 4096), SM90A.half_wave_lines)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
 def test_half_wave_defaults_on_short_grids(shape, cfg, variant, pad):
     """Short grids default to 64x128 tiles (128-deep k-steps where K is 512-2048), in clustered pairs unless
@@ -111,7 +112,7 @@ def test_swapped_2x4_default_on_unaligned_short_grids(shape, variant, pad):
     batch, ta, _, _, dtype, _ = {**VARIANTS, **MORE_VARIANTS}[variant]
     cfg = launch_config(*shape, _dt(dtype), batch, ta, arch="sm_90a")
     if batch == 1:
-        assert (cfg == _SWAPPED_2X4) == (not ta), cfg
+        assert (cfg == SM90A.swapped_2x4) == (not ta), cfg
     check(cfg, shape, variant, "sm_90a", pad)
 
 
@@ -122,8 +123,8 @@ def test_swapped_2x4_default_on_unaligned_short_grids(shape, variant, pad):
 def test_paired_128_default_over_more_than_a_wave(shape, variant):
     """More 128x128 tiles than SMs with an even M-tile count default to clustered pairs (B multicast),
     six stages, grid order; ragged N and K included."""
-    assert default_config(*shape, "sm_90a") == _PAIRED_128
-    check(_PAIRED_128, shape, variant, "sm_90a")
+    assert default_config(*shape, "sm_90a") == SM90A.paired_128
+    check(SM90A.paired_128, shape, variant, "sm_90a")
 
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
@@ -133,15 +134,16 @@ def test_paired_128_default_over_more_than_a_wave(shape, variant):
 def test_one_wave_wide_default(shape, variant):
     """90-100 % of a wave of 128x256 tiles defaults to 4 stages, the output tile laid over them (one tile a
     CTA); a batch's grid is more than a wave, persistent, and stores directly; ragged N and K included."""
-    assert default_config(*shape, "sm_90a") == _ONE_WAVE_WIDE
-    check(_ONE_WAVE_WIDE, shape, variant, "sm_90a")
+    assert default_config(*shape, "sm_90a") == SM90A.one_wave_wide
+    check(SM90A.one_wave_wide, shape, variant, "sm_90a")
 
 
 @pytest.mark.skipif(not HOPPER, reason="the sm_90a path needs an H100/H200")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("shape, cfg", [((1536, 2048, 2048), _WIDE_PAIRED), ((1500, 2000, 2000), _WIDE_SWAPPED),
-                                        ((1152, 2048, 2048), _WIDE), ((2000, 1500, 2000), _WIDE_PAIRED),
-                                        ((777, 3001, 1234), _WIDE)],
+@pytest.mark.parametrize("shape, cfg", [((1536, 2048, 2048), SM90A.wide_paired),
+                                        ((1500, 2000, 2000), SM90A.wide_swapped), ((1152, 2048, 2048), SM90A.wide),
+                                        ((2000, 1500, 2000), SM90A.wide_paired),
+                                        ((777, 3001, 1234), SM90A.wide)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else None)
 def test_wide_default_where_it_fills_the_wave(shape, cfg, variant):
     """192-wide tiles where they fill one wave: swapped 192x128 ones where they are fewer and B's rows not whole

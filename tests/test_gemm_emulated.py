@@ -78,7 +78,8 @@ def test_matmul_on_tensor_cores_matches_numpy(shape, kw, grid, ran):
 def test_library_gemm_reading_b_evict_first_matches_numpy():
     """``GemmConfig(b_evict_first=True)`` on sm_80: B's cp.async copies carry the L2 policy a createpolicy made
     (A's do not); ragged M, N and K, so some copies are zero-filled."""
-    from tile_ops.kernels.gemm import GemmConfig, gemm
+    from tile_ops.kernels.gemm import gemm
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     M, N, K = 40, 200, 100
     lk = lower(gemm.fn(M, N, K, 1, 1, 1, False, False, False, "float16", "float16",

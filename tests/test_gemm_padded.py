@@ -9,8 +9,11 @@ import torch
 
 from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
-from tile_ops.kernels import gemm as gemm_kernels
-from tile_ops.kernels.gemm import GemmConfig, PaddedGemm, SplitKGemm, build_gemm, default_config, pad_rows
+from tile_ops.kernels import gemm_launch
+from tile_ops.kernels.gemm import pad_rows
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_defaults import default_config
+from tile_ops.kernels.gemm_launch import PaddedGemm, SplitKGemm, build_gemm
 from fake_kernels import FakeKernel, record_allocations
 from tir_emulator import Emulator
 
@@ -82,8 +85,8 @@ def _padded(log):
 
 def test_padded_gemm_launches_pads_then_the_gemm_on_the_workspaces(monkeypatch):
     log, cpu = [], torch.device("cpu")
-    allocs = record_allocations(monkeypatch, gemm_kernels)
-    gemm_kernels.gemm_launcher(_padded(log), cpu)(0x100, 0x200, 0x300, 0x400)
+    allocs = record_allocations(monkeypatch, gemm_launch)
+    gemm_launch.gemm_launcher(_padded(log), cpu)(0x100, 0x200, 0x300, 0x400)
     (sa, da, wa), (sb, db, wb) = allocs
     assert (sa, da, sb, db) == ((1, 16, 8), torch.float16, (1, 7, 16), torch.bfloat16)
     assert log == [("pad A", [0x100, wa], cpu), ("pad B", [0x200, wb], cpu), ("gemm", [wa, wb, 0x400, 0x300], cpu)]
@@ -110,8 +113,8 @@ def test_padded_gemm_plan_is_its_launch_where_the_gemm_runs_host_code():
     log = []
     k = _padded(log)
     k.main.meta.needs_workspace = True  # stream-K: its plan is its launcher, which runs host code
-    launch = k.plan(torch.device("cpu"), [0, 1, 2, 3], 4)
+    launch = gemm_launch.gemm_plan(k, torch.device("cpu"), 0, 1, 3, 2, 4)  # buffers a, b, out, bias; scratch
     assert callable(launch)
-    launch(0x100, 0x200, 0x300, 0x400)  # plan buffers a, b, out, c
+    launch(0x100, 0x200, 0x300, 0x400)  # the pointers of the plan buffers a, b, bias, out
     assert [n for n, _, _ in log] == ["pad A", "pad B", "gemm"] and log[0][1][0] == 0x100 and log[1][1][0] == 0x200
-    assert log[2][1][2:] == [0x400, 0x300]  # bias slot <- c, output <- out
+    assert log[2][1][2:] == [0x300, 0x400]  # bias slot <- bias, output <- out

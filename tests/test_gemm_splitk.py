@@ -4,14 +4,19 @@ kernel pair), and that the heuristic does not split (the autotuner may).  GPU nu
 
 import dataclasses
 import re
+import sys
 
 import pytest
 import torch
 
 from tile_ops.compiler import compile_program
 from tile_ops.jit.build import _find_tool
-from tile_ops.kernels import gemm as gemm_kernels
-from tile_ops.kernels.gemm import GemmConfig, PaddedGemm, SplitKGemm, build_gemm, default_config, gemm, split_k_tiles
+from tile_ops.kernels import gemm as gemm_programs
+from tile_ops.kernels import gemm_defaults, gemm_launch, gemm_space
+from tile_ops.kernels.gemm import gemm, split_k_tiles
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_defaults import default_config
+from tile_ops.kernels.gemm_launch import PaddedGemm, SplitKGemm, build_gemm
 from fake_kernels import FakeKernel, record_allocations
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
@@ -75,7 +80,7 @@ def test_partial_kernel_has_the_split_grid_dim_and_writes_fp32_partials(arch, sp
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_90"])
 def test_reduce_kernel_sums_splits_adds_bias_and_casts(arch):
-    c = compile_program(gemm_kernels.gemm_splitk_reduce.fn(37, 3000, 1, 3, True, "float16", "bfloat16", 64, 64, 128),
+    c = compile_program(gemm_programs.gemm_splitk_reduce.fn(37, 3000, 1, 3, True, "float16", "bfloat16", 64, 64, 128),
                         arch)
     assert c.meta.grid == (47, 1, 1) and c.meta.block == (128, 1, 1)  # no producer warpgroup: nothing pipelined
     assert [p[0] for p in c.meta.params] == ["W", "Bias", "C"] and c.meta.params[0] == ("W", (3, 1, 37, 3000), "float32")
@@ -86,9 +91,9 @@ def test_reduce_kernel_sums_splits_adds_bias_and_casts(arch):
 
 
 def test_reduce_tile_gives_decode_reductions_many_ctas():
-    assert gemm_kernels.reduce_tile(16, 8192) == (16, 64, 128)  # 128 CTAs for 16 x 8192
-    assert gemm_kernels.reduce_tile(1, 4096) == (16, 64, 128)
-    assert gemm_kernels.reduce_tile(37, 1000) == (64, 64, 128)
+    assert gemm_programs.reduce_tile(16, 8192) == (16, 64, 128)  # 128 CTAs for 16 x 8192
+    assert gemm_programs.reduce_tile(1, 4096) == (16, 64, 128)
+    assert gemm_programs.reduce_tile(37, 1000) == (64, 64, 128)
 
 
 @needs_nvcc
@@ -137,9 +142,9 @@ def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monke
                           ("W", (3, 1, 16, 32), "float32")], log, "partial")
     reduce = FakeKernel([("W", (3, 1, 16, 32), "float32"), ("Bias", (32,), "float16"),
                          ("C", (1, 16, 32), "float16")], log, "reduce")
-    allocs = record_allocations(monkeypatch, gemm_kernels)
+    allocs = record_allocations(monkeypatch, gemm_launch)
     k = SplitKGemm(partial, reduce)
-    launch = gemm_kernels.gemm_launcher(k, torch.device("cpu"))
+    launch = gemm_launch.gemm_launcher(k, torch.device("cpu"))
     launch(0x100, 0x200, 0x300)  # no bias: its slot gets the output pointer (unread)
     launch(0x100, 0x200, 0x300, 0x400)
     (shape, dtype, w0), (_, _, w1) = allocs
@@ -155,25 +160,25 @@ def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monke
 
 def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
     built = []
-    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None, **_: built.append(("gemm", args)) or
+    monkeypatch.setattr(gemm_launch, "gemm", lambda *args, target=None, **_: built.append(("gemm", args)) or
                         FakeKernel([("W", (args[-1].split_k, args[3], args[0], args[1]), "float32")], [], "p"))
-    monkeypatch.setattr(gemm_kernels, "gemm_splitk_reduce", lambda *args, target=None, bias_dtype=None:
+    monkeypatch.setattr(gemm_launch, "gemm_splitk_reduce", lambda *args, target=None, bias_dtype=None:
                         built.append(("reduce", args)) or FakeKernel([], [], "r"))
     a, b, out = torch.zeros(1, 16, 4096, dtype=torch.float16), torch.zeros(1, 4096, 256, dtype=torch.float16), \
         torch.zeros(1, 16, 256, dtype=torch.float16)
-    k, _, _ = gemm_kernels.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
+    k, _, _ = gemm_launch.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
     assert isinstance(k, SplitKGemm) and k.workspace_shape == (4, 1, 16, 256)
     assert built[1] == ("reduce", (16, 256, 1, 4, False, "float16", "float16", 16, 64, 128))
     built.clear()
-    k, _, _ = gemm_kernels.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0))
+    k, _, _ = gemm_launch.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0))
     assert isinstance(k, FakeKernel) and [b[0] for b in built] == ["gemm"]
     # a split chosen per (M, N, K) by config_for is divided by the batch count (the batch fills the grid)
-    monkeypatch.setattr(gemm_kernels, "config_for", lambda *a, **k: GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
+    monkeypatch.setattr(gemm_launch, "config_for", lambda *a, **k: GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
     built.clear()
-    gemm_kernels.get_gemm_kernel(a.expand(2, 16, 4096), b.expand(2, 4096, 256), out.expand(2, 16, 256).contiguous())
+    gemm_launch.get_gemm_kernel(a.expand(2, 16, 4096), b.expand(2, 4096, 256), out.expand(2, 16, 256).contiguous())
     assert built[0][1][-1].split_k == 2
     built.clear()
-    gemm_kernels.get_gemm_kernel(a.expand(8, 16, 4096), b.expand(8, 4096, 256), out.expand(8, 16, 256).contiguous())
+    gemm_launch.get_gemm_kernel(a.expand(8, 16, 4096), b.expand(8, 4096, 256), out.expand(8, 16, 256).contiguous())
     assert built[0][1][-1].split_k == 1 and len(built) == 1
 
 
@@ -220,30 +225,32 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     cfg = default_config(*shape, "sm_90a", batch=batch)
     assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages, cfg.split_k) == (*tile, split)
     seen = []
-    monkeypatch.setattr(gemm_kernels, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
-    monkeypatch.setattr(gemm_kernels, "config_for", lambda *a, **k: default_config(*shape, "sm_90a"))
-    monkeypatch.setattr(gemm_kernels, "default_arch", lambda: "sm_90a")
+    monkeypatch.setattr(gemm_launch, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
+    monkeypatch.setattr(gemm_launch, "config_for", lambda *a, **k: default_config(*shape, "sm_90a"))
+    for module in (gemm_defaults, gemm_launch):
+        monkeypatch.setattr(module, "default_arch", lambda: "sm_90a")
     M, N, K = shape
     a, b = torch.zeros(batch, M, K, dtype=torch.float16), torch.zeros(batch, K, N, dtype=torch.float16)
-    gemm_kernels.get_gemm_kernel(a, b, torch.zeros(batch, M, N, dtype=torch.float16))
+    gemm_launch.get_gemm_kernel(a, b, torch.zeros(batch, M, N, dtype=torch.float16))
     assert seen == [cfg]
 
 
 @pytest.mark.parametrize("shape, default", [
-    ((2048, 2048, 2048), "_ONE_WAVE_WIDE"), ((2048, 2048, 2044), "_ONE_WAVE_WIDE"),
-    ((1920, 2048, 512), "_ONE_WAVE_WIDE"),
-    ((1024, 4096, 4096), "_ONE_WAVE_WIDE"), ((1792, 2048, 2048), "_PAIRED_128"), ((2048, 2560, 2048), "_PAIRED_128"),
-    ((1024, 2048, 4096), None), ((1536, 2048, 2048), "_WIDE_PAIRED"), ((1500, 2000, 2000), "_WIDE_SWAPPED"),
-    ((1152, 2048, 2048), "_WIDE"), ((2000, 1500, 2000), "_WIDE_PAIRED"), ((2000, 3000, 1000), "_WIDE_PAIRED"),
-    ((777, 3001, 1234), "_WIDE"), ((4096, 4096, 4096), None),
-    ((1000, 1000, 1000), "_SWAPPED_2X4"), ((1000, 1000, 999), "_SWAPPED_2X4"), ((1000, 1000, 512), "_SWAPPED_2X4"),
-    ((1000, 1000, 4000), "_SWAPPED_2X4"), ((1001, 1001, 2048), "_SWAPPED_2X4"), ((1000, 1000, 511), "_HALF_WAVE"),
-    ((1000, 1000, 256), "_HALF_WAVE"), ((1000, 700, 1000), "_HALF_WAVE_K128"), ((1000, 700, 2048), "_HALF_WAVE_K128"),
-    ((1000, 700, 2049), "_HALF_WAVE"), ((1000, 700, 4000), "_HALF_WAVE"), ((700, 1000, 1000), None),
-    ((650, 1500, 1000), "_SWAPPED_2X4"), ((512, 2000, 1024), "_HALF_WAVE_K128"), ((512, 2048, 4000), "_HALF_WAVE"),
-    ((1024, 1024, 4096), "_HALF_WAVE_LINES"), ((1024, 1024, 1024), "_HALF_WAVE_LINES_K128"),
-    ((768, 1024, 2048), "_HALF_WAVE_LINES_K128"), ((1024, 1024, 256), "_HALF_WAVE_LINES"),
-    ((1024, 1024, 4000), "_HALF_WAVE"), ((1024, 1000, 1024), "_HALF_WAVE_K128"), ((960, 1024, 1024), "_HALF_WAVE_LINES_K128"),
+    ((2048, 2048, 2048), "one_wave_wide"), ((2048, 2048, 2044), "one_wave_wide"),
+    ((1920, 2048, 512), "one_wave_wide"),
+    ((1024, 4096, 4096), "one_wave_wide"), ((1792, 2048, 2048), "paired_128"), ((2048, 2560, 2048), "paired_128"),
+    ((1024, 2048, 4096), None), ((1536, 2048, 2048), "wide_paired"), ((1500, 2000, 2000), "wide_swapped"),
+    ((1152, 2048, 2048), "wide"), ((2000, 1500, 2000), "wide_paired"), ((2000, 3000, 1000), "wide_paired"),
+    ((777, 3001, 1234), "wide"), ((4096, 4096, 4096), None),
+    ((1000, 1000, 1000), "swapped_2x4"), ((1000, 1000, 999), "swapped_2x4"), ((1000, 1000, 512), "swapped_2x4"),
+    ((1000, 1000, 4000), "swapped_2x4"), ((1001, 1001, 2048), "swapped_2x4"), ((1000, 1000, 511), "half_wave"),
+    ((1000, 1000, 256), "half_wave"), ((1000, 700, 1000), "half_wave_k128"), ((1000, 700, 2048), "half_wave_k128"),
+    ((1000, 700, 2049), "half_wave"), ((1000, 700, 4000), "half_wave"), ((700, 1000, 1000), None),
+    ((650, 1500, 1000), "swapped_2x4"), ((512, 2000, 1024), "half_wave_k128"), ((512, 2048, 4000), "half_wave"),
+    ((1024, 1024, 4096), "half_wave_lines"), ((1024, 1024, 1024), "half_wave_lines_k128"),
+    ((768, 1024, 2048), "half_wave_lines_k128"), ((1024, 1024, 256), "half_wave_lines"),
+    ((1024, 1024, 4000), "half_wave"), ((1024, 1000, 1024), "half_wave_k128"),
+    ((960, 1024, 1024), "half_wave_lines_k128"),
     ((900, 1024, 1024), None)])
 def test_default_tiles_fit_the_waves(shape, default):
     """128x256 tiles in 4 stages where they make 90-100 % of a wave (2048^2: 128; 1792x2048: 112 do not);
@@ -261,39 +268,66 @@ def test_default_tiles_fit_the_waves(shape, default):
     rows that are not 16 bytes (2044, 999, 1001) change nothing: build_gemm pads them for TMA."""
     cfg = default_config(*shape, "sm_90a")
     if default is None:
-        assert cfg in gemm_kernels._HOPPER_TILES
+        assert cfg in gemm_defaults.SM90A.tiles
         return
-    assert cfg == getattr(gemm_kernels, default)
-    if default != "_WIDE":
-        clustered = {"_PAIRED_128", "_WIDE_PAIRED", "_SWAPPED_2X4", "_HALF_WAVE", "_HALF_WAVE_K128"}
+    assert cfg == getattr(gemm_defaults.SM90A, default)
+    if default != "wide":
+        clustered = {"paired_128", "wide_paired", "swapped_2x4", "half_wave", "half_wave_k128"}
         assert (cfg.cluster, cfg.epilogue) == (2 if default in clustered else 1, "shared")
-    assert cfg in gemm_kernels.config_space(*shape, arch="sm_90a")  # the tuner measures it too
+    assert cfg in gemm_space.config_space(*shape, arch="sm_90a")  # the tuner measures it too
+
+
+def test_default_configs_count_waves_on_the_gpus_sms(monkeypatch):
+    """The sm_90a heuristics fill the SMs of the GPU they run on: an H100 PCIe has 114, where 112 tiles of
+    128x256 (1792x2048) make one nearly full wave and 128 (2048^2) more than one; with no sm_90a GPU (none, or
+    an A100) they count the 132 of the H100 SXM / H200 the defaults were fitted on."""
+    import types
+
+    jit = sys.modules["tile_ops.jit"]  # the package (tile_ops.jit the attribute is the decorator)
+
+    def gpu(arch, sms):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: arch is not None)
+        monkeypatch.setattr(jit, "default_arch", lambda: arch)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: types.SimpleNamespace(multi_processor_count=sms))
+
+    wide = gemm_defaults.SM90A.one_wave_wide
+    for arch, sms in ((None, 0), ("sm_80", 108), ("sm_90a", 132)):
+        gpu(arch, sms)
+        assert jit.build_target("sm_90a").sms == 132, arch
+        assert default_config(2048, 2048, 2048, "sm_90a") == wide and default_config(1792, 2048, 2048, "sm_90a") != wide
+    gpu("sm_90a", 114)
+    assert jit.build_target("sm_90a").sms == 114
+    assert default_config(2048, 2048, 2048, "sm_90a") != wide and default_config(1792, 2048, 2048, "sm_90a") == wide
 
 
 def test_get_gemm_kernel_refits_wave_defaults_to_a_batch(monkeypatch):
     built = []
-    monkeypatch.setattr(gemm_kernels, "gemm", lambda *args, target=None, **_: built.append(args[-1]) or FakeKernel([], [], "p"))
-    monkeypatch.setattr(gemm_kernels, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
-    monkeypatch.setattr(gemm_kernels, "default_arch", lambda: "sm_90a")  # whatever GPU this host has
+    monkeypatch.setattr(gemm_launch, "gemm",
+                        lambda *args, target=None, **_: built.append(args[-1]) or FakeKernel([], [], "p"))
+    monkeypatch.setattr(gemm_launch, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
+    for module in (gemm_defaults, gemm_launch):  # whatever GPU this host has
+        monkeypatch.setattr(module, "default_arch", lambda: "sm_90a")
     a, b = torch.zeros(1, 1000, 1000, dtype=torch.float16), torch.zeros(1, 1000, 1000, dtype=torch.float16)
-    gemm_kernels.get_gemm_kernel(a, b, a)
-    gemm_kernels.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
+    gemm_launch.get_gemm_kernel(a, b, a)
+    gemm_launch.get_gemm_kernel(a.expand(3, -1, -1), b.expand(3, -1, -1), a.expand(3, -1, -1).contiguous())
     # three 1000x1000 matrices: 192 tiles of 128x128, more than a wave, so the 128x128 pairs
-    assert built[0] == gemm_kernels._SWAPPED_2X4 and built[1] == gemm_kernels._PAIRED_128
+    assert built[0] == gemm_defaults.SM90A.swapped_2x4 and built[1] == gemm_defaults.SM90A.paired_128
     # one 1536x2048 matrix fills a wave of 128x192 tiles; three fill 3 waves of them, or 4.4 of 128x128 pairs
     a, b = torch.zeros(3, 1536, 2048, dtype=torch.float16), torch.zeros(3, 2048, 2048, dtype=torch.float16)
-    gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.empty(1, 1536, 2048, dtype=torch.float16))
-    gemm_kernels.get_gemm_kernel(a, b, torch.empty(3, 1536, 2048, dtype=torch.float16))
-    assert built[2] == gemm_kernels._WIDE_PAIRED and built[3] == gemm_kernels._PAIRED_128
+    gemm_launch.get_gemm_kernel(a[:1], b[:1], torch.empty(1, 1536, 2048, dtype=torch.float16))
+    gemm_launch.get_gemm_kernel(a, b, torch.empty(3, 1536, 2048, dtype=torch.float16))
+    assert built[2] == gemm_defaults.SM90A.wide_paired and built[3] == gemm_defaults.SM90A.paired_128
 
 
 def test_hopper_decode_space_offers_split_k():
-    decode = [c for c in gemm_kernels.config_space(16, 8192, 8192, arch="sm_90a") if not c.swap_ab]
+    decode = [c for c in gemm_space.config_space(16, 8192, 8192, arch="sm_90a") if not c.swap_ab]
     assert {c.split_k for c in decode} == {1, 2, 4}
     assert len({dataclasses.replace(c, split_k=1) for c in decode}) * 3 == len(decode)
-    assert {c.split_k for c in gemm_kernels.config_space(4096, 4096, 4096, arch="sm_90a")} == {1}
-    assert {c.split_k for c in gemm_kernels.config_space(16, 8192, 8192, arch="sm_90")} == {1}
-    assert {c.split_k for c in gemm_kernels.config_space(16, 256, 128, arch="sm_90a")} == {1}  # 1-2 k-tiles
+    assert {c.split_k for c in gemm_space.config_space(4096, 4096, 4096, arch="sm_90a")} == {1}
+    assert {c.split_k for c in gemm_space.config_space(16, 8192, 8192, arch="sm_90")} == {1}
+    assert {c.split_k for c in gemm_space.config_space(16, 256, 128, arch="sm_90a")} == {1}  # 1-2 k-tiles
 
 
 def test_a_table_entry_written_before_split_k_loads_unsplit():

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import tile_ops
-from tile_ops.kernels import gemm as gemm_kernels
-from tile_ops.kernels.gemm import GemmConfig, SplitKGemm, build_gemm, launch_gemm
+from tile_ops.kernels import gemm_launch
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_launch import SplitKGemm, build_gemm, launch_gemm
 from tile_ops.ops import fastpath
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -81,7 +82,7 @@ def test_split_k_batched_transposed_fp32_out(split_k, dtype):
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_split_k_through_the_op(M, N, K, split_k, bias, dtype, monkeypatch):
     cfg = dataclasses.replace(TILE["sm_90a" if HOPPER else None], split_k=split_k)
-    monkeypatch.setattr(gemm_kernels, "config_for", lambda *args, **kw: cfg)
+    monkeypatch.setattr(gemm_launch, "config_for", lambda *args, **kw: cfg)
     fastpath.clear()
     for _ in range(2):  # the checked path (records the plan), then the fast path
         a, b, c, ref = operands(M, N, K, dtype, bias)

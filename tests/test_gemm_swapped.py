@@ -8,8 +8,11 @@ import re
 import pytest
 
 from tile_ops.jit.build import _find_tool
-from tile_ops.kernels import gemm as gemm_kernels
-from tile_ops.kernels.gemm import GemmConfig, build_gemm, config_space, default_config, shared_memory_bytes
+from tile_ops.kernels import gemm_defaults, gemm_launch
+from tile_ops.kernels.gemm_config import GemmConfig, shared_memory_bytes
+from tile_ops.kernels.gemm_defaults import default_config
+from tile_ops.kernels.gemm_launch import build_gemm
+from tile_ops.kernels.gemm_space import config_space
 
 needs_nvcc = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None, reason="nvcc not installed")
 needs_cuobjdump = pytest.mark.skipif(_find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no cuobjdump")
@@ -144,10 +147,11 @@ def test_op_refits_a_swapped_default_to_the_batch(monkeypatch):
     import torch
 
     seen = []
-    monkeypatch.setattr(gemm_kernels, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
-    monkeypatch.setattr(gemm_kernels, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
-    monkeypatch.setattr(gemm_kernels, "default_arch", lambda: "sm_90a")  # whatever GPU this host has
+    monkeypatch.setattr(gemm_launch, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
+    monkeypatch.setattr(gemm_launch, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
+    for module in (gemm_defaults, gemm_launch):  # whatever GPU this host has
+        monkeypatch.setattr(module, "default_arch", lambda: "sm_90a")
     a, b = torch.zeros(2, 16, 8192, dtype=torch.float16), torch.zeros(2, 8192, 8192, dtype=torch.float16)
-    gemm_kernels.get_gemm_kernel(a[:1], b[:1], torch.zeros(1, 16, 8192, dtype=torch.float16))
-    gemm_kernels.get_gemm_kernel(a, b, torch.zeros(2, 16, 8192, dtype=torch.float16))
+    gemm_launch.get_gemm_kernel(a[:1], b[:1], torch.zeros(1, 16, 8192, dtype=torch.float16))
+    gemm_launch.get_gemm_kernel(a, b, torch.zeros(2, 16, 8192, dtype=torch.float16))
     assert seen == [swapped(16, 64, 64, 16, b_evict_first=True), swapped(16, 64, 64, 8, b_evict_first=True)]

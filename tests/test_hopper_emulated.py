@@ -60,7 +60,7 @@ def test_sm90_gemm_kernel_tma_store_epilogue_matches_numpy():
     """tile_ops.kernels.gemm with epilogue="shared": the accumulators go to a 128B-swizzled shared tile (named
     barriers between the consumer warps), then TMA stores (cp.async.bulk.tensor global <- shared, bulk groups
     waited for with .read) write C through its 3-d tensor map."""
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     C, ref, _, emu = run_library_gemm(256, 256, 256, GemmConfig(128, 128, 64, 3, 128, 8, epilogue="shared"), seed=3)
     assert {"tma.store.3d.swizzle128", "tma.load.3d.swizzle128"} <= set(emu.ran), sorted(emu.ran)
@@ -95,10 +95,10 @@ def test_sm90_short_grid_default_in_128_deep_k_steps_matches_numpy(operands):
     """The library's default for short grids with K of 512-2048 (1000x700x1000): pairs of 64x128 tiles multicasting
     B, 128-deep k-steps (two 64-column boxes of each operand a stage) on 4 stages; ragged M and K, 5 k-steps,
     so the pipeline wraps, with the ranks run at different rates; A and B as stored or transposed, a bias."""
-    from tile_ops.kernels.gemm import _HALF_WAVE_K128, default_config
+    from tile_ops.kernels.gemm_defaults import SM90A, default_config
 
-    assert default_config(1000, 700, 1000, "sm_90a") == _HALF_WAVE_K128
-    C, ref, lk, emu = run_library_gemm(200, 256, 600, _HALF_WAVE_K128, seed=11, stagger=True, **operands)
+    assert default_config(1000, 700, 1000, "sm_90a") == SM90A.half_wave_k128
+    C, ref, lk, emu = run_library_gemm(200, 256, 600, SM90A.half_wave_k128, seed=11, stagger=True, **operands)
     assert (lk.meta.grid, lk.meta.cluster_dims) == ((4, 2, 1), (2, 1, 1))
     assert "tma.load.3d.swizzle128.multicast" in emu.ran, sorted(emu.ran)
     np.testing.assert_array_equal(C, ref)
@@ -109,10 +109,10 @@ def test_sm90_swapped_2x4_default_matches_numpy():
     2x4 cluster here (B's tile multicast along M, A's 72 rows in 18-row slices along N), each stage released
     on its 5 writers by lanes 0-4 of every consumer warp at once; ragged M and K, 10 k-steps on 8 stages, so
     the pipeline wraps, with the ranks run at different rates; a bias along C^T's rows."""
-    from tile_ops.kernels.gemm import _SWAPPED_2X4, default_config
+    from tile_ops.kernels.gemm_defaults import SM90A, default_config
 
-    assert default_config(1000, 1000, 1000, "sm_90a") == _SWAPPED_2X4
-    C, ref, lk, emu = run_library_gemm(140, 512, 600, _SWAPPED_2X4, seed=5, stagger=True, bias=True)
+    assert default_config(1000, 1000, 1000, "sm_90a") == SM90A.swapped_2x4
+    C, ref, lk, emu = run_library_gemm(140, 512, 600, SM90A.swapped_2x4, seed=5, stagger=True, bias=True)
     assert (lk.meta.grid, lk.meta.cluster_dims) == ((2, 4, 1), (2, 4, 1))
     # each of 8 blocks: 8 consumer warps, 10 k-steps, an arrival on each of 5 writers
     assert emu.ran["mbarrier.arrive.shared::cluster"] == 8 * 8 * 10 * 5
@@ -123,7 +123,7 @@ def test_sm90_decode_default_reads_b_evict_first_matches_numpy():
     """The decode default (16x8192x8192: swapped 16x64 tiles, 16 stages) reads each of B's tiles once, with
     the L2 priority evict_first that a createpolicy makes (A, which every block reads, without); ragged M, N
     and K, 10 k-steps."""
-    from tile_ops.kernels.gemm import default_config
+    from tile_ops.kernels.gemm_defaults import default_config
 
     cfg = default_config(16, 8192, 8192, "sm_90a")
     assert cfg.swap_ab and cfg.b_evict_first
@@ -171,7 +171,7 @@ def run_library_gemm(M, N, K, cfg, seed, stagger=False, ctas=None, workspace=Non
 def run_clustered_gemm(M, N, K, **cluster_kw):
     """tile_ops.kernels.gemm (64 x 128 x 64 tiles, one consumer warpgroup, TMA-store epilogue) with
     ``cluster_kw``, run staggered (``run_library_gemm``)."""
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     cfg = GemmConfig(64, 128, 64, threads=128, swizzle=8, epilogue="shared", **cluster_kw)
     return run_library_gemm(M, N, K, cfg, seed=5, stagger=True)
@@ -181,7 +181,7 @@ def run_stream_k_gemm(stagger):
     """The stream-K gemm (64 x 64 tiles, up to 2 K parts) at 128 x 128 x 512 on a persistent grid of 3 CTAs:
     4 tiles leave one alone in the last wave, so it splits into two parts of 4 k-steps, CTA 0 writing its
     partial to the workspace and counting it on the tile's flag, CTA 1 waiting for the flag and adding it."""
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     ws = np.zeros(4096 + 3 * 64 * 64, np.float32)
     C, ref, lk, emu = run_library_gemm(128, 128, 512, GemmConfig(64, 64, 64, 3, 128, stream_k=2), seed=7,
@@ -403,7 +403,7 @@ def test_sm90_epilogue_over_the_dead_stages_matches_numpy():
     emulator steps a block's warpgroups together, so the barrier that keeps one warpgroup's epilogue writes
     after the other's last wgmma reads is checked in the CUDA source: test_compiler's
     test_epilogue_tiles_lie_over_the_dead_stages_where_each_cta_runs_one_tile.)"""
-    from tile_ops.kernels.gemm import GemmConfig
+    from tile_ops.kernels.gemm_config import GemmConfig
 
     cfg = GemmConfig(128, 128, 64, 2, 256, 0, epilogue="shared", cluster=2)
     C, ref, lk, emu = run_library_gemm(256, 256, 192, cfg, seed=7, stagger=True, bias=True)

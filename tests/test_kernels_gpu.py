@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from programs import chained_matmul, chained_matmul_sum, matmul, softmax_stats_over_cluster
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, _every_block_has_columns, block_columns, gemm_softmax
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig, _every_block_has_columns, block_columns
 import tile_ops.lang as T
 
 pytestmark = pytest.mark.gpu

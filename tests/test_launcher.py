@@ -469,9 +469,9 @@ steps = [(tmap_kernel, (1, 1, 1), (32, 1, 1), 0, "tmap_kernel", [(SCRATCH, None)
          (tmap_kernel, (1, 1, 1), (32, 1, 1), 0, "tmap_kernel", [(OUT, None), (A, SPEC), (SCRATCH, None)])]
 a, b = torch.zeros(16, 32, dtype=torch.float16), torch.zeros(32, 24, dtype=torch.float16)
 out = torch.empty(18, dtype=torch.int64)
-assert C.plans_record(0, a, b, None, None, None, [18], torch.int64, ([((18,), torch.int64)], steps))
+assert C.plans_record(0, (a, b, None), (None, None), [([18], torch.int64)], ([((18,), torch.int64)], steps))
 def call(x, y):
-    return C.plans_call(0, x, y, None, None, None, True)
+    return C.plans_call(0, (x, y, None), (None, None), True)
 for _ in range(6):  # fresh A pointers: more than the descriptor cache holds per tensor map
     x = torch.randn(16, 32).half()
     got = call(x, b)

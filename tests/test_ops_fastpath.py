@@ -19,8 +19,8 @@ import tile_ops
 import tile_ops.nn
 from tile_ops.ops import fastpath
 
-gemm_mod = importlib.import_module("tile_ops.ops.gemm")
-softmax_mod = importlib.import_module("tile_ops.ops.gemm_softmax")
+GEMM = importlib.import_module("tile_ops.ops.gemm").GEMM  # the op's OpSpec (tile_ops.ops.gemm is the function)
+GEMM_SOFTMAX = importlib.import_module("tile_ops.ops.gemm_softmax").GEMM_SOFTMAX
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -39,10 +39,10 @@ class Counter:
 @pytest.fixture
 def ops(stand_in_kernels, monkeypatch):
     """CPU calls of the ops run their CUDA implementations: (gemm op counter, gemm_softmax op counter, stand-ins)."""
-    gemm_op = Counter(gemm_mod._gemm_cuda)
-    softmax_op = Counter(softmax_mod._gemm_softmax_cuda)
-    monkeypatch.setitem(gemm_mod.gemm_op._backend_fns, "cpu", gemm_op)
-    monkeypatch.setitem(softmax_mod.gemm_softmax_op._backend_fns, "cpu", softmax_op)
+    gemm_op = Counter(GEMM.cuda)
+    softmax_op = Counter(GEMM_SOFTMAX.cuda)
+    monkeypatch.setitem(GEMM.op._backend_fns, "cpu", gemm_op)
+    monkeypatch.setitem(GEMM_SOFTMAX.op._backend_fns, "cpu", softmax_op)
     return gemm_op, softmax_op, stand_in_kernels
 
 
@@ -262,7 +262,7 @@ def test_dispatch_checks_of_the_wrappers_call(ops):
     tile_ops.gemm(a, b, bias)
 
     def served(x, y, c=None, check=True):
-        return fastpath.call(fastpath.GEMM, x, y, c, None, None, check) is not None
+        return fastpath.call(GEMM.plan_id, (x, y, c), (None,), check) is not None
 
     w = torch.nn.Parameter(b.clone())
     assert served(a, b) and served(a, b, bias) and served(a, w.detach())
@@ -295,14 +295,15 @@ def test_dispatch_checks_of_the_wrappers_call(ops):
 def test_signature_fields_each_count(ops):
     a, b = rnd(16, 32), rnd(32, 24)
     tile_ops.gemm(a, b)
-    same = dict(x=a, y=b, c=None, out_dtype=None, scale=None)
+    same = dict(x=a, y=b, c=None, flags=(None,))
     others = [dict(x=a.to(BF16), y=b.to(BF16)), dict(x=rnd(17, 32)), dict(y=rnd(24, 32).t()), dict(c=rnd(24)),
-              dict(out_dtype=F32), dict(scale=1.0), dict(x=a[None])]
+              dict(flags=(F32,)), dict(flags=(1.0,)), dict(flags=(None, None)), dict(x=a[None])]
     for change in [{}] + others:
         args = {**same, **change}
-        out = fastpath.call(fastpath.GEMM, args["x"], args["y"], args["c"], args["out_dtype"], args["scale"], True)
+        out = fastpath.call(GEMM.plan_id, (args["x"], args["y"], args["c"]), args["flags"], True)
         assert (out is not None) == (not change), change
-    assert fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, None, None, True) is None  # the op counts too
+    assert fastpath.call(GEMM.plan_id, (a, b), (None,), True) is None  # how many tensors
+    assert fastpath.call(GEMM_SOFTMAX.plan_id, (a, b, None), (None,), True) is None  # the op counts too
 
 
 @pytest.mark.parametrize("make", [
@@ -319,7 +320,7 @@ def test_only_dense_plain_memory_reaches_a_plan(ops, make):
     a, b = rnd(16, 32), rnd(32, 24)
     tile_ops.gemm(a, b)  # a plan for this signature
     x = make(a)
-    assert fastpath.call(fastpath.GEMM, x, b, None, None, None, False) is None
+    assert fastpath.call(GEMM.plan_id, (x, b, None), (None,), False) is None
     got, want = _outcome(tile_ops.gemm, x, b), _outcome(torch.ops.tile_ops.gemm, x, b)
     if x.is_nested or x.layout != torch.strided:
         assert got[0] is want[0] is ValueError and "must be a dense tensor" in got[1] and got[1] == want[1]
@@ -339,27 +340,31 @@ def test_call_arguments_are_checked(ops):
             raise ValueError("no truth value")
 
     with pytest.raises(ValueError, match="no truth value"):
-        fastpath.call(fastpath.GEMM, a, b, None, None, None, BadBool())
+        fastpath.call(GEMM.plan_id, (a, b, None), (None,), BadBool())
     with pytest.raises(OverflowError):
-        fastpath.call(2 ** 70, a, b, None, None, None, True)
-    with pytest.raises(TypeError, match="takes 7 arguments"):
-        fastpath.call(fastpath.GEMM, a, b)
+        fastpath.call(2 ** 70, (a, b, None), (None,), True)
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        fastpath.call(GEMM.plan_id, (a, b, None))
+    with pytest.raises(TypeError, match="tensors and flags must be tuples"):
+        fastpath.call(GEMM.plan_id, [a, b, None], (None,), True)
 
 
 def test_recorded_programs_are_checked(ops):
     a, b = rnd(16, 32), rnd(32, 24)
     out = torch.empty(16, 24, dtype=F16)
-    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(fastpath.A, None), (7, None)])
+    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(0, None), (7, None)])
     with pytest.raises(ValueError, match=r"argument buffer 7 of kernel 'k' is not one of the plan's 4 buffers"):
-        fastpath.record(fastpath.GEMM, a, b, None, None, None, out, ([], [step]))
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (out,), ([], [step]))
     spec = dict(tensor="A", dtype="float16", dims=[32, 16], strides=[60], box=[64, 16], element_strides=[1, 1],
                 swizzle=3, l2_promotion=2, oob_fill=0)
-    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(fastpath.A, spec)])
+    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(0, spec)])
     with pytest.raises(ValueError, match=r"strides_bytes\[0\] = 60 must be a positive multiple of 16"):
-        fastpath.record(fastpath.GEMM, a, b, None, None, None, out, ([], [step]))
-    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(fastpath.A, None)])
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (out,), ([], [step]))
+    step = (0, (1, 1, 1), (128, 1, 1), 0, "k", [(0, None)])
     with pytest.raises(ValueError, match=r"kernel 'k' is not a loaded function"):
-        fastpath.record(fastpath.GEMM, a, b, None, None, None, out, ([], [step]))
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (out,), ([], [step]))
+    with pytest.raises(ValueError, match=r"an op's plan makes at least one output"):
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (), lambda *pointers: None)
     assert fastpath.count() == 0
 
 
@@ -418,7 +423,7 @@ def test_plans_are_bounded(ops):
     b = rnd(32, 8)
     for m in range(1, 4098):
         a = torch.empty(m, 32, dtype=F16)
-        fastpath.record(fastpath.GEMM, a, b, None, None, None, torch.empty(m, 8, dtype=F16), lambda *ptrs: None)
+        fastpath.record(GEMM.plan_id, (a, b, None), (None,), (torch.empty(m, 8, dtype=F16),), lambda *ptrs: None)
     assert fastpath.count() == 1
 
 
@@ -443,7 +448,7 @@ class _Launch:
 
     def __del__(self):
         for _ in range(self.records):
-            self.lib.plans_record(next(self.ops), self.a, self.a.t(), None, None, None, [1], F16, lambda *p: None)
+            self.lib.plans_record(next(self.ops), (self.a, self.a.t()), (), [([1], F16)], lambda *p: None)
 
 
 @pytest.mark.parametrize("how", ["clear", "replace", "full"])
@@ -453,17 +458,17 @@ def test_the_plans_table_survives_python_run_while_it_changes(how):
     lib, a = _plans_lib(), torch.zeros(16, 32, dtype=F16)
     lib.plans_clear()
     for i in range(200):
-        lib.plans_record(i, a, a.t(), None, None, None, [1], F16, _Launch(lib, a, 4))
+        lib.plans_record(i, (a, a.t()), (), [([1], F16)], _Launch(lib, a, 4))
     if how == "clear":
         lib.plans_clear()
         assert lib.plans_size() == 200 * 4  # recorded by the finalizers, after the table was emptied
     elif how == "replace":
         for i in range(200):
-            lib.plans_record(i, a, a.t(), None, None, None, [1], F16, lambda *p: None)
+            lib.plans_record(i, (a, a.t()), (), [([1], F16)], lambda *p: None)
         assert lib.plans_size() == 200 + 200 * 4
     else:  # past the table's bound (4096): it is cleared, then the new plan goes in
         for i in range(200, 5000):
-            lib.plans_record(i, a, a.t(), None, None, None, [1], F16, lambda *p: None)
+            lib.plans_record(i, (a, a.t()), (), [([1], F16)], lambda *p: None)
         assert 0 < lib.plans_size() <= 4096
     lib.plans_clear()
 
@@ -475,4 +480,27 @@ def test_plans_take_only_tensor_types_and_report_their_module():
     lib.plans_configure(fastpath._PLAIN_TENSORS, None)
     assert lib.plans_call.__module__ == lib.__name__
     with pytest.raises(OverflowError):  # not a SystemError from a call made with the error pending
-        lib.plans_call(2**70, None, None, None, None, None, True)
+        lib.plans_call(2**70, (), (), True)
+
+
+def test_a_plan_takes_any_tensor_operands_outputs_and_flags():
+    """A signature is any number of tensor operands (None: one left out) and scalar flags, each counting by type
+    and value; the plan allocates every output (several: a tuple) and passes its host launch the pointers of all
+    its buffers, the operands' (0 for one left out), then the outputs'."""
+    lib = _plans_lib()
+    lib.plans_clear()
+    xs = [rnd(4, 8) for _ in range(4)]
+    tensors, flags = lambda xs: (xs[0], None, xs[1], xs[2], xs[3]), (3, 2.5, True, F32, None)
+    outputs, seen = [([4, 8], F16), ([2], F32)], []
+    assert lib.plans_record(7, tensors(xs), flags, outputs, lambda *pointers: seen.append(pointers))
+    ys = [same_signature(x) for x in xs]
+    got = lib.plans_call(7, tensors(ys), flags, True)
+    assert isinstance(got, tuple) and [(tuple(t.shape), t.dtype) for t in got] == [((4, 8), F16), ((2,), F32)]
+    assert seen == [(ys[0].data_ptr(), 0, *(y.data_ptr() for y in ys[1:]), *(t.data_ptr() for t in got))]
+    for other in [(3.0, 2.5, True, F32, None), (3, 2.5, 1, F32, None), (4, 2.5, True, F32, None),
+                  (3, 2.5, True, F16, None), (3, 2.5, True, F32), (3, 2.5, True, F32, None, None)]:
+        assert lib.plans_call(7, tensors(ys), other, True) is None, other
+    assert lib.plans_call(7, (ys[0], ys[1], ys[1], ys[2], ys[3]), flags, True) is None  # the left-out one counts
+    assert not lib.plans_record(8, (xs[0],), ("a string",), outputs, lambda *p: None)  # no flag of that type
+    assert not lib.plans_record(8, tuple(rnd(2) for _ in range(9)), (), outputs, lambda *p: None)  # > 8 tensors
+    lib.plans_clear()

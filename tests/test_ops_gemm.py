@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tile_ops
 import tile_ops.nn
-from tile_ops.ops import checks
+from tile_ops.ops import matmul
 
 gemm_mod = importlib.import_module("tile_ops.ops.gemm")
 
@@ -298,11 +298,11 @@ def test_gemm_cuda_rules_under_fake_cuda_tensors():
 def test_check_helpers_cuda_kind():
     a, b = torch.ones(2, 3, dtype=F32), torch.ones(3, 4, dtype=F32)
     with pytest.raises(TypeError, match=r"accepted on CUDA: float16 or bfloat16, both the same; cast with"):
-        checks.check_matmul_inputs("tile_ops.gemm", a, b, kind="cuda")
+        matmul.check_matmul_inputs("tile_ops.gemm", a, b, kind="cuda")
     with pytest.raises(TypeError, match=r"must be a torch\.Tensor, got list"):
-        checks.check_matmul_inputs("tile_ops.gemm", [[1.0]], b)
+        matmul.check_matmul_inputs("tile_ops.gemm", [[1.0]], b)
     with pytest.raises(TypeError, match=r"out_dtype must be a torch\.dtype or None"):
-        checks.check_matmul_inputs("tile_ops.gemm", a, b, out_dtype="float32")
+        matmul.check_matmul_inputs("tile_ops.gemm", a, b, out_dtype="float32")
 
 
 # --------------------------------------------------------------------------- CUDA launch glue
@@ -311,7 +311,7 @@ def test_check_helpers_cuda_kind():
 def _run_glue(stand_ins, a, b, bias=None, out_dtype=None):
     """The CUDA implementation on CPU tensors: its output and the operands it gave the kernel."""
     gemm_kernels, _ = stand_ins
-    out = gemm_mod._gemm_cuda(a, b, bias, out_dtype)
+    out = gemm_mod.GEMM.cuda(a, b, bias, out_dtype)
     return out, gemm_kernels.calls
 
 

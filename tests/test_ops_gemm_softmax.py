@@ -241,7 +241,7 @@ def test_gemm_softmax_cuda_rules_under_fake_cuda_tensors():
 def _run_glue(stand_ins, a, b, scale=1.0, out_dtype=None):
     """The CUDA implementation on CPU tensors: its output and the (a2, b2, out2, scale) of each launch."""
     _, softmax_kernels = stand_ins
-    out = gs_mod._gemm_softmax_cuda(a, b, scale, out_dtype)
+    out = gs_mod.GEMM_SOFTMAX.cuda(a, b, scale, out_dtype)
     return out, softmax_kernels.calls
 
 

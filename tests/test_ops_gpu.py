@@ -252,9 +252,9 @@ def op_calls(monkeypatch):
 
         return counted
 
-    monkeypatch.setitem(gemm_mod.gemm_op._backend_fns, "cuda", counting("gemm", gemm_mod._gemm_cuda))
-    monkeypatch.setitem(softmax_mod.gemm_softmax_op._backend_fns, "cuda",
-                        counting("gemm_softmax", softmax_mod._gemm_softmax_cuda))
+    monkeypatch.setitem(gemm_mod.GEMM.op._backend_fns, "cuda", counting("gemm", gemm_mod.GEMM.cuda))
+    monkeypatch.setitem(softmax_mod.GEMM_SOFTMAX.op._backend_fns, "cuda",
+                        counting("gemm_softmax", softmax_mod.GEMM_SOFTMAX.cuda))
     return calls
 
 
@@ -326,7 +326,7 @@ def test_composed_gemms_under_cuda_graph_capture(M, K, N):
     and padded rows (pad_rows, then the gemm) on sm_90a launch their later kernels programmatically
     (Kernel.dependent): captured into a graph and replayed on new inputs, twice in a row, they give the
     eager result."""
-    from tile_ops.kernels.gemm import PaddedGemm, SplitKGemm, get_gemm_kernel
+    from tile_ops.kernels.gemm_launch import PaddedGemm, SplitKGemm, get_gemm_kernel
 
     a, b = rnd(M, K), rnd(K, N)
     out = tile_ops.gemm(a, b)

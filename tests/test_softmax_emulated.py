@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from tile_ops.compiler.lower import lower
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, default_config, gemm_softmax
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
+from tile_ops.kernels.gemm_softmax_defaults import default_config
 from tir_emulator import Emulator
 
 WORKSPACE = "tile_ops_workspace"

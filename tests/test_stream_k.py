@@ -12,8 +12,10 @@ from test_compiler import needs_cuobjdump, needs_nvcc
 from tile_ops.compiler.meta import WORKSPACE, KernelMeta
 from tile_ops.compiler.schedules.stream_k import MIN_STEPS, plan, unit
 from tile_ops.jit.kernel import EntryArgs
-from tile_ops.kernels.gemm import GemmConfig, gemm
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+from tile_ops.kernels.gemm import gemm
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 from tile_ops.lang.errors import TileLangError
 
 

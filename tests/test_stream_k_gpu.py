@@ -6,8 +6,10 @@ import torch
 
 from test_gemm_configs_gpu import SHAPES, VARIANTS, check
 from tile_ops.jit.kernel import FLAG_SLOTS, _workspaces
-from tile_ops.kernels.gemm import GemmConfig, build_gemm
-from tile_ops.kernels.gemm_softmax import SoftmaxConfig, gemm_softmax
+from tile_ops.kernels.gemm_config import GemmConfig
+from tile_ops.kernels.gemm_launch import build_gemm
+from tile_ops.kernels.gemm_softmax import gemm_softmax
+from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="stream-K is on the sm_90a path")]

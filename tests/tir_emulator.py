@@ -17,10 +17,10 @@ global -> shared, OOB zero-filled, swizzled) that land at the end of the schedul
 and complete their bytes on the mbarrier then; wgmma.mma_async (m64nNk16, f16/bf16 -> f32, A and B through
 shared-memory matrix descriptors) gathered over the 128 threads of a warpgroup and executed, reading shared
 memory and the accumulator registers, only when a wgmma.wait_group retires its group (so a stage released
-before its wgmmas retire shows).  The tensor maps come from the kernel's meta (``tensormaps=lk.tensormaps``),
+before its wgmmas retire shows).  The tensor maps come from the kernel's meta (``tensormaps=lk.meta.tensormaps``),
 as the launcher encodes them.  setmaxnreg, fences and prefetches are no-ops.
 
-Thread-block clusters (``run(grid, cluster=lk.cluster_dims)``): a cluster's blocks (equal x // cx, y // cy, z;
+Thread-block clusters (``run(grid, cluster=lk.meta.cluster_dims)``): a cluster's blocks (equal x // cx, y // cy, z;
 rank x % cx + (y % cy) cx, as the launcher's __cluster_dims__) run together in one scheduler, each with its
 own shared arena, mbarriers and queues; %cluster_ctarank (tile_ops_cluster_rank) is the rank;
 barrier.cluster.wait goes on once every thread of the cluster that has not exited has made as many
@@ -317,7 +317,7 @@ class _Cta:
 class Emulator:
     def __init__(self, func, arrays: dict, tensormaps: dict | None = None):
         """``arrays``: parameter name -> numpy array (written in place; bfloat16 ones as uint16 bits).
-        ``tensormaps``: the kernel's TMA descriptors as the launcher encodes them (``lk.tensormaps``, or a
+        ``tensormaps``: the kernel's TMA descriptors as the launcher encodes them (``lk.meta.tensormaps``, or a
         compiled kernel's ``meta.tensormaps``): kernel parameter name -> {tensor, dtype, dims, strides, box,
         element_strides, swizzle, l2_promotion, oob_fill}."""
         self.func, self.mem = func, {p.name: arrays[p.name] for p in func.params}
@@ -331,7 +331,7 @@ class Emulator:
 
     def run(self, grid, cluster=1, stagger: bool | tuple = False, resident: bool = False):
         """Runs the kernel over ``grid`` (x, y, z).  ``cluster``: the thread-block cluster's dims (an int: along
-        x; or the kernel's ``lk.cluster_dims``), as the launcher's __cluster_dims__: the blocks of a cluster
+        x; or the kernel's ``lk.meta.cluster_dims``), as the launcher's __cluster_dims__: the blocks of a cluster
         are those of equal (x // cx, y // cy, z), of rank x % cx + (y % cy) cx, and run together in one
         scheduler (each with its own shared arena, mbarriers and queues).  ``stagger``: the i-th block scheduled
         together (a cluster's rank i; with ``resident``, the i-th of the grid) runs only every
@@ -704,7 +704,7 @@ class Emulator:
         name = ptr.name if isinstance(ptr, px.Var) else None
         if name not in self.tensormaps:
             raise KeyError(f"emulator: TMA through {name}: pass the kernel's tensor maps (Emulator(..., "
-                           f"tensormaps=lk.tensormaps))")
+                           f"tensormaps=lk.meta.tensormaps))")
         return self.tensormaps[name]
 
     # ---------------------------------------------------------------- wgmma (sm_90a, whole warpgroups)

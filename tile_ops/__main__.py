@@ -4,12 +4,13 @@
                                              with a GPU also check them against torch and time both
     tile_ops cache info | clear               the on-disk kernel cache ($TILE_OPS_CACHE_DIR or ~/.tile_ops/cache)
     tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--dtype ...]
-                                             fill the cache ahead of time (no GPU needed)
+                                             fill the cache ahead of time (no GPU needed); an option per op
     tile_ops tune OP --shape MxNxK [...] | --list | --show | --clear
                                              autotune kernel configs (tile_ops/autotune/cli.py)
 
-Kernels compile in parallel threads (tracing and lowering hold the GIL; nvcc runs as a subprocess);
-see ``_tracing_is_thread_safe`` for when cache misses are built one at a time instead.
+Every command iterates over the registered ops (their ``OpSpec.tuning``, a ``tile_ops.autotune.targets.Target``:
+the shapes each builds, how, and how to check and time it).  Kernels compile in parallel threads (tracing and
+lowering hold the GIL; nvcc runs as a subprocess).
 """
 
 from __future__ import annotations
@@ -22,67 +23,43 @@ import os
 import sys
 import time
 
+from .autotune import cli as tune_cli
+from .cli_common import parse_arch, parse_jobs, parse_scale, parse_shape, print_table
+
 INTERESTING_OPS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SHFL", "BAR")
-
-DEMO_JOBS = [  # (op, (M, N, K), dtype)
-    ("gemm", (4096, 4096, 4096), "float16"),
-    ("gemm", (4096, 4096, 4096), "bfloat16"),
-    ("gemm", (1000, 1000, 1000), "float16"),
-    ("gemm", (1000, 1000, 1000), "bfloat16"),
-    ("gemm_softmax", (8192, 2048, 1024), "float16"),
-    ("gemm_softmax", (1000, 200, 96), "float16"),
-]
-DEMO_JOBS_QUICK = [
-    ("gemm", (256, 256, 128), "float16"),
-    ("gemm", (256, 256, 128), "bfloat16"),
-    ("gemm_softmax", (200, 96, 64), "float16"),
-]
-DEMO_SOFTMAX_SCALE = 0.125  # the scale benchmarks/bench_gemm_softmax.py uses (scale is a compile-time constant)
-
-# precompile defaults: the main shapes of benchmarks/bench_gemm.py and benchmarks/bench_gemm_softmax.py
-PRECOMPILE_GEMM = [(4096, 4096, 4096), (8192, 8192, 8192), (1000, 1000, 1000)]
-PRECOMPILE_GEMM_SOFTMAX = [(8192, 2048, 1024)]
-PRECOMPILE_SCALES = [1.0, 0.125]  # the op's default scale and the benchmark's
+# the scale the demo compiles into the kernels that take one (benchmarks/bench_gemm_softmax.py's)
+DEMO_SCALE = 0.125
+PRECOMPILE_SCALES = [1.0, 0.125]  # the ops' default scale and the benchmark's
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}
 
 
 # ---------------------------------------------------------------------------------------------- jobs
 @dataclasses.dataclass
 class Job:
-    """One library kernel specialization: which factory, its Python arguments, and the target arch."""
+    """One library kernel specialization: the op, its problem, and the target arch."""
 
-    op: str  # "gemm" | "gemm_softmax"
+    op: str
     shape: tuple
     dtype: str
     arch: str
-    scale: float = 1.0  # gemm_softmax only
+    scale: float = 1.0  # the ops whose kernel takes one (Target.scaled)
+
+    @property
+    def target(self):
+        from .autotune import targets
+
+        return targets.get(self.op)
 
     @property
     def label(self) -> str:
         M, N, K = self.shape
         s = f"{self.op} {M}x{N}x{K} {self.dtype}"
-        return s + (f" scale={self.scale:g}" if self.op == "gemm_softmax" else "")
+        return s + (f" scale={self.scale:g}" if self.target.scaled else "")
 
     def key_and_builder(self):
         """(cache key of the main kernel the torch op path builds, a callable that builds what it launches:
         for a gemm, with its operand pads and split-K reduction)."""
-        M, N, K = self.shape
-        from .autotune import config_for  # the config the op would launch with here (tuned, else default)
-
-        if self.op == "gemm":
-            from .kernels.gemm import build_gemm, gemm, launch_config, padded_cols
-
-            args = (M, N, K, 1, 1, 1, False, False, False, self.dtype, self.dtype,
-                    launch_config(M, N, K, self.dtype, arch=self.arch))
-            return (gemm.key(args, padded_cols(M, N, K, dtype=self.dtype, target=self.arch), self.arch),
-                    lambda: build_gemm(*args, target=self.arch))
-        if self.op == "gemm_softmax":
-            from .kernels.gemm_softmax import gemm_softmax
-
-            args = (M, N, K, float(self.scale), self.dtype, self.dtype,
-                    config_for("gemm_softmax", M, N, K, self.dtype, arch=self.arch))
-            return gemm_softmax.key(args, {}, self.arch), lambda: gemm_softmax(*args, target=self.arch)
-        raise ValueError(f"unknown op {self.op!r}")
+        return self.target.launched(self.shape, self.dtype, self.arch, self.scale)
 
 
 @dataclasses.dataclass
@@ -135,59 +112,6 @@ def build_all(jobs, workers=None):
         return list(pool.map(build, jobs))
 
 
-# --------------------------------------------------------------------------------------- formatting
-def print_table(rows, columns, title=None, file=None):
-    file = file or sys.stdout
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in columns]
-    if title:
-        print(title, file=file)
-    print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))), file=file)
-    for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(w) if i == 0 else str(r.get(c, "")).rjust(w)
-                        for i, (c, w) in enumerate(zip(columns, widths))), file=file)
-    file.flush()
-
-
-def parse_shape(text: str) -> tuple:
-    parts = text.lower().replace("*", "x").split("x")
-    try:
-        dims = tuple(int(p) for p in parts)
-    except ValueError:
-        dims = ()
-    if len(dims) != 3 or min(dims) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a shape MxNxK of three positive integers, got {text!r}")
-    return dims
-
-
-def parse_arch(text: str) -> str:
-    from .jit import check_arch
-
-    try:
-        return check_arch(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("tile_ops: ")) from None
-
-
-def parse_scale(text: str) -> float:
-    try:
-        scale = float(text)
-    except ValueError:
-        scale = math.nan
-    if not math.isfinite(scale):  # the op refuses such a scale: its kernel could never launch
-        raise argparse.ArgumentTypeError(f"expected a finite float, got {text!r}")
-    return scale
-
-
-def parse_jobs(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of threads, at least 1, got {text!r}")
-    return n
-
-
 def instruction_mix(kernel) -> dict | None:
     """Counts of INTERESTING_OPS in the kernel's SASS, or None when cuobjdump is unavailable/fails."""
     try:
@@ -233,29 +157,20 @@ def _run_on_gpu(b: Built, device="cuda") -> dict:
     """Fresh random inputs, float64 reference, relative Frobenius error, then ours vs torch timing."""
     import torch
 
-    job, k = b.job, b.kernel
-    M, N, K = job.shape
-    dt = getattr(torch, job.dtype)
-    a = torch.randn(M, K, dtype=dt, device=device)
-    w = torch.randn(K, N, dtype=dt, device=device)
-    out = torch.full((M, N), float("nan"), dtype=dt, device=device)  # poisoned
-    if job.op == "gemm":
-        ptrs = [a.data_ptr(), w.data_ptr(), out.data_ptr(), out.data_ptr()]  # A, B, (unused bias), C
-        ours = lambda: k.launch_ptrs(ptrs, a.device)  # noqa: E731
-        theirs = lambda: torch.matmul(a, w)  # noqa: E731
-        ref = a.double() @ w.double()
-    else:
-        ours = lambda: k.launch(a, w, out)  # noqa: E731
-        theirs = lambda: torch.softmax(job.scale * (a @ w), -1)  # noqa: E731
-        ref = torch.softmax(job.scale * (a.double() @ w.double()), -1)
+    job, target = b.job, b.job.target
+    args = target.inputs(job.shape, job.dtype, torch.device(device))
+    out = args[-1].fill_(float("nan"))  # poisoned
+    ptrs = [t.data_ptr() for t in args]
+    ours = lambda: b.kernel.launch_ptrs(ptrs, out.device)  # noqa: E731
+    theirs = target.torch_equivalent(args, job.scale)
+    ref = target.reference(args, job.scale, torch.float64)
     ours()
-    if out.is_cuda:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     err = ((out.double() - ref).norm() / ref.norm()).item()
     ok = math.isfinite(err) and err < TOLERANCE.get(job.dtype, 1e-2)
     t_ours, t_torch = _bench_ms(ours), _bench_ms(theirs)
-    if job.op == "gemm":
-        tf = lambda ms: 2 * M * N * K / ms / 1e9  # noqa: E731
+    if target.speed == "TFLOP/s":
+        tf = lambda ms: target.flops(job.shape) / ms / 1e9  # noqa: E731
         perf = {"ours": f"{tf(t_ours):.1f} TFLOP/s", "torch": f"{tf(t_torch):.1f} TFLOP/s"}
     else:
         perf = {"ours": f"{t_ours * 1e3:.1f} us", "torch": f"{t_torch * 1e3:.1f} us"}
@@ -276,8 +191,10 @@ def cmd_demo(args) -> int:
 
         print(f"GPU: {torch.cuda.get_device_name()} (local arch {default_arch()}); compiling for {arch}.")
     print(f"Kernel cache: {cache_dir()}  (entries at <cache>/<key[:2]>/<key>/)")
-    specs = DEMO_JOBS_QUICK if args.quick else DEMO_JOBS
-    jobs = [Job(op, shape, dt, arch, DEMO_SOFTMAX_SCALE) for op, shape, dt in specs]
+    from .autotune import targets
+
+    jobs = [Job(op, shape, dt, arch, DEMO_SCALE) for op, target in targets.TARGETS.items()
+            for shape, dt in (target.demo_quick if args.quick else target.demo)]
     t0 = time.perf_counter()
     built = build_all(jobs)
     print(f"Built or loaded {len(jobs)} kernels in {time.perf_counter() - t0:.1f} s{_parallel_note(built)}.\n")
@@ -346,14 +263,14 @@ def cmd_cache(args) -> int:
 
 # ---------------------------------------------------------------------------------------- precompile
 def cmd_precompile(args) -> int:
+    from .autotune import targets
     from .jit.cache import cache_dir
 
-    if args.gemm is None and args.gemm_softmax is None:
-        gemm_shapes, sm_shapes = PRECOMPILE_GEMM, PRECOMPILE_GEMM_SOFTMAX
-    else:  # only the shapes asked for
-        gemm_shapes, sm_shapes = args.gemm or [], args.gemm_softmax or []
-    jobs = [Job("gemm", s, dt, args.arch) for s in gemm_shapes for dt in args.dtype]
-    jobs += [Job("gemm_softmax", s, dt, args.arch, sc) for s in sm_shapes for dt in args.dtype for sc in args.scale]
+    asked = {op: getattr(args, op) for op in targets.TARGETS}
+    if all(shapes is None for shapes in asked.values()):
+        asked = {op: target.precompile for op, target in targets.TARGETS.items()}
+    jobs = [Job(op, s, dt, args.arch, sc) for op, target in targets.TARGETS.items() for s in asked[op] or []
+            for dt in args.dtype for sc in (args.scale if target.scaled else [1.0])]
     jobs = list({dataclasses.astuple(j): j for j in jobs}.values())  # a repeat would count as built twice
     print(f"Precompiling {len(jobs)} kernel{'s' if len(jobs) != 1 else ''} for {args.arch} into {cache_dir()} ({args.jobs or 'auto'} threads)")
     t0 = time.perf_counter()
@@ -376,6 +293,8 @@ def cmd_precompile(args) -> int:
 
 # ---------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    from .autotune import targets
+
     p = argparse.ArgumentParser(prog="tile_ops", description="tile_ops: tile-level GPU kernels on TVM TIRx")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -392,42 +311,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     pc = sub.add_parser("precompile", help="fill the kernel cache for given shapes (no GPU needed)")
     pc.add_argument("--arch", required=True, type=parse_arch, help="target arch, e.g. sm_90a or sm_80")
-    pc.add_argument("--gemm", nargs="+", type=parse_shape, metavar="MxNxK",
-                    help="gemm shapes (default, when neither --gemm nor --gemm-softmax is given: "
-                    + " ".join("x".join(map(str, s)) for s in PRECOMPILE_GEMM) + ")")
-    pc.add_argument("--gemm-softmax", nargs="+", type=parse_shape, metavar="MxNxK",
-                    help="gemm_softmax shapes (default, when neither is given: "
-                    + " ".join("x".join(map(str, s)) for s in PRECOMPILE_GEMM_SOFTMAX) + ")")
+    for op, target in targets.TARGETS.items():
+        pc.add_argument(f"--{op.replace('_', '-')}", dest=op, nargs="+", type=parse_shape, metavar="MxNxK",
+                        help=f"{op} shapes (default, when no op's shapes are given: "
+                        + " ".join("x".join(map(str, s)) for s in target.precompile) + ")")
     pc.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     pc.add_argument("--scale", nargs="+", type=parse_scale, default=PRECOMPILE_SCALES,
-                    help="gemm_softmax scales (compile-time constants; default: 1.0 = the op's default, "
-                    "0.125 = the benchmark's)")
+                    help=f"scales of {', '.join(op for op, t in targets.TARGETS.items() if t.scaled)} "
+                    "(compile-time constants; default: 1.0 = the op's default, 0.125 = the benchmark's)")
     pc.add_argument("--jobs", "-j", type=parse_jobs, default=None, help="compile threads (default: one per kernel, "
                     "up to the CPU count)")
     pc.set_defaults(func=cmd_precompile)
 
-    _add_optional_commands(sub)
+    tune_cli.add_parser(sub)
     return p
-
-
-def _add_optional_commands(sub) -> None:
-    """Subcommands owned by other modules: a module with ``add_parser(subparsers)`` registers itself
-    (its parser sets ``func``).  ``tile_ops.autotune.cli`` provides ``tune`` when it exists."""
-    import importlib
-
-    for name in ("tile_ops.autotune.cli",):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and name.startswith(e.name):
-                continue  # not there (yet)
-            print(f"tile_ops: warning: cannot load {name}: {e}", file=sys.stderr)
-            continue
-        except Exception as e:  # noqa: BLE001 - a broken plug-in must not break demo/cache/precompile
-            print(f"tile_ops: warning: cannot load {name}: {type(e).__name__}: {e}", file=sys.stderr)
-            continue
-        if hasattr(mod, "add_parser"):
-            mod.add_parser(sub)
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """tile_ops.autotune — find and remember the fastest kernel config per (GPU, op, shape, dtype).
 
-Each kernel module declares its space (``config_space(M, N, K, dtype, arch)``), its heuristic
-(``default_config(M, N, K)``) and a shared-memory estimate (``shared_memory_bytes``).  :func:`tune`
+Each op's kernel declares its space, its heuristic default and a shared-memory estimate, which the op
+hands the tuner as a :class:`~.targets.Target` (registered by its ``OpSpec``).  :func:`tune`
 prunes the space, compiles the candidates in parallel, checks and times them on the GPU (CUDA events,
 warm-up, rotating inputs), and records the fastest in ``<cache_dir()>/autotune.json``.  The ops ask
 :func:`config_for` which config to launch: the tuned one (exact shape, else same N and K with M in the

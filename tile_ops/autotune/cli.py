@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from ..cli_common import parse_arch, parse_jobs, parse_shape, print_table
 from . import targets
 
 DTYPES = ("float16", "bfloat16")
 
 
 def add_parser(sub) -> None:
-    from ..__main__ import parse_arch, parse_jobs, parse_shape
-
     p = sub.add_parser("tune", help="autotune kernel configs on this GPU (or --list / --show / --clear)",
                        description="Compile a kernel's declared config space in parallel, check and time each "
                        "candidate on the GPU, and record the fastest in <cache dir>/autotune.json, where the "
@@ -89,8 +88,6 @@ def run(args) -> int:
 
 
 def print_candidates(result) -> None:
-    from ..__main__ import print_table
-
     target = targets.get(result.op)
     fields = [f.name for f in dataclasses.fields(result.default)]
     order = sorted(result.candidates, key=lambda c: (c.ms is None, c.ms or 0.0, c.skipped is not None))
@@ -138,7 +135,6 @@ def _gpu_available() -> bool:
 # --------------------------------------------------------------------------------- list/show/clear
 def list_spaces(args) -> int:
     from ..jit import default_arch
-    from ..__main__ import print_table
     from .tuner import make_candidates, prune, smem_limit
 
     if args.shape and args.op is None:
@@ -165,7 +161,6 @@ def list_spaces(args) -> int:
 
 
 def show() -> int:
-    from ..__main__ import print_table
     from .table import TuneTable
 
     table = TuneTable()

@@ -1,95 +1,81 @@
-"""What the tuner needs to drive each op's kernel: build one config, make inputs, compute the reference.
-
-The kernel modules own the configs (``config_space``, ``default_config``, ``shared_memory_bytes``);
-this module only knows where they are and how to call each kernel the way its op does for a plain
-row-major problem.  No torch or TVM import at module level.
+"""What the tuner and the command line (``python -m tile_ops demo | precompile | tune``) need of each op's kernel:
+its configs, how to build one, inputs and a reference to check it against, its FLOPs.  Each op's module
+(tile_ops/ops/<op>.py) defines a :class:`Target`, which its ``OpSpec`` registers here.  No torch or TVM import at
+module level.
 """
 
 from __future__ import annotations
 
-import importlib
+import abc
+from typing import Callable, NamedTuple
 
 
-class Target:
-    """One tunable op.  ``inputs`` returns a tensor per kernel parameter, in order; the output is last."""
+class KernelConfigs(NamedTuple):
+    """An op kernel's configs: its config dataclass (the tuned table stores it as a dict), the candidates
+    ``space(M, N, K, dtype, arch)``, the ``default(M, N, K, arch)`` launched where the table has no entry, and an
+    upper estimate ``shared_memory_bytes(cfg, M, N, K, dtype)``, to skip candidates that cannot fit unbuilt."""
 
-    name: str
-    module_name: str  # the kernel module: config class, config_space, default_config, shared_memory_bytes
-    config_name: str
+    config: type
+    space: Callable
+    default: Callable
+    shared_memory_bytes: Callable
 
-    def module(self):
-        return importlib.import_module(self.module_name)
+
+class Target(abc.ABC):
+    """An op's kernel, for a plain row-major problem of ``shape`` (M, N, K) in ``dtype`` (a name: "float16")."""
+
+    scaled = False  # its kernel takes a scale as a compile-time constant (precompile --scale)
+    speed = "TFLOP/s"  # how the demo reports its time: "TFLOP/s" (from flops) or "us"
+    demo: list = []  # [(shape, dtype)] the demo builds, and with --quick
+    demo_quick: list = []
+    precompile: list = []  # the shapes precompile builds when given none
+
+    @abc.abstractmethod
+    def configs(self) -> KernelConfigs:
+        """The kernel's configs, its modules imported here (on first use: the CPU path imports no kernel)."""
 
     def config_class(self) -> type:
-        return getattr(self.module(), self.config_name)
+        return self.configs().config
 
     def config_space(self, shape, dtype: str, arch: str) -> list:
-        return self.module().config_space(*shape, dtype, arch)
+        return self.configs().space(*shape, dtype, arch)
 
     def default_config(self, shape, arch: str | None = None):
-        return self.module().default_config(*shape, arch)
+        return self.configs().default(*shape, arch)
 
     def shared_memory_bytes(self, cfg, shape, dtype: str) -> int:
-        return self.module().shared_memory_bytes(cfg, *shape, dtype)
+        return self.configs().shared_memory_bytes(cfg, *shape, dtype)
 
+    @abc.abstractmethod
+    def compile(self, shape, dtype: str, cfg, arch: str):
+        """The launchable for ``cfg``: ``launch_ptrs(pointers, device)`` over ``inputs``' tensors, and ``meta``."""
+
+    @abc.abstractmethod
+    def launched(self, shape, dtype: str, arch: str, scale: float):
+        """(the cache key of the main kernel the op launches for this problem, a callable building all it launches)."""
+
+    @abc.abstractmethod
+    def inputs(self, shape, dtype: str, device) -> list:
+        """A tensor per kernel parameter, in order; the output is last."""
+
+    @abc.abstractmethod
+    def reference(self, args, scale: float = 1.0, dtype=None):
+        """What the output of a launch on ``args`` should be, computed in ``dtype`` (default float32)."""
+
+    @abc.abstractmethod
+    def torch_equivalent(self, args, scale: float):
+        """A callable computing the same with torch alone (what the demo times beside the kernel)."""
+
+    @abc.abstractmethod
     def flops(self, shape) -> int:
-        M, N, K = shape
-        return 2 * M * N * K
+        """The floating-point operations of one launch (the tuner's TFLOP/s)."""
 
 
-class GemmTarget(Target):
-    name, module_name, config_name = "gemm", "tile_ops.kernels.gemm", "GemmConfig"
-
-    def compile(self, shape, dtype: str, cfg, arch: str):
-        M, N, K = shape
-        # a split-K config builds two kernels (the gemm's partials, their reduction): one launchable
-        return self.module().build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
-
-    def inputs(self, shape, dtype: str, device):
-        import torch
-
-        M, N, K = shape
-        dt = getattr(torch, dtype)
-        a, b = _operands(M, N, K, dt, device)
-        bias = torch.zeros(N, dtype=dt, device=device)  # unused (has_bias=False) but a valid pointer
-        return [a.unsqueeze(0), b.unsqueeze(0), bias, torch.empty(1, M, N, dtype=dt, device=device)]
-
-    def reference(self, args):
-        import torch
-
-        return torch.matmul(args[0][0].float(), args[1][0].float())
+TARGETS: dict[str, Target] = {}  # by op name, in registration order
 
 
-class GemmSoftmaxTarget(Target):
-    name, module_name, config_name = "gemm_softmax", "tile_ops.kernels.gemm_softmax", "SoftmaxConfig"
-
-    def compile(self, shape, dtype: str, cfg, arch: str):
-        M, N, K = shape
-        return self.module().gemm_softmax(M, N, K, 1.0, dtype, dtype, cfg, target=arch)
-
-    def inputs(self, shape, dtype: str, device):
-        import torch
-
-        M, N, K = shape
-        dt = getattr(torch, dtype)
-        a, b = _operands(M, N, K, dt, device)
-        return [a, b, torch.empty(M, N, dtype=dt, device=device)]
-
-    def reference(self, args):
-        import torch
-
-        return torch.softmax(torch.matmul(args[0].float(), args[1].float()), dim=-1)
-
-
-def _operands(M, N, K, dt, device):
-    """Random A (M, K) and B (K, N) scaled so that A @ B has entries of about unit size."""
-    import torch
-
-    s = K ** -0.25
-    return (torch.randn(M, K, device=device) * s).to(dt), (torch.randn(K, N, device=device) * s).to(dt)
-
-
-TARGETS = {t.name: t for t in (GemmTarget(), GemmSoftmaxTarget())}
+def register(op: str, target: Target) -> None:
+    TARGETS[op] = target
 
 
 def get(op: str) -> Target:

@@ -2,7 +2,8 @@
 
 A row block of ``block_M`` rows is shared by ``split`` blocks, each owning a contiguous run of
 whole ``block_N`` column tiles (``block_columns``); with ``split > 1`` they form a thread-block
-cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_allreduce``.
+cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_allreduce``
+(``merge_row_statistics``).
 
 - One tile per block (the run is one tile): the score tile stays in registers: row max, exp2,
   row sum, merged over the cluster, rescale by 2^(own max - max) / sum, store.  The output is
@@ -11,162 +12,25 @@ cluster (sm_90a) and merge their row statistics, (max, sum), in one ``T.cluster_
   online (base-2 exponentials), exp2(s - running max) stored (staged: through shared memory and
   TMA); the last tile stays in registers until the final max and sum are known, and a pass over
   the block's own output rescales the earlier tiles by exp2(max at that tile - final max) / final
-  sum.  That pass re-reads and re-writes (n - 1) / n of the output, which the L2 does not keep:
-  at 8192x2048x1024 it costs ~13 us of the walk's 74 (NOTES v10)."""
+  sum.  That pass re-reads and re-writes (n - 1) / n of the output, which the L2 does not keep.
+- Rows over the whole grid (``deferred``, sm_90a): one tile per block, ``T.row_reduce_store`` (the row's
+  statistics merged as over a cluster, each tile scaled by ``normalize_row``).
+
+Configs: gemm_softmax_config; which one: gemm_softmax_defaults; the torch-side launch: gemm_softmax_launch."""
 
 
 import functools
 import math
 import operator
 import struct
-import warnings
-from dataclasses import dataclass, replace
 
 import tile_ops
 import tile_ops.lang as T
-from tile_ops.lang import SharedMemoryError
-from tile_ops.jit import default_arch
-from tile_ops.autotune import config_for
-from tile_ops.compiler.targets import Target, smem_limit
 
-from .gemm import _DT, _kib, _ESIZE, _pow2, check_config_sizes
+from .gemm_softmax_config import (SoftmaxConfig, _every_block_has_columns, _output_tile_fits, _widest_split,
+                                  block_columns, shared_memory_bytes)
 
 LOG2E = 1.4426950408889634
-# the deferred store's exchange takes a few microseconds per tile (NOTES v10): a main loop of 8 K steps
-# of 64 hides it
-DEFERRED_MIN_K = 512
-
-
-@dataclass(frozen=True)
-class SoftmaxConfig:
-    block_M: int = 128
-    block_N: int = 128
-    block_K: int = 32
-    num_stages: int = 3
-    threads: int = 256
-    policy: str = "square"  # T.gemm warp policy; "full_row" keeps each row in one warp (no cross-warp reduce)
-    split: int = 1  # blocks sharing a row block's columns: a thread-block cluster on sm_90a
-    persistent: bool = True  # False: a block (cluster) per row block even with more than one wave (sm_90a)
-    pingpong: bool = False  # sm_90a, threads=128: two consumer warpgroups per CTA on alternate row blocks
-    stream_k: int = 0  # >= 2 (sm_90a, one tile per block): the last wave's row blocks split along K into up to this many parts
-    # sm_90a: a row's tiles spread over the grid without a cluster, every tile stored once its row's
-    # statistics are in, after the block's next tile (T.row_reduce_store): all SMs, GEMM-like waves
-    deferred: bool = False
-
-    def __post_init__(self):
-        check_config_sizes(self)
-        if not 1 <= self.split <= T.MAX_CLUSTER:
-            raise ValueError(f"SoftmaxConfig.split={self.split}: must be in [1, {T.MAX_CLUSTER}] (a cluster's blocks)")
-        if self.deferred and (self.split > 1 or self.pingpong or self.stream_k or not self.persistent):
-            raise ValueError("SoftmaxConfig.deferred: one tile per block over the whole grid; it takes no split, "
-                             "pingpong, stream_k or persistent=False")
-
-
-def block_columns(N: int, cfg: SoftmaxConfig) -> int:
-    """Columns each of a row block's ``split`` blocks owns: its share of N, rounded up to whole tiles."""
-    share = -(-N // cfg.split)
-    return -(-share // cfg.block_N) * cfg.block_N
-
-
-def _every_block_has_columns(N: int, cfg: SoftmaxConfig) -> bool:
-    return (cfg.split - 1) * block_columns(N, cfg) < N
-
-
-def _widest_split(N: int, cfg: SoftmaxConfig, most: int = T.MAX_CLUSTER) -> int:
-    """The largest cluster (<= ``most`` blocks) over which a row of N columns splits into whole tiles, each
-    block getting some: ceil(N / block_N) blocks of one tile when that is <= 8."""
-    return max(s for s in range(1, most + 1) if _every_block_has_columns(N, replace(cfg, split=s)))
-
-
-def default_config(M: int, N: int, K: int, arch: str | None = None) -> SoftmaxConfig:
-    """sm_90a: 128x256 tiles; rows of more than one tile spread over the whole grid, their statistics
-    exchanged through global memory (``deferred``: every SM busy, where clusters of 8 fit on 120 of
-    132) when TMA can store them and K is long enough to hide the exchange; otherwise a row split over
-    a cluster of up to 8 blocks (one tile each up to N = 2048, then short walks; from N = 8192 walks of
-    128-wide tiles: 2048x8192x256 64 us against 137).  bench_gemm_softmax.py --configs on the H200, NOTES.md
-    v5, v10."""
-    if (arch or default_arch()) == "sm_90a":
-        if N <= 64:  # one 64-wide tile per row block, a block per 64 rows
-            return SoftmaxConfig(block_M=64, block_N=64, block_K=64, num_stages=4, threads=128)
-        tiles = SoftmaxConfig(128, 256, 64, 3, 256, "full_row")
-        if tiles.block_N < N <= T.MAX_ROW_TILES * tiles.block_N and N % 8 == 0 and K % 8 == 0 \
-                and K >= DEFERRED_MIN_K:
-            return replace(tiles, deferred=True)
-        if N >= 4 * T.MAX_CLUSTER * tiles.block_N:  # long walks: of 128-wide tiles (NOTES v10, measured at N = 8192)
-            tiles = SoftmaxConfig(128, 128, 64, 4, 256, "full_row")
-        return replace(tiles, split=_widest_split(N, tiles))
-    return SoftmaxConfig(block_M=64, block_N=64 if N <= 64 else 128, threads=128)
-
-
-def config_space(M: int, N: int, K: int, dtype: str = "float16", arch: str = "sm_90a") -> list[SoftmaxConfig]:
-    """The autotuner's candidates (tile_ops.autotune): row block x threads, column tile, (block_K, stages),
-    warp policy.  ``arch`` is the target: sm_90a (TMA stages + wgmma) pipelines 64-wide K steps deeper,
-    and adds column splits over clusters."""
-    depths = ((64, 3), (64, 4), (32, 4)) if arch == "sm_90a" else ((32, 3), (64, 2))
-    space = []
-    for bM, threads in ((64, 128), (128, 128), (128, 256)):
-        for bN in (64, 128):
-            if bN > max(64, _pow2(N)):
-                continue
-            space += [SoftmaxConfig(bM, bN, bK, stages, threads, policy)
-                      for bK, stages in depths for policy in ("square", "full_row")]
-    if arch == "sm_90a":  # 64-row tiles, two warpgroups splitting the columns (wgmma along N)
-        space += [SoftmaxConfig(64, bN, 64, stages, 256, "full_col") for bN in (128, 256)
-                  if bN <= max(128, _pow2(N)) for stages in (2, 3)]
-        # clusters: one column tile per block, or a few when the row is wider than 8 tiles
-        for bM, bN, threads, stages in ((128, 256, 256, 3), (128, 128, 256, 4), (64, 256, 128, 4)):
-            for split in (2, 4, 8):
-                cfg = SoftmaxConfig(bM, bN, 64, stages, threads, "full_row", split)
-                if _every_block_has_columns(N, cfg):
-                    space += [cfg, replace(cfg, persistent=False)] if bN == 256 else [cfg]
-                    if threads == 128 and block_columns(N, cfg) == bN:  # two warpgroups, alternate row blocks
-                        space.append(replace(cfg, num_stages=3, pingpong=True))
-        # 64-row blocks (finer over the clusters that fit), the two warpgroups splitting the columns
-        space += [cfg for cfg in (SoftmaxConfig(64, 256, 64, 4, 256, "full_col", split) for split in (2, 4, 8))
-                  if _every_block_has_columns(N, cfg)]
-        if N % 8 == 0 and K % 8 == 0:  # rows over the whole grid, statistics through global memory
-            space += [cfg for cfg in (SoftmaxConfig(128, 256, 64, 3, 256, "full_row", deferred=True),
-                                      SoftmaxConfig(128, 128, 64, 4, 256, "full_row", deferred=True))
-                      if -(-N // cfg.block_N) <= T.MAX_ROW_TILES]
-    return space
-
-
-def _output_tile_fits(smem_bytes: int, cfg, dtype: str, out_dtype: str) -> bool:
-    """Whether a kernel whose shared memory ``smem_bytes`` counts its staged (block_M, block_N) output tile in
-    ``dtype`` (one per consumer warpgroup with pingpong) still fits with the tile in ``out_dtype``."""
-    wider = (_ESIZE[out_dtype] - _ESIZE[dtype]) * cfg.block_M * cfg.block_N * (2 if cfg.pingpong else 1)
-    return smem_bytes + max(0, wider) <= smem_limit("sm_90a")
-
-
-def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
-    """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the staged
-    output tile, with several tiles per block the per-tile running maxima (grow with N) and the final
-    max/sum rows, and the cross-warp reduction scratch (none when each row stays in one warp); the
-    cluster exchange buffers; with ``pingpong`` all but the pipeline twice (one per consumer warpgroup)."""
-    esize = _ESIZE[dtype]
-    tiles = _kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize) + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize)
-    scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
-    n_tiles = block_columns(N, cfg) // cfg.block_N
-    rows = _kib(cfg.block_M * cfg.block_N * esize)
-    if cfg.deferred:  # the row factors of two tiles
-        rows += _kib(2 * cfg.block_M * 4)
-    elif n_tiles > 1:
-        rows += _kib(n_tiles * cfg.block_M * 4) + 2 * _kib(cfg.block_M * 4)
-    # (max, sum) slots and their mbarriers, two tile parities
-    exchange = 2 * _kib(cfg.split * cfg.block_M * 8) + 16 if cfg.split > 1 else 0
-    copies = 2 if cfg.pingpong else 1
-    if _output_overlaid(cfg, M, N, K, n_tiles, esize):
-        tiles, rows = max(tiles, rows), 0
-    return tiles + copies * (rows + _kib(scratch_cols * cfg.block_M * 4) + exchange) + 16 * cfg.num_stages
-
-
-def _output_overlaid(cfg: SoftmaxConfig, M: int, N: int, K: int, n_tiles: int, esize: int) -> bool:
-    """Whether the sm_90a compiler lays the staged output tile over the dead pipeline stages
-    (Lowerer._epilogue_overlay): 16-byte rows of A and B (TMA loads, so a warp-specialized pipeline), a
-    block's one tile, no cluster exchange, a grid within a wave unless not persistent."""
-    tma_rows = (K * esize) % 16 == 0 and (N * esize) % 16 == 0
-    one_tile = not (cfg.deferred or cfg.pingpong or cfg.stream_k) and cfg.split == 1 and n_tiles == 1
-    return tma_rows and one_tile and (not cfg.persistent or 0 < -(-M // cfg.block_M) <= Target.of("sm_90a").wave_ctas())
 
 
 PARTS = ("all", "no_rescale", "gemm")
@@ -288,8 +152,9 @@ def _deferred_kernel(M, N, K, dtype, out_dtype, cfg: SoftmaxConfig, scores, post
 
 
 def merge_row_statistics(blocks):
-    """The (max, sum) of a row split over a cluster's blocks, from each block's (``T.cluster_allreduce``'s
-    combine): maxima in log2 units, sums of 2^(s - max); a block without values (max -inf) adds 0, not NaN."""
+    """The (max, sum) of a row split over blocks, from each block's (``T.cluster_allreduce``'s and
+    ``T.row_reduce_store``'s combine): maxima in log2 units, sums of 2^(s - max); a block without values
+    (max -inf) adds 0, not NaN."""
     top = functools.reduce(T.max, [m for m, _ in blocks])
     terms = [T.where(m == -T.infinity("float32"), 0.0, l * T.exp2(m - top)) for m, l in blocks]
     return top, functools.reduce(operator.add, terms)
@@ -439,63 +304,3 @@ def _rescale_tile(P, P_s, Out, factor, j, row0, col0):
         for r, col in T.Parallel(bM, bN):
             Out[row0 + r, col0 + col] = Out[row0 + r, col0 + col] * factor[j, r]
 
-
-_SCALES_SEEN: dict = {}  # the problem (shape, dtypes) -> the scales compiled for it in this process
-MANY_SCALES = 8
-
-
-def get_gemm_softmax_kernel(a, b, out, scale=1.0, cfg=None):
-    """The kernel computing out (M, N) = softmax(scale * a (M, K) @ b (K, N), -1)."""
-    M, K = a.shape
-    N = b.shape[1]
-    if cfg is None:
-        cfg = config_for("gemm_softmax", M, N, K, _DT[a.dtype], a.device)
-        if cfg.deferred and not _output_tile_fits(shared_memory_bytes(cfg, M, N, K, _DT[a.dtype]), cfg,
-                                                  _DT[a.dtype], _DT[out.dtype]):  # a float32 output
-            cfg = replace(cfg, deferred=False)  # first: _widest_split tries splits, which a deferred config refuses
-            cfg = replace(cfg, split=_widest_split(N, cfg))
-    _note_scale((M, N, K, a.dtype, out.dtype), float(scale))
-    try:
-        return gemm_softmax(M, N, K, float(scale), _DT[a.dtype], _DT[out.dtype], cfg)
-    except SharedMemoryError as e:  # the kernel's line and "reduce block sizes": nothing an op caller can change
-        raise ValueError(f"tile_ops.gemm_softmax: rows of N = {N} scores are too wide for its kernel on {e.arch}: "
-                         f"the per-row state it keeps on chip grows with N ({e.needed} bytes of shared memory "
-                         f"needed, {e.limit} available); accepted: narrower rows; for these, compute "
-                         f"torch.softmax(scale * tile_ops.gemm(a, b), -1)") from e
-
-
-def _note_scale(problem, scale: float) -> None:
-    """The scale is a constant of the compiled kernel (folded into its exp2 multiplier): a scale that changes
-    every call (a learnable temperature) compiles a kernel, and stores one on disk, every call. Say so once."""
-    seen = _SCALES_SEEN.setdefault(problem, set())
-    seen.add(scale)
-    if len(seen) == MANY_SCALES:
-        warnings.warn(f"tile_ops.gemm_softmax: {MANY_SCALES} different scales for one problem {problem[:3]}; each "
-                      f"compiles (and caches) its own kernel, the scale being a constant of it. For a scale that "
-                      f"changes every step, pass scale=1.0 and multiply a (or b) by it instead", stacklevel=3)
-
-
-def gemm_softmax_launcher(kernel, device):
-    """``launch(a_ptr, b_ptr, out_ptr)`` for a kernel from ``get_gemm_softmax_kernel``."""
-
-    run = kernel.launcher(device)
-
-    def launch(a_ptr, b_ptr, out_ptr):
-        run([a_ptr, b_ptr, out_ptr])
-
-    return launch
-
-
-def gemm_softmax_plan(kernel, device, a, b, out):
-    """``gemm_softmax_launcher``'s launch as a plan program (``Kernel.plan``) over plan buffer indices."""
-    return kernel.plan(device, [a, b, out])
-
-
-def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):
-    """a (M, K), b (K, N) row-major; out (M, N) contiguous = softmax(scale * a @ b, -1)."""
-    if not math.isfinite(scale):
-        raise ValueError(f"tile_ops.gemm_softmax: scale must be finite, got {scale}")
-    a, b = a.contiguous(), b.contiguous()
-    kernel = get_gemm_softmax_kernel(a, b, out, scale, cfg)
-    gemm_softmax_launcher(kernel, a.device)(a.data_ptr(), b.data_ptr(), out.data_ptr())
-    return out

@@ -1,10 +1,12 @@
 """The tile_ops operator library: ``torch.ops.tile_ops.*`` custom ops.
 
-Importing this package registers, under the ``tile_ops`` namespace, each op's
-schema, CUDA implementation (JIT kernels from ``tile_ops.kernels``, imported on
-first CUDA call), CPU reference implementation, fake (meta) implementation for
-``torch.compile``, autograd formula, and its own error for sparse, nested, quantized and MKL-DNN
-tensors.
+Each op is one module here, ending in its ``OpSpec`` (spec.py): schema, CPU reference, fake (meta)
+implementation for ``torch.compile``, CUDA implementation (JIT kernels from ``tile_ops.kernels``, imported
+on the first CUDA call) behind the eager fast path (fastpath.py), autograd, forward mode, batching rule,
+DTensor sharding, and its kernel as the autotuner and the command line drive it.  Importing this package
+registers them all under the ``tile_ops`` namespace, with the ops' own error for sparse, nested, quantized
+and MKL-DNN tensors.  Shared by the ops: checks.py (input checks), matmul.py (the matmul-like ops'
+shapes and layouts), forward_ad.py and functorch.py (the transforms' mechanics).
 
     tile_ops.gemm(a, b, bias=None, out_dtype=None)          torch.ops.tile_ops.gemm
     tile_ops.gemm_softmax(a, b, scale=1.0, out_dtype=None)  torch.ops.tile_ops.gemm_softmax

@@ -1,4 +1,4 @@
-"""Input validation shared by the tile_ops operators.
+"""Input validation shared by the tile_ops operators; each op's own checks (shapes, layouts) are in its module.
 
 Every check raises an ordinary Python exception (``TypeError`` for wrong types or
 dtypes, ``ValueError`` for shapes, scalars and layouts, ``RuntimeError`` for
@@ -33,7 +33,7 @@ CPU_OUT_DTYPES = CPU_INPUT_DTYPES
 POINTER_ALIGNMENT = 16
 
 
-def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+def dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     names = [str(d).replace("torch.", "") for d in dtypes]
     if len(names) == 1:
         return names[0]
@@ -55,7 +55,7 @@ def out_dtypes(kind: str):
 
 def _accepted_inputs(kind: str) -> str:
     where = "CUDA" if kind == "cuda" else "CPU"
-    return f"accepted on {where}: {_dtype_names(input_dtypes(kind))}, both the same"
+    return f"accepted on {where}: {dtype_names(input_dtypes(kind))}, both the same"
 
 
 def check_is_tensor(op: str, name: str, t) -> None:
@@ -74,12 +74,12 @@ def check_is_tensor(op: str, name: str, t) -> None:
     raise ValueError(f"{op}: {name} must be a dense tensor (layout torch.strided), got {got} tensor ({fix})")
 
 
-def check_argument_types(op: str, a, b, bias=None, out_dtype=None) -> None:
-    """What the op's schema would refuse with a dispatcher message: refused here, in the op's words."""
-    check_is_tensor(op, "a", a)
-    check_is_tensor(op, "b", b)
-    if bias is not None:
-        check_is_tensor(op, "bias", bias)
+def check_argument_types(op: str, out_dtype=None, **tensors) -> None:
+    """What the op's schema would refuse with a dispatcher message: refused here, in the op's words.
+    ``tensors`` by name; None: an optional one left out."""
+    for name, t in tensors.items():
+        if t is not None:
+            check_is_tensor(op, name, t)
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"{op}: out_dtype must be a torch.dtype or None, got {out_dtype!r}")
 
@@ -118,21 +118,22 @@ def check_devices(op: str, tensors: Sequence[tuple[str, Optional[torch.Tensor]]]
     return t0.device
 
 
-def check_input_dtypes(op: str, a: torch.Tensor, b: torch.Tensor, kind: str) -> torch.dtype:
-    accepted = input_dtypes(kind)
-    if a.dtype != b.dtype:
+def check_input_dtypes(op: str, kind: str, **tensors) -> torch.dtype:
+    """The one dtype of ``tensors`` (by name), one the ``kind`` of device computes in."""
+    dtypes = [t.dtype for t in tensors.values()]
+    if len(set(dtypes)) > 1:
         raise TypeError(
-            f"{op}: a and b must have the same dtype, got {a.dtype} and {b.dtype} "
+            f"{op}: {' and '.join(tensors)} must have the same dtype, got {' and '.join(map(str, dtypes))} "
             f"({_accepted_inputs(kind)})"
         )
-    if a.dtype not in accepted:
+    if dtypes[0] not in input_dtypes(kind):
         hint = ""
-        if kind == "cuda" and a.dtype in CPU_INPUT_DTYPES:
+        if kind == "cuda" and dtypes[0] in CPU_INPUT_DTYPES:
             hint = "; cast with .half() or .bfloat16(), and use out_dtype=torch.float32 for a float32 result"
         raise TypeError(
-            f"{op}: unsupported input dtype {a.dtype} ({_accepted_inputs(kind)}{hint})"
+            f"{op}: unsupported input dtype {dtypes[0]} ({_accepted_inputs(kind)}{hint})"
         )
-    return a.dtype
+    return dtypes[0]
 
 
 def resolve_out_dtype(op: str, out_dtype: Optional[torch.dtype], in_dtype: torch.dtype, kind: str) -> torch.dtype:
@@ -145,78 +146,9 @@ def resolve_out_dtype(op: str, out_dtype: Optional[torch.dtype], in_dtype: torch
         where = "CUDA" if kind == "cuda" else "CPU"
         raise TypeError(
             f"{op}: unsupported out_dtype {out_dtype} (accepted on {where}: "
-            f"{_dtype_names(accepted)}, or None for the input dtype)"
+            f"{dtype_names(accepted)}, or None for the input dtype)"
         )
     return out_dtype
-
-
-def check_rank(op: str, name: str, t: torch.Tensor, what: str) -> None:
-    if t.dim() not in (2, 3):
-        raise ValueError(
-            f"{op}: {name} must be 2-D {what[0]} or 3-D batched {what[1]}, "
-            f"got a {t.dim()}-D tensor of shape {tuple(t.shape)}"
-        )
-
-
-def check_matmul_shapes(op: str, a: torch.Tensor, b: torch.Tensor):
-    """a (M, K) or (B, M, K); b (K, N) or (B, K, N). Returns (batch, M, K, N).
-
-    ``batch`` is None when both inputs are 2-D; a 2-D operand is broadcast over
-    the batch of the other one.
-    """
-    check_rank(op, "a", a, ("(M, K)", "(B, M, K)"))
-    check_rank(op, "b", b, ("(K, N)", "(B, K, N)"))
-    M, K = a.shape[-2], a.shape[-1]
-    Kb, N = b.shape[-2], b.shape[-1]
-    if K != Kb:
-        raise ValueError(
-            f"{op}: inner dimensions do not match: a has shape {tuple(a.shape)} and b has shape "
-            f"{tuple(b.shape)}, but a.shape[-1] ({K}) must equal b.shape[-2] ({Kb}) "
-            f"(accepted: a (M, K) or (B, M, K) with b (K, N) or (B, K, N))"
-        )
-    batch = None
-    if a.dim() == 3 and b.dim() == 3:
-        if a.shape[0] != b.shape[0]:
-            raise ValueError(
-                f"{op}: batch sizes do not match: a has shape {tuple(a.shape)} and b has shape "
-                f"{tuple(b.shape)} (accepted: equal batch sizes, or a 2-D operand that is "
-                f"broadcast over the batch of the other)"
-            )
-        batch = a.shape[0]
-    elif a.dim() == 3:
-        batch = a.shape[0]
-    elif b.dim() == 3:
-        batch = b.shape[0]
-    return batch, M, K, N
-
-
-def check_bias(
-    op: str,
-    bias: Optional[torch.Tensor],
-    N,
-    in_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    if bias is None:
-        return
-    check_is_tensor(op, "bias", bias)
-    if bias.device != device:
-        raise RuntimeError(
-            f"{op}: bias must be on the same device as a and b, got bias on {bias.device} "
-            f"and a, b on {device}"
-        )
-    if bias.dim() != 1 or bias.shape[0] != N:
-        raise ValueError(
-            f"{op}: bias must be 1-D of shape (N,) = ({N},), one value per output column, "
-            f"got shape {tuple(bias.shape)}"
-        )
-    accepted = [in_dtype] if in_dtype == out_dtype else [in_dtype, out_dtype]
-    if bias.dtype not in accepted:
-        raise TypeError(
-            f"{op}: bias dtype {bias.dtype} does not match the inputs (accepted: "
-            f"{_dtype_names(accepted)}, the input dtype or the output dtype)"
-        )
 
 
 def check_scale(op: str, scale, in_dtype: Optional[torch.dtype] = None) -> float:
@@ -254,86 +186,3 @@ def check_alignment(op: str, name: str, t: torch.Tensor) -> None:
             f"torch allocators and views starting at an aligned offset; pass {name}.clone() "
             f"to get a fresh, aligned copy)"
         )
-
-
-def check_matmul_inputs(
-    op: str,
-    a,
-    b,
-    bias=None,
-    out_dtype: Optional[torch.dtype] = None,
-    kind: Optional[str] = None,
-):
-    """All data-independent checks for ``a @ b (+ bias)``.
-
-    Returns (device, batch, M, K, N, out_dtype).  ``kind`` overrides the device
-    kind whose dtype rules apply ('cuda' or 'cpu'); by default it is taken from
-    the device of ``a``.
-    """
-    check_is_tensor(op, "a", a)
-    check_is_tensor(op, "b", b)
-    device = check_devices(op, [("a", a), ("b", b)] + ([("bias", bias)] if isinstance(bias, torch.Tensor) else []))
-    if kind is None:
-        kind = device_kind(device)
-    in_dtype = check_input_dtypes(op, a, b, kind)
-    odt = resolve_out_dtype(op, out_dtype, in_dtype, kind)
-    batch, M, K, N = check_matmul_shapes(op, a, b)
-    check_bias(op, bias, N, in_dtype, odt, device)
-    return device, batch, M, K, N, odt
-
-
-def output_shape(batch, M, N):
-    return (M, N) if batch is None else (batch, M, N)
-
-
-# --------------------------------------------------------------------------- layouts
-
-
-def kernel_layout(t: torch.Tensor) -> Optional[str]:
-    """Layout of the last two dims of ``t`` as the kernels see them.
-
-    'row' for row-major (stride(-1) == 1 and stride(-2) == cols), 'col' for a
-    plain transpose of a row-major matrix (stride(-2) == 1 and
-    stride(-1) == rows), None for anything else.  Strides of size-1 dims do not
-    matter (see ``canonical_view``).
-    """
-    R, C = t.shape[-2], t.shape[-1]
-    sr, sc = t.stride(-2), t.stride(-1)
-    if (C == 1 or sc == 1) and (R == 1 or sr == C):
-        return "row"
-    if (R == 1 or sr == 1) and (C == 1 or sc == R):
-        return "col"
-    return None
-
-
-def canonical_view(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """Same data as ``t`` (3-D), with the exact strides of ``layout`` in the last two dims.
-
-    Only rewrites the strides of size-1 dims, which address no other element;
-    the batch stride is kept (0 for a broadcast operand; normalized to the
-    matrix size when the batch has a single entry).
-    """
-    Bt, R, C = t.shape
-    if layout == "row":
-        strides = (t.stride(0) if Bt > 1 else R * C, C, 1)
-    else:
-        strides = (t.stride(0) if Bt > 1 else R * C, 1, R)
-    if tuple(t.stride()) == strides:
-        return t
-    return t.as_strided((Bt, R, C), strides, t.storage_offset())
-
-
-def as_kernel_operand(t: torch.Tensor) -> torch.Tensor:
-    """A 3-D view of ``t`` that the kernels accept: last two dims row-major or plain transposed.
-
-    Views that are neither (e.g. ``x[:, ::2]`` or a row pitch larger than the
-    row) are copied with ``.contiguous()``; this is the only case in which an
-    operand is copied.
-    """
-    if t.dim() == 2:
-        t = t.unsqueeze(0)
-    layout = kernel_layout(t)
-    if layout is None:
-        t = t.contiguous()
-        layout = "row"
-    return canonical_view(t, layout)

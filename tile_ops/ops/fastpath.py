@@ -1,53 +1,55 @@
-"""The eager fast path: a repeated call goes straight to its ready kernel, from C++.
+"""The eager fast path: a repeated call goes straight to its ready kernels, from C++.
 
 A call through ``torch.ops.tile_ops.*`` pays for the Python custom-op machinery
 (dispatcher, autograd wrapper, aliasing check) and then for the checks, layout
 decisions and JIT lookup of the CUDA implementation, although for a given input
 signature every one of them comes out the same.
 
-So the CUDA implementations record a *plan* per signature (shapes, strides,
-dtypes and devices of the operands, and the op's flags) in the launcher
-extension (csrc/plans.cpp): the output to allocate, any scratch buffers, and
-the kernel launches with their arguments (pointers, TMA descriptors).  A plan is
-recorded only after the checked path accepted the call and launched the kernel
-on the caller's own tensors (no copies), so a later call with the same
-signature, checked only for pointer alignment (the one property the signature
-does not fix), is served by :data:`call` in one C++ call: the dispatcher checks,
-the lookup, the allocation and the driver launches.  Both the op's CUDA
-implementation and the Python wrappers (``tile_ops.gemm`` ...) call it; the
-wrappers' call also checks that skipping the dispatcher adds nothing (eager, no
-autograd graph, plain tensors, no modes or transforms).  Anything else (no plan
-yet, a misaligned pointer, CPU tensors) returns None and goes through the
-checked path, so every error message is the checked path's own.
+So the CUDA implementations record a *plan* per signature (the op, the shapes,
+strides, dtypes and devices of its tensor operands, and its scalar flags) in
+the launcher extension (csrc/plans.cpp): the outputs to allocate, any scratch
+buffers, and the kernel launches with their arguments (pointers, TMA
+descriptors).  A plan is recorded only after the checked path accepted the call
+and launched the kernels on the caller's own tensors (no copies), so a later
+call with the same signature, checked only for pointer alignment (the one
+property the signature does not fix), is served by :data:`call` in one C++
+call: the dispatcher checks, the lookup, the allocation and the driver
+launches.  Both the op's CUDA implementation and its Python wrapper
+(``tile_ops.gemm`` ...) call it; the wrapper's call also checks that skipping
+the dispatcher adds nothing (eager, no autograd graph, plain tensors, no modes
+or transforms).  Anything else (no plan yet, a misaligned pointer, CPU tensors)
+returns None and goes through the checked path, so every error message is the
+checked path's own.
+
+A plan's buffers, which its kernel arguments name by index: the op's tensor
+operands in the order of its signature (``OpSpec.signature``), then its
+outputs, then its scratch buffers.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Plan buffers: a kernel argument names one of these, or a scratch buffer SCRATCH + i.
-A, B, C, OUT, SCRATCH = range(5)
-# Ops, a part of the signature.
-GEMM, GEMM_SOFTMAX = 0, 1
-
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses: DTensor, FakeTensor, ...
 
 
-def _no_plans(op, a, b, c, out_dtype, scale, check_dispatch):
+def _no_plans(op, tensors, flags, check_dispatch):
     return None
 
 
-# call(op, a, b, c, out_dtype, scale, check_dispatch) -> the output of the signature's plan, launched, or
-# None.  check_dispatch: also return None when the dispatcher would add something (the wrappers' call).
-# The extension's plans_call once a plan exists, so processes that never record one never load it.
+# call(op, tensors, flags, check_dispatch) -> the result of the signature's plan, launched, or None.  op: the
+# op's ``OpSpec.plan_id``; tensors, flags: its ``OpSpec.signature``; check_dispatch: also return None when the
+# dispatcher would add something (the wrappers' call).  The extension's plans_call once a plan exists, so
+# processes that never record one never load it.
 call = _no_plans
 
 
-def record(op: int, a, b, c, out_dtype, scale, out: torch.Tensor, program) -> None:
-    """Record ``program`` as the plan of this call's signature; ``out`` is the output the checked path made.
+def record(op: int, tensors: tuple, flags: tuple, outputs, program) -> None:
+    """Record ``program`` as the plan of this call's signature; ``outputs`` are the tensors the checked path
+    returned (the plan allocates their like).
 
-    ``program`` is ``(scratch, steps)`` from the kernels (``Kernel.plan``) or a callable
-    ``launch(a_ptr, b_ptr, out_ptr, c_ptr)`` for a launcher that runs host code.
+    ``program`` is ``(scratch, steps)`` from the kernels (``Kernel.plan``) or a callable ``launch(*pointers)``
+    for a launch that runs host code.
     """
     global call
     from ..jit.launcher import get_launcher
@@ -55,7 +57,7 @@ def record(op: int, a, b, c, out_dtype, scale, out: torch.Tensor, program) -> No
     lib = get_launcher()
     if call is _no_plans:
         lib.plans_configure(_PLAIN_TENSORS, getattr(torch._C, "_cuda_getCurrentRawStream", None))
-    lib.plans_record(op, a, b, c, out_dtype, scale, list(out.shape), out.dtype, program)
+    lib.plans_record(op, tensors, flags, [(list(out.shape), out.dtype) for out in outputs], program)
     call = lib.plans_call
 
 

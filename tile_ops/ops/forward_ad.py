@@ -1,13 +1,12 @@
-"""Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) for the ops: the tangent formulas, and
-the wrappers' forward mode under ``torch.compile`` (eagerly the ops' autograd Functions use the same formulas,
-``functorch.py``).
+"""Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) for the ops: dual operands taken apart and
+the result's tangent built by the op's own formula (``OpSpec.tangent``).
 
 A ``torch.library.custom_op`` has no forward-mode formula: its result would carry a zero (``func.jvp``) or no
-(``forward_ad``) tangent, silently.  So dual operands are taken apart here and the result's tangent is built
-from the ops themselves: ``d(a @ b + bias) = da @ b + a @ db + dbias`` and, for ``p = softmax(s * a@b)``,
-``dp = p * (dz - sum(p * dz))`` with ``dz = s * (da @ b + a @ db)``: by the wrappers under torch.compile, and by
-the ops' own Autograd kernels (``register_forward_mode``) for the ops called directly (exported programs, FX
-graphs).  One forward level: nested ones are refused.
+(``forward_ad``) tangent, silently.  So :func:`dual` splits the operands into primals and tangents, runs the op
+and attaches the tangent its spec computes from the ops themselves (e.g. ``d(a @ b + bias) = da @ b + a @ db +
+dbias``): by the public wrappers under torch.compile (``spec.transformed``), and by the ops' own Autograd kernels
+(:func:`register_forward_mode`) for the ops called directly (exported programs, FX graphs).  Eagerly the ops'
+autograd Functions use the same formulas (``functorch.py``).  One forward level: nested ones are refused.
 """
 
 import functools
@@ -58,61 +57,37 @@ def _level() -> Optional[int]:
     return 0 if isinstance(top, CInterpreter) and coerce_cinterpreter(top).key() == TransformType.Jvp else None
 
 
-def _split(op: str, *tensors):
-    """(primals, tangents) of ``tensors`` (None passes through), or None when none of them has a tangent."""
+def _split(op: str, *args):
+    """(primals, tangents) of ``args`` (anything but a tensor passes through, its tangent None), or None when no
+    tensor among them has a tangent."""
     level = _level()
     if level is None:
         return None
-    duals = [fwAD.unpack_dual(t, level=level) if isinstance(t, torch.Tensor) else None for t in tensors]
+    duals = [fwAD.unpack_dual(t, level=level) if isinstance(t, torch.Tensor) else None for t in args]
     if all(d is None or d.tangent is None for d in duals):
         return None
     refuse_nested_levels(op)
-    return ([t if d is None else d.primal for t, d in zip(tensors, duals)],
+    return ([t if d is None else d.primal for t, d in zip(args, duals)],
             [None if d is None else d.tangent for d in duals])
 
 
-def _sum(terms):
+def sum_terms(terms):
     """The sum of the terms that are not None, broadcast (with +: vectorized jacobians' vmap has no batching
     rule for broadcast_tensors)."""
     terms = [t for t in terms if t is not None]
     return functools.reduce(operator.add, terms)
 
 
-def gemm_tangent(gemm, a, b, ta, tb, tbias, out_dtype, y):
-    """The tangent of ``y = gemm(a, b, bias, out_dtype)``: ``ta @ b + a @ tb + tbias`` (None: no tangent)."""
-    tangent = _sum([gemm(ta, b, None, out_dtype) if ta is not None else None,
-                    gemm(a, tb, None, out_dtype) if tb is not None else None,
-                    tbias.to(y.dtype) if tbias is not None else None])
-    return tangent.expand_as(y).to(y.dtype)
-
-
-def gemm_softmax_tangent(gemm, a, b, ta, tb, scale, p):
-    """The tangent of ``p = gemm_softmax(a, b, scale)``, computed in the scores' precision."""
-    wide = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
-    dz = scale * _sum([gemm(ta, b, None, wide) if ta is not None else None,
-                       gemm(a, tb, None, wide) if tb is not None else None])
-    pw = p.to(wide)
-    return (pw * (dz - (pw * dz).sum(-1, keepdim=True))).to(p.dtype)
-
-
-def gemm_jvp(gemm, a, b, bias, out_dtype):
-    """``gemm(a, b, bias, out_dtype)`` with its tangent, or None when no operand has one."""
-    split = _split("tile_ops.gemm", a, b, bias)
+def dual(spec, run, ops, args):
+    """``run(*args)`` (the op ``spec`` describes, or its public wrapper) with its tangent,
+    ``spec.tangent(ops, primals, tangents, out)``; None when no tensor argument has a tangent.  ``ops``: the
+    namespace the tangent's own ops come from (``torch.ops.tile_ops`` inside the dispatcher, else the wrappers)."""
+    split = _split(spec.public_name, *args)
     if split is None:
         return None
-    (pa, pb, pbias), (ta, tb, tbias) = split
-    y = gemm(pa, pb, pbias, out_dtype)
-    return fwAD.make_dual(y, gemm_tangent(gemm, pa, pb, ta, tb, tbias, out_dtype, y), level=_level())
-
-
-def gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype):
-    """``gemm_softmax(a, b, scale, out_dtype)`` with its tangent, or None when neither operand has one."""
-    split = _split("tile_ops.gemm_softmax", a, b)
-    if split is None:
-        return None
-    (pa, pb), (ta, tb) = split
-    p = gemm_softmax(pa, pb, scale, out_dtype)
-    return fwAD.make_dual(p, gemm_softmax_tangent(gemm, pa, pb, ta, tb, scale, p), level=_level())
+    primals, tangents = split
+    out = run(*primals)
+    return fwAD.make_dual(out, spec.tangent(ops, primals, tangents, out), level=_level())
 
 
 def register_forward_mode(op, jvp) -> None:

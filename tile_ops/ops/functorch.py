@@ -5,9 +5,9 @@ A custom op's autograd, registered with ``register_autograd``, runs as an ``auto
 ``setup_context``, which ``torch.func`` refuses (pytorch#168393), and without a forward-mode formula.  So
 under a transform (or a forward_ad level) the wrappers apply an ``autograd.Function`` built here from the
 op's own ``setup_context`` and backward plus its tangent: functorch then carries it through every level,
-each at its own (grad: backward; jvp: the tangent; vmap: the op's batching rule).  The batching rules fold
-the mapped dim into one call of the op (more rows, or the op's own batch) instead of a call per slice.  (The ops
-called directly get their forward mode from ``forward_ad.register_forward_mode``.)
+each at its own (grad: backward; jvp: the tangent; vmap: the op's batching rule, ``OpSpec.vmap``, which folds
+the mapped dim into one call of the op, more rows or the op's own batch, instead of a call per slice; the helpers
+below are theirs).  (The ops called directly get their forward mode from ``forward_ad.register_forward_mode``.)
 """
 
 import torch
@@ -25,27 +25,29 @@ def refuse_traced_grad(op: str) -> None:
                                   f"those transforms eagerly, and torch.autograd (loss.backward()) when compiled")
 
 
-def autograd_function(name: str, op, setup_context, backward, saved, jvp) -> type:
-    """An ``autograd.Function`` running ``op`` with the op's ``setup_context`` and ``backward``, and
-    ``jvp(ctx, *tangents)``.  It saves ``saved(inputs, output)`` for both directions: vmap keeps one record
-    of what was saved, and the op's backward reads its own tensors first in that tuple."""
+def autograd_function(spec, op) -> type:
+    """An ``autograd.Function`` running ``op`` (the custom op ``spec`` describes) with the spec's
+    ``setup_context``, ``backward`` and ``jvp``.  It saves ``spec.saved(inputs, output)`` for both directions:
+    vmap keeps one record of what was saved, and the op's backward reads its own tensors first in that tuple."""
 
     def setup(ctx, inputs, output):
-        setup_context(ctx, inputs, output)
-        tensors = saved(inputs, output)
+        spec.setup_context(ctx, inputs, output)
+        tensors = spec.saved(inputs, output)
         ctx.save_for_backward(*tensors)
         ctx.save_for_forward(*tensors)
 
+    name = "".join(part.title() for part in spec.name.split("_")) + "Function"  # GemmFunction, ...
     return type(name, (torch.autograd.Function,), {
         "generate_vmap_rule": True,
         "forward": staticmethod(op),
         "setup_context": staticmethod(setup),
-        "backward": staticmethod(backward),
-        "jvp": staticmethod(jvp),
+        "backward": staticmethod(spec.backward),
+        "jvp": staticmethod(spec.jvp),
     })
 
 
-def _front(x, dim):
+def mapped_first(x, dim):
+    """``x`` with vmap's mapped dim (at ``dim``, None when unmapped) first."""
     return x if dim is None else x.movedim(dim, 0)
 
 
@@ -53,7 +55,7 @@ def batched_matmul(op, a, b, a_dim, b_dim):
     """``op(a, b)`` over vmap's mapped dim (at ``a_dim``/``b_dim``, None when unmapped) as one call of ``op``
     (a ``(..., M, K) x (..., K, N)`` matmul-like op with a 2-D operand broadcast over the other's batch);
     the result has the mapped dim first."""
-    a, b = _front(a, a_dim), _front(b, b_dim)
+    a, b = mapped_first(a, a_dim), mapped_first(b, b_dim)
     if a_dim is None and b_dim is None:  # only a bias is mapped: a mapped dim of 1 that it broadcasts over
         return op(a, b).unsqueeze(0)
     if b_dim is None and b.dim() == 2:  # every slice's rows: one taller problem (flatten: K may be 0)
@@ -70,37 +72,9 @@ def batched_matmul(op, a, b, a_dim, b_dim):
     return op(a.flatten(0, -3), b.flatten(0, -3)).unflatten(0, batch)
 
 
-def _slice(x, dim):
+def one_slice(x, dim):
     """A stand-in for one slice of ``x`` mapped at ``dim`` (None: unmapped, ``x`` itself) for the op's input
-    checks: its shape, dtype, device and layout, without its data (a batch may be empty)."""
-    return x if dim is None or x is None else x.new_empty(()).expand(_front(x, dim).shape[1:])
-
-
-def gemm_vmap_rule(gemm, compute_dtype, check):
-    """The batching rule of ``gemm(a, b, bias, out_dtype)``: one gemm; a mapped bias (one per slice: model
-    ensembles) is added after a float32 (float64) gemm, as the kernel adds it before rounding.  ``check``, the
-    op's input checks, first sees a slice: the folded call would take what a slice may not be (other ranks,
-    batch sizes, bias dtypes) and report what it refuses in the folded shapes."""
-
-    def rule(info, in_dims, a, b, bias=None, out_dtype=None):
-        a_dim, b_dim, bias_dim = (*in_dims, None)[:3]  # (no entry for an omitted bias)
-        check(_slice(a, a_dim), _slice(b, b_dim), _slice(bias, bias_dim), out_dtype)
-        if bias_dim is None:
-            return batched_matmul(lambda x, y: gemm(x, y, bias, out_dtype), a, b, a_dim, b_dim), 0
-        out = batched_matmul(lambda x, y: gemm(x, y, None, compute_dtype(a.dtype)), a, b, a_dim, b_dim)
-        bias = _front(bias, bias_dim)
-        bias = bias.reshape(bias.shape[0], *[1] * (out.dim() - 2), bias.shape[-1])  # over its slice's rows
-        return (out + bias).to(out_dtype or a.dtype), 0
-
-    return rule
-
-
-def gemm_softmax_vmap_rule(gemm_softmax, check):
-    """The batching rule of ``gemm_softmax(a, b, scale, out_dtype)``: rows are independent, so one call
-    (after ``check``, as for gemm)."""
-
-    def rule(info, in_dims, a, b, scale=1.0, out_dtype=None):
-        check(_slice(a, in_dims[0]), _slice(b, in_dims[1]), scale, out_dtype)
-        return batched_matmul(lambda x, y: gemm_softmax(x, y, scale, out_dtype), a, b, *in_dims[:2]), 0
-
-    return rule
+    checks: its shape, dtype, device and layout, without its data (a batch may be empty).  A batching rule checks
+    a slice first: the folded call would take what a slice may not be (other ranks, batch sizes, dtypes) and
+    report what it refuses in the folded shapes."""
+    return x if dim is None or x is None else x.new_empty(()).expand(mapped_first(x, dim).shape[1:])

@@ -6,11 +6,11 @@ Schema::
 
 Implementations:
 
-* CUDA: validates, allocates the output and launches ``tile_ops.kernels.gemm``
-  (fp16/bf16 inputs, fp32 accumulation, bias added in the epilogue; with a
-  split-K config, two kernels: fp32 partials, then their sum + bias; on sm_90a
-  an operand whose rows are not 16-byte multiples is first copied into padded
-  rows that TMA can load).  Operands
+* CUDA: validates, allocates the output and launches the gemm kernel
+  (``tile_ops.kernels.gemm_launch``: fp16/bf16 inputs, fp32 accumulation, bias
+  added in the epilogue; with a split-K config, two kernels: fp32 partials,
+  then their sum + bias; on sm_90a an operand whose rows are not 16-byte
+  multiples is first copied into padded rows that TMA can load).  Operands
   whose last two dims are row-major or a plain transpose (``x.t()``,
   ``x.transpose(-1, -2)``, ``x.mT``) go to the kernel as they are, through its
   transpose flags; any other strided view (e.g. ``x[:, ::2]``) is copied with
@@ -23,61 +23,49 @@ Implementations:
 * Fake/meta: shapes and dtypes only, for ``torch.compile``.
 * Autograd: ``dA = dC @ B^T`` and ``dB = A^T @ dC``, both computed with
   ``tile_ops.gemm`` itself on transposed views; ``dbias`` = ``dC`` summed over
-  rows.
+  rows.  Forward mode: ``da @ b + a @ db + dbias``; vmap: one gemm over the
+  mapped dim; DTensor: sharded along M, N or K.
+
+Everything the library's generic parts need of it is its ``OpSpec``, ``GEMM``, at the end.
 """
 
-import functools
-import importlib
 from typing import Optional
 
 import torch
 
-from . import checks, dense_only, fastpath, forward_ad, functorch, sharding
+from ..autotune import targets
+from . import checks, fastpath, forward_ad, functorch, matmul, sharding, spec
 
 OP = "tile_ops.gemm"
 
-GEMM_SCHEMA = "(Tensor a, Tensor b, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor"
+# the plan's buffers (fastpath.py): the signature's tensors, the output, the scratch buffers
+A, B, BIAS, OUT, SCRATCH = range(5)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _kernels():
+    """``tile_ops.kernels.gemm_launch``, imported at the first CUDA launch: the CPU path imports no kernel (nor
+    TVM)."""
+    from ..kernels import gemm_launch
+
+    return gemm_launch
 
 
-def load_kernel_module(name: str, op: str):
-    """Import ``tile_ops.kernels.<name>`` lazily (only the CUDA path needs it)."""
-    try:
-        return importlib.import_module(f"tile_ops.kernels.{name}")
-    except ImportError as e:  # pragma: no cover - depends on the installation
-        raise RuntimeError(
-            f"{op}: the CUDA kernels are unavailable: importing tile_ops.kernels.{name} failed "
-            f"({type(e).__name__}: {e}); the CPU implementation is still available for CPU tensors"
-        ) from e
-
-
-# --------------------------------------------------------------------------- CPU reference
+# --------------------------------------------------------------------------- CPU reference and fake
 
 
 def gemm_reference(a, b, bias=None, out_dtype=None):
     """Plain-torch reference: ``(a @ b + bias)`` computed in float32 (float64 for float64)."""
-    _, _, _, _, _, odt = checks.check_matmul_inputs(OP, a, b, bias, out_dtype)
-    cdt = _compute_dtype(a.dtype)
+    _, _, _, _, _, odt = matmul.check_matmul_inputs(OP, a, b, bias, out_dtype)
+    cdt = matmul.compute_dtype(a.dtype)
     acc = torch.matmul(a.to(cdt), b.to(cdt))
     if bias is not None:
         acc = acc + bias.to(cdt)
     return acc.to(odt).contiguous()
 
 
-@torch.library.custom_op("tile_ops::gemm", mutates_args=(), device_types="cpu", schema=GEMM_SCHEMA)
-def _gemm_cpu(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
-    return gemm_reference(a, b, bias, out_dtype)
-
-
-gemm_op = _gemm_cpu
+def _gemm_fake(a, b, bias=None, out_dtype=None):
+    _, batch, M, K, N, odt = matmul.check_matmul_inputs(OP, a, b, bias, out_dtype)
+    return a.new_empty(matmul.output_shape(batch, M, N), dtype=odt)
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -90,7 +78,7 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     tensor and ``launch_args`` is ``None`` when there is nothing to launch
     (empty result, or K == 0 where the result is zeros / the bias, already
     written), else ``(a3, b3, out3, bias)`` for
-    ``tile_ops.kernels.gemm.launch_gemm``:
+    ``tile_ops.kernels.gemm_launch.launch_gemm``:
 
     * ``a3`` (Bt, M, K) and ``b3`` (Bt, K, N): last two dims row-major or a plain
       transpose (exact strides), batch stride anything (0 for a broadcast 2-D
@@ -101,8 +89,8 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     A 3-D ``a`` with row-major rows and a 2-D ``b`` is folded into a single
     (1, B*M, K) problem.
     """
-    _, batch, M, K, N, odt = checks.check_matmul_inputs(OP, a, b, bias, out_dtype, kind=kind)
-    out = torch.empty(checks.output_shape(batch, M, N), dtype=odt, device=a.device)
+    _, batch, M, K, N, odt = matmul.check_matmul_inputs(OP, a, b, bias, out_dtype, kind=kind)
+    out = torch.empty(matmul.output_shape(batch, M, N), dtype=odt, device=a.device)
     if out.numel() == 0:
         return out, None
     if K == 0:
@@ -120,17 +108,17 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     if (
         a.dim() == 3
         and b.dim() == 2
-        and checks.kernel_layout(a) == "row"
+        and matmul.kernel_layout(a) == "row"
         and (a.shape[0] == 1 or a.stride(0) == M * K)
     ):
         # (B, M, K) @ (K, N) with a row-major batch: one (B*M, K) @ (K, N) problem.
         a3 = a.as_strided((1, batch * M, K), (batch * M * K, K, 1), a.storage_offset())
-        b3 = checks.as_kernel_operand(b)
+        b3 = matmul.as_kernel_operand(b)
         out3 = out.view(1, batch * M, N)
     else:
         Bt = 1 if batch is None else batch
-        a3 = checks.as_kernel_operand(a)
-        b3 = checks.as_kernel_operand(b)
+        a3 = matmul.as_kernel_operand(a)
+        b3 = matmul.as_kernel_operand(b)
         if a3.shape[0] != Bt:
             a3 = a3.expand(Bt, M, K)
         if b3.shape[0] != Bt:
@@ -141,13 +129,13 @@ def prepare_gemm_launch(a, b, bias=None, out_dtype=None, kind: str = "cuda"):
     return out, (a3, b3, out3, bias)
 
 
-def _gemm_cuda_checked(a, b, bias, out_dtype):
+def _gemm_cuda_checked(a, b, bias=None, out_dtype=None):
     """Validate, lay out and launch; record the call's plan when the kernel reads the caller's tensors."""
     out, launch_args = prepare_gemm_launch(a, b, bias, out_dtype, kind="cuda")
     if launch_args is None:
         return out
     a3, b3, out3, bias3 = launch_args
-    kernels = load_kernel_module("gemm", OP)
+    kernels = _kernels()
     with torch.cuda.device(a.device):  # the JIT compiles for the current device's arch
         kernel, a3, b3 = kernels.get_gemm_kernel(a3, b3, out3, bias3)
     launch = kernels.gemm_launcher(kernel, a.device)
@@ -155,27 +143,14 @@ def _gemm_cuda_checked(a, b, bias, out_dtype):
     operands = (a3, b3, out3) if bias is None else (a3, b3, out3, bias3)
     callers = (a, b, out) if bias is None else (a, b, out, bias)
     if fastpath.launched_in_place(operands, callers):
-        program = kernels.gemm_plan(kernel, a.device, fastpath.A, fastpath.B, fastpath.OUT,
-                                    None if bias is None else fastpath.C, fastpath.SCRATCH)
-        fastpath.record(fastpath.GEMM, a, b, bias, out_dtype, None, out, program)
+        program = kernels.gemm_plan(kernel, a.device, A, B, OUT, None if bias is None else BIAS, SCRATCH)
+        fastpath.record(GEMM.plan_id, *_signature(a, b, bias, out_dtype), (out,), program)
     return out
 
 
-def _gemm_cuda(a, b, bias=None, out_dtype=None):
-    out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, False)
-    return out if out is not None else _gemm_cuda_checked(a, b, bias, out_dtype)
-
-
-gemm_op.register_kernel("cuda", _gemm_cuda)
-
-
-# --------------------------------------------------------------------------- fake
-
-
-@gemm_op.register_fake
-def _gemm_fake(a, b, bias=None, out_dtype=None):
-    _, batch, M, K, N, odt = checks.check_matmul_inputs(OP, a, b, bias, out_dtype)
-    return a.new_empty(checks.output_shape(batch, M, N), dtype=odt)
+def _signature(a, b, bias=None, out_dtype=None):
+    """(tensors, flags): what a call's plan is keyed on (the wrapper's fast path spells it out)."""
+    return (a, b, bias), (out_dtype,)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -234,32 +209,110 @@ def _gemm_backward(ctx, grad):
     dbias = None
     if need_bias and ctx.bias_dtype is not None:
         rows = tuple(range(grad.dim() - 1))  # (not flatten: see matmul_input_grads)
-        dbias = grad.sum(rows, dtype=_compute_dtype(grad.dtype)).to(ctx.bias_dtype)
+        dbias = grad.sum(rows, dtype=matmul.compute_dtype(grad.dtype)).to(ctx.bias_dtype)
     return da, db, dbias, None
 
 
-gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+# --------------------------------------------------------------------------- forward mode and vmap
 
 
-def _gemm_op_jvp(a, b, bias=None, out_dtype=None):
-    """The op's own forward mode (the op called directly): the tangent from the ops, not the wrappers."""
-    return forward_ad.gemm_jvp(torch.ops.tile_ops.gemm, a, b, bias, out_dtype)
-
-
-forward_ad.register_forward_mode(gemm_op, _gemm_op_jvp)
-dense_only.refuse_non_dense("gemm", OP)
+def _gemm_tangent(ops, args, tangents, y):
+    """The tangent of ``y = gemm(a, b, bias, out_dtype)``: ``ta @ b + a @ tb + tbias`` (None: no tangent)."""
+    (a, b, _, out_dtype), (ta, tb, tbias, _) = args, tangents
+    tangent = forward_ad.sum_terms([ops.gemm(ta, b, None, out_dtype) if ta is not None else None,
+                                    ops.gemm(a, tb, None, out_dtype) if tb is not None else None,
+                                    tbias.to(y.dtype) if tbias is not None else None])
+    return tangent.expand_as(y).to(y.dtype)
 
 
 def _gemm_jvp(ctx, ta, tb, tbias, _):
     b, a, y = ctx.saved_tensors
-    return forward_ad.gemm_tangent(gemm, a, b, ta, tb, tbias, y.dtype, y)
+    return _gemm_tangent(spec.WRAPPERS, (a, b, None, y.dtype), (ta, tb, tbias, None), y)
 
 
-gemm_op.register_vmap(functorch.gemm_vmap_rule(gemm_op, _compute_dtype,
-                                                functools.partial(checks.check_matmul_inputs, OP)))
-_GemmFunction = functorch.autograd_function(  # torch.func and forward mode, eagerly: the same formulas
-    "GemmFunction", gemm_op, _gemm_setup_context, _gemm_backward,
-    lambda inputs, y: (inputs[1], inputs[0], y), _gemm_jvp)  # (b, a) as the op's backward reads them, then y
+def _gemm_vmap(info, in_dims, a, b, bias=None, out_dtype=None):
+    """One gemm over the mapped dim; a mapped bias (one per slice: model ensembles) is added after a float32
+    (float64) gemm, as the kernel adds it before rounding."""
+    a_dim, b_dim, bias_dim = (*in_dims, None)[:3]  # (no entry for an omitted bias)
+    matmul.check_matmul_inputs(OP, functorch.one_slice(a, a_dim), functorch.one_slice(b, b_dim),
+                               functorch.one_slice(bias, bias_dim), out_dtype)
+    if bias_dim is None:
+        return functorch.batched_matmul(lambda x, y: GEMM.op(x, y, bias, out_dtype), a, b, a_dim, b_dim), 0
+    out = functorch.batched_matmul(lambda x, y: GEMM.op(x, y, None, matmul.compute_dtype(a.dtype)),
+                                   a, b, a_dim, b_dim)
+    bias = functorch.mapped_first(bias, bias_dim)
+    bias = bias.reshape(bias.shape[0], *[1] * (out.dim() - 2), bias.shape[-1])  # over its slice's rows
+    return (out + bias).to(out_dtype or a.dtype), 0
+
+
+# --------------------------------------------------------------------------- DTensor
+
+
+def _gemm_sharding(a, b, bias=None, out_dtype=None):
+    """``out = a @ b (+ bias)`` on one mesh dimension: all replicated; the rows of ``a`` sharded (M); the columns
+    of ``b`` sharded (N, the bias with them); or the contraction dimension sharded (K), giving a Partial (summed)
+    output and a Partial bias."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    out_nd = max(a.ndim, b.ndim)
+
+    def strategy(out, pa, pb, pbias):
+        return [out], [pa, pb, pbias if bias is not None else None, None]
+
+    return [
+        strategy(Replicate(), Replicate(), Replicate(), Replicate()),
+        strategy(Shard(out_nd - 2), Shard(a.ndim - 2), Replicate(), Replicate()),  # rows (M)
+        strategy(Shard(out_nd - 1), Replicate(), Shard(b.ndim - 1), Shard(0)),  # columns (N)
+        strategy(Partial(), Shard(a.ndim - 1), Shard(b.ndim - 2), Partial()),  # contraction (K)
+    ]
+
+
+# --------------------------------------------------------------------------- the autotuner and the CLI
+
+
+class GemmTarget(targets.Target):
+    demo = [((4096, 4096, 4096), "float16"), ((4096, 4096, 4096), "bfloat16"), ((1000, 1000, 1000), "float16"),
+            ((1000, 1000, 1000), "bfloat16")]
+    demo_quick = [((256, 256, 128), "float16"), ((256, 256, 128), "bfloat16")]
+    precompile = [(4096, 4096, 4096), (8192, 8192, 8192), (1000, 1000, 1000)]  # bench_gemm.py's main shapes
+
+    def configs(self):
+        from ..kernels import gemm_config, gemm_defaults, gemm_space
+
+        return targets.KernelConfigs(gemm_config.GemmConfig, gemm_space.config_space, gemm_defaults.default_config,
+                                     gemm_config.shared_memory_bytes)
+
+    def compile(self, shape, dtype: str, cfg, arch: str):
+        M, N, K = shape
+        # a split-K config builds two kernels (the gemm's partials, their reduction): one launchable
+        return _kernels().build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
+
+    def launched(self, shape, dtype: str, arch: str, scale: float):
+        from ..kernels.gemm import gemm as program
+
+        M, N, K = shape
+        kernels = _kernels()
+        args = (M, N, K, 1, 1, 1, False, False, False, dtype, dtype, kernels.launch_config(M, N, K, dtype, arch=arch))
+        return (program.key(args, kernels.padded_cols(M, N, K, dtype=dtype, target=arch), arch),
+                lambda: kernels.build_gemm(*args, target=arch))
+
+    def inputs(self, shape, dtype: str, device):
+        M, N, K = shape
+        dt = getattr(torch, dtype)
+        a, b = matmul.random_operands(M, N, K, dt, device)
+        bias = torch.zeros(N, dtype=dt, device=device)  # unused (has_bias=False) but a valid pointer
+        return [a.unsqueeze(0), b.unsqueeze(0), bias, torch.empty(1, M, N, dtype=dt, device=device)]
+
+    def reference(self, args, scale: float = 1.0, dtype=None):
+        dtype = dtype or torch.float32
+        return torch.matmul(args[0][0].to(dtype), args[1][0].to(dtype))
+
+    def torch_equivalent(self, args, scale: float):
+        return lambda: torch.matmul(args[0][0], args[1][0])
+
+    def flops(self, shape) -> int:
+        M, N, K = shape
+        return 2 * M * N * K
 
 
 # --------------------------------------------------------------------------- public API
@@ -306,7 +359,7 @@ def gemm(
     Works under ``torch.compile(fullgraph=True)``.  Under ``torch.autocast``,
     floating point operands (not float64) are cast to the region's dtype first,
     as for ``torch.matmul``.  With DTensor operands (tensor parallelism) each
-    rank runs it on its shards (``tile_ops/ops/sharding.py``).
+    rank runs it on its shards (``_gemm_sharding``).
 
     Calls ``torch.ops.tile_ops.gemm``, except for a repeated CUDA call that
     the dispatcher would add nothing to (eager, no autograd graph, plain
@@ -315,22 +368,33 @@ def gemm(
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
     casting = checks.autocasting(a)
     if eager and not casting and not forward_ad.plain_operands_may_be_dual():
-        out = fastpath.call(fastpath.GEMM, a, b, bias, out_dtype, None, True)
+        out = fastpath.call(GEMM.plan_id, (a, b, bias), (out_dtype,), True)  # _signature, inline: 0.3 µs less
         if out is not None:
             return out
-    checks.check_argument_types(OP, a, b, bias, out_dtype)
+    checks.check_argument_types(OP, out_dtype, a=a, b=b, bias=bias)
     if casting:
         a, b, bias = checks.autocast(a, b, bias)
     if eager:
         sharding.register_if_in_use()
     else:  # run by dynamo while it traces, not put in the graph
         sharding.register_when_traced()
-    if forward_ad.active():  # a forward level or a torch.func transform
-        if eager:  # (under torch.compile, dynamo traces the tangent below instead)
-            forward_ad.refuse_nested_levels(OP)
-            return _GemmFunction.apply(a, b, bias, out_dtype)
-        functorch.refuse_traced_grad(OP)
-        dual = forward_ad.gemm_jvp(gemm, a, b, bias, out_dtype)
-        if dual is not None:
-            return dual
-    return torch.ops.tile_ops.gemm(a, b, bias, out_dtype)
+    out = spec.transformed(GEMM, gemm, (a, b, bias, out_dtype), eager)
+    return out if out is not None else torch.ops.tile_ops.gemm(a, b, bias, out_dtype)
+
+
+GEMM = spec.register(spec.OpSpec(
+    name="gemm",
+    schema="(Tensor a, Tensor b, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor",
+    reference=gemm_reference,
+    fake=_gemm_fake,
+    launch=_gemm_cuda_checked,
+    signature=_signature,
+    setup_context=_gemm_setup_context,
+    backward=_gemm_backward,
+    saved=lambda inputs, y: (inputs[1], inputs[0], y),  # (b, a) as the backward reads them, then y
+    jvp=_gemm_jvp,
+    tangent=_gemm_tangent,
+    vmap=_gemm_vmap,
+    tuning=GemmTarget(),
+    sharding=_gemm_sharding,
+))

@@ -21,51 +21,55 @@ Implementations:
 * Autograd: with ``P`` the output and ``dP`` its gradient,
   ``dS = scale * P * (dP - rowsum(dP * P))``, then ``da = dS @ b^T`` and
   ``db = a^T @ dS`` with ``torch.ops.tile_ops.gemm``.  Saves ``P`` and only the
-  operands the requested gradients need.
+  operands the requested gradients need.  Forward mode: ``dp = p * (dz -
+  sum(p * dz))`` with ``dz = scale * (da @ b + a @ db)``; vmap: one call over
+  the mapped dim (rows are independent).
+
+Everything the library's generic parts need of it is its ``OpSpec``, ``GEMM_SOFTMAX``, at the end.
 """
 
 from typing import Optional
 
 import torch
 
-from . import checks, dense_only, fastpath, forward_ad, functorch
-from .gemm import _compute_dtype, gemm, load_kernel_module, matmul_input_grads, needs_input_grad
+from ..autotune import targets
+from . import checks, fastpath, forward_ad, functorch, matmul, spec
+from .gemm import matmul_input_grads, needs_input_grad
 
 OP = "tile_ops.gemm_softmax"
 
-GEMM_SOFTMAX_SCHEMA = "(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dtype=None) -> Tensor"
+# the plan's buffers (fastpath.py): the signature's tensors, the output
+A, B, OUT = range(3)
+
+
+def _kernels():
+    """``tile_ops.kernels.gemm_softmax_launch``, imported at the first CUDA launch: the CPU path imports no kernel
+    (nor TVM)."""
+    from ..kernels import gemm_softmax_launch
+
+    return gemm_softmax_launch
 
 
 def _check(a, b, scale, out_dtype, kind=None):
-    out = checks.check_matmul_inputs(OP, a, b, None, out_dtype, kind=kind)
+    out = matmul.check_matmul_inputs(OP, a, b, None, out_dtype, kind=kind)
     scale = checks.check_scale(OP, scale, a.dtype)
     return out, scale
 
 
-# --------------------------------------------------------------------------- CPU reference
+# --------------------------------------------------------------------------- CPU reference and fake
 
 
 def gemm_softmax_reference(a, b, scale=1.0, out_dtype=None):
     """Plain-torch reference: ``softmax(scale * (a @ b), -1)`` in float32 (float64 for float64)."""
     (_, _, _, _, _, odt), scale = _check(a, b, scale, out_dtype)
-    cdt = _compute_dtype(a.dtype)
+    cdt = matmul.compute_dtype(a.dtype)
     s = torch.matmul(a.to(cdt), b.to(cdt)) * scale
     return torch.softmax(s, dim=-1).to(odt).contiguous()
 
 
-@torch.library.custom_op(
-    "tile_ops::gemm_softmax", mutates_args=(), device_types="cpu", schema=GEMM_SOFTMAX_SCHEMA
-)
-def _gemm_softmax_cpu(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: float = 1.0,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
-    return gemm_softmax_reference(a, b, scale, out_dtype)
-
-
-gemm_softmax_op = _gemm_softmax_cpu
+def _gemm_softmax_fake(a, b, scale=1.0, out_dtype=None):
+    (_, batch, M, K, N, odt), _ = _check(a, b, scale, out_dtype)
+    return a.new_empty(matmul.output_shape(batch, M, N), dtype=odt)
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -101,7 +105,7 @@ def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cu
     or None.
     """
     (_, batch, M, K, N, odt), scale = _check(a, b, scale, out_dtype, kind=kind)
-    out = torch.empty(checks.output_shape(batch, M, N), dtype=odt, device=a.device)
+    out = torch.empty(matmul.output_shape(batch, M, N), dtype=odt, device=a.device)
     if out.numel() == 0:
         return out, [], None
     if K == 0:
@@ -132,12 +136,12 @@ def prepare_gemm_softmax_launch(a, b, scale=1.0, out_dtype=None, kind: str = "cu
     return out, launches, finish
 
 
-def _gemm_softmax_cuda_checked(a, b, scale, out_dtype):
+def _gemm_softmax_cuda_checked(a, b, scale=1.0, out_dtype=None):
     """Validate, lay out and launch; record the call's plan when one launch reads the caller's tensors."""
     out, launches, finish = prepare_gemm_softmax_launch(a, b, scale, out_dtype, kind="cuda")
     if not launches:
         return out
-    kernels = load_kernel_module("gemm_softmax", OP)
+    kernels = _kernels()
     with torch.cuda.device(a.device):  # the JIT compiles for the current device's arch
         for a2, b2, out2, s in launches:
             kernel = kernels.get_gemm_softmax_kernel(a2, b2, out2, s)
@@ -145,26 +149,14 @@ def _gemm_softmax_cuda_checked(a, b, scale, out_dtype):
         if finish is not None:
             finish()
     if len(launches) == 1 and fastpath.launched_in_place((a2, b2, out2), (a, b, out)):
-        program = kernels.gemm_softmax_plan(kernel, a.device, fastpath.A, fastpath.B, fastpath.OUT)
-        fastpath.record(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, out, program)
+        program = kernels.gemm_softmax_plan(kernel, a.device, A, B, OUT)
+        fastpath.record(GEMM_SOFTMAX.plan_id, *_signature(a, b, scale, out_dtype), (out,), program)
     return out
 
 
-def _gemm_softmax_cuda(a, b, scale=1.0, out_dtype=None):
-    out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, False)
-    return out if out is not None else _gemm_softmax_cuda_checked(a, b, scale, out_dtype)
-
-
-gemm_softmax_op.register_kernel("cuda", _gemm_softmax_cuda)
-
-
-# --------------------------------------------------------------------------- fake
-
-
-@gemm_softmax_op.register_fake
-def _gemm_softmax_fake(a, b, scale=1.0, out_dtype=None):
-    (_, batch, M, K, N, odt), _ = _check(a, b, scale, out_dtype)
-    return a.new_empty(checks.output_shape(batch, M, N), dtype=odt)
+def _signature(a, b, scale=1.0, out_dtype=None):
+    """(tensors, flags): what a call's plan is keyed on (the wrapper's fast path spells it out)."""
+    return (a, b), (scale, out_dtype)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -182,7 +174,7 @@ def _gemm_softmax_setup_context(ctx, inputs, output):
 
 def softmax_backward(P, dP, scale, dtype):
     """``dS = scale * P * (dP - rowsum(dP * P))``, computed in float32 (float64 for float64)."""
-    cdt = _compute_dtype(P.dtype if P.dtype == torch.float64 else dP.dtype)
+    cdt = matmul.compute_dtype(P.dtype if P.dtype == torch.float64 else dP.dtype)
     Pc, g = P.to(cdt), dP.to(cdt)
     dS = Pc * (g - (g * Pc).sum(-1, keepdim=True))
     return (dS * scale).to(dtype)
@@ -198,27 +190,74 @@ def _gemm_softmax_backward(ctx, grad):
     return da, db, None, None
 
 
-gemm_softmax_op.register_autograd(_gemm_softmax_backward, setup_context=_gemm_softmax_setup_context)
+# --------------------------------------------------------------------------- forward mode and vmap
 
 
-def _gemm_softmax_op_jvp(a, b, scale=1.0, out_dtype=None):
-    """The op's own forward mode (the op called directly): the tangent from the ops, not the wrappers."""
-    return forward_ad.gemm_softmax_jvp(torch.ops.tile_ops.gemm, torch.ops.tile_ops.gemm_softmax, a, b, scale, out_dtype)
-
-
-forward_ad.register_forward_mode(gemm_softmax_op, _gemm_softmax_op_jvp)
-dense_only.refuse_non_dense("gemm_softmax", OP)
+def _gemm_softmax_tangent(ops, args, tangents, p):
+    """The tangent of ``p = gemm_softmax(a, b, scale)``, computed in the scores' precision."""
+    (a, b, scale, _), (ta, tb, *_) = args, tangents
+    wide = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+    dz = scale * forward_ad.sum_terms([ops.gemm(ta, b, None, wide) if ta is not None else None,
+                                       ops.gemm(a, tb, None, wide) if tb is not None else None])
+    pw = p.to(wide)
+    return (pw * (dz - (pw * dz).sum(-1, keepdim=True))).to(p.dtype)
 
 
 def _gemm_softmax_jvp(ctx, ta, tb, *_):
     p, b, a = ctx.saved_tensors
-    return forward_ad.gemm_softmax_tangent(gemm, a, b, ta, tb, ctx.scale, p)
+    return _gemm_softmax_tangent(spec.WRAPPERS, (a, b, ctx.scale, None), (ta, tb), p)
 
 
-gemm_softmax_op.register_vmap(functorch.gemm_softmax_vmap_rule(gemm_softmax_op, _check))
-_GemmSoftmaxFunction = functorch.autograd_function(  # torch.func and forward mode, eagerly: the same formulas
-    "GemmSoftmaxFunction", gemm_softmax_op, _gemm_softmax_setup_context, _gemm_softmax_backward,
-    lambda inputs, p: (p, inputs[1], inputs[0]), _gemm_softmax_jvp)  # as the op's backward reads them
+def _gemm_softmax_vmap(info, in_dims, a, b, scale=1.0, out_dtype=None):
+    """Rows are independent, so one call over the mapped dim (after the checks see a slice, as for gemm)."""
+    _check(functorch.one_slice(a, in_dims[0]), functorch.one_slice(b, in_dims[1]), scale, out_dtype)
+    return functorch.batched_matmul(lambda x, y: GEMM_SOFTMAX.op(x, y, scale, out_dtype), a, b, *in_dims[:2]), 0
+
+
+# --------------------------------------------------------------------------- the autotuner and the CLI
+
+
+class GemmSoftmaxTarget(targets.Target):
+    scaled = True
+    speed = "us"
+    demo = [((8192, 2048, 1024), "float16"), ((1000, 200, 96), "float16")]
+    demo_quick = [((200, 96, 64), "float16")]
+    precompile = [(8192, 2048, 1024)]  # bench_gemm_softmax.py's main shape
+
+    def configs(self):
+        from ..kernels import gemm_softmax_config, gemm_softmax_defaults, gemm_softmax_space
+
+        return targets.KernelConfigs(gemm_softmax_config.SoftmaxConfig, gemm_softmax_space.config_space,
+                                     gemm_softmax_defaults.default_config, gemm_softmax_config.shared_memory_bytes)
+
+    def compile(self, shape, dtype: str, cfg, arch: str):
+        from ..kernels.gemm_softmax import gemm_softmax as program
+
+        return program(*shape, 1.0, dtype, dtype, cfg, target=arch)
+
+    def launched(self, shape, dtype: str, arch: str, scale: float):
+        from ..autotune import config_for
+        from ..kernels.gemm_softmax import gemm_softmax as program
+
+        args = (*shape, float(scale), dtype, dtype, config_for("gemm_softmax", *shape, dtype, arch=arch))
+        return program.key(args, {}, arch), lambda: program(*args, target=arch)
+
+    def inputs(self, shape, dtype: str, device):
+        M, N, K = shape
+        dt = getattr(torch, dtype)
+        a, b = matmul.random_operands(M, N, K, dt, device)
+        return [a, b, torch.empty(M, N, dtype=dt, device=device)]
+
+    def reference(self, args, scale: float = 1.0, dtype=None):
+        dtype = dtype or torch.float32
+        return torch.softmax(scale * torch.matmul(args[0].to(dtype), args[1].to(dtype)), dim=-1)
+
+    def torch_equivalent(self, args, scale: float):
+        return lambda: torch.softmax(scale * (args[0] @ args[1]), -1)
+
+    def flops(self, shape) -> int:  # the product's (the softmax adds a few per score)
+        M, N, K = shape
+        return 2 * M * N * K
 
 
 # --------------------------------------------------------------------------- public API
@@ -271,20 +310,30 @@ def gemm_softmax(
     eager = not torch.compiler.is_compiling()  # dynamo folds this to True and traces the op instead
     casting = checks.autocasting(a)
     if eager and not casting and not forward_ad.plain_operands_may_be_dual():
-        out = fastpath.call(fastpath.GEMM_SOFTMAX, a, b, None, out_dtype, scale, True)
+        out = fastpath.call(GEMM_SOFTMAX.plan_id, (a, b), (scale, out_dtype), True)  # _signature, inline: 0.3 µs less
         if out is not None:
             return out
-    checks.check_argument_types(OP, a, b, out_dtype=out_dtype)
+    checks.check_argument_types(OP, out_dtype, a=a, b=b)
     checks.check_scale(OP, scale, a.dtype)
     if casting:  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
         a, b = checks.autocast(a, b)
-    if forward_ad.active():  # a forward level or a torch.func transform
-        if eager:  # (under torch.compile, dynamo traces the tangent below instead)
-            forward_ad.refuse_nested_levels(OP)
-            return _GemmSoftmaxFunction.apply(a, b, scale, out_dtype)
-        functorch.refuse_traced_grad(OP)
-        dual = forward_ad.gemm_softmax_jvp(gemm, gemm_softmax, a, b, scale, out_dtype)
-        if dual is not None:
-            return dual
-    return torch.ops.tile_ops.gemm_softmax(a, b, scale, out_dtype)
+    out = spec.transformed(GEMM_SOFTMAX, gemm_softmax, (a, b, scale, out_dtype), eager)
+    return out if out is not None else torch.ops.tile_ops.gemm_softmax(a, b, scale, out_dtype)
+
+
+GEMM_SOFTMAX = spec.register(spec.OpSpec(
+    name="gemm_softmax",
+    schema="(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dtype=None) -> Tensor",
+    reference=gemm_softmax_reference,
+    fake=_gemm_softmax_fake,
+    launch=_gemm_softmax_cuda_checked,
+    signature=_signature,
+    setup_context=_gemm_softmax_setup_context,
+    backward=_gemm_softmax_backward,
+    saved=lambda inputs, p: (p, inputs[1], inputs[0]),  # as the backward reads them
+    jvp=_gemm_softmax_jvp,
+    tangent=_gemm_softmax_tangent,
+    vmap=_gemm_softmax_vmap,
+    tuning=GemmSoftmaxTarget(),
+))

@@ -1,9 +1,6 @@
-"""DTensor sharding strategies for ``tile_ops::gemm``, so tensor parallelism (``ColwiseParallel``,
-``RowwiseParallel``, ``parallelize_module``) runs it on each rank's local shards.
-
-``out = a @ b (+ bias)`` with ``a (..., M, K)``, ``b (..., K, N)``, ``bias (N,)``, on one mesh dimension:
-all replicated; the rows of ``a`` sharded (M); the columns of ``b`` sharded (N, the bias with them); or the
-contraction dimension sharded (K), giving a Partial (summed) output and a Partial bias.
+"""DTensor sharding strategies for the ops that declare them (``OpSpec.sharding``, e.g. ``tile_ops::gemm``), so
+tensor parallelism (``ColwiseParallel``, ``RowwiseParallel``, ``parallelize_module``) runs them on each rank's
+local shards.
 
 Registered on ``import tile_ops`` where ``torch.distributed.tensor`` is already loaded, else by the first
 ``tile_ops.gemm`` call after it is, eager or traced by torch.compile (importing it costs about half a second,
@@ -16,7 +13,8 @@ _registered = False
 
 
 def register_if_in_use() -> None:
-    """Register the strategies once, if this process uses DTensor (its module is loaded)."""
+    """Register the strategies once, if this process uses DTensor (its module is loaded): every op's, so the ops
+    are all registered first (``import tile_ops``)."""
     global _registered
     if _registered or "torch.distributed.tensor" not in sys.modules:
         return
@@ -39,19 +37,10 @@ register_when_traced._dynamo_marked_constant = True
 
 def _register() -> None:
     import torch
-    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
-    @register_sharding(torch.ops.tile_ops.gemm.default)
-    def _gemm_sharding(a, b, bias=None, out_dtype=None):
-        out_nd = max(a.ndim, b.ndim)
+    from .spec import SPECS
 
-        def strategy(out, pa, pb, pbias):
-            return [out], [pa, pb, pbias if bias is not None else None, None]
-
-        return [
-            strategy(Replicate(), Replicate(), Replicate(), Replicate()),
-            strategy(Shard(out_nd - 2), Shard(a.ndim - 2), Replicate(), Replicate()),  # rows (M)
-            strategy(Shard(out_nd - 1), Replicate(), Shard(b.ndim - 1), Shard(0)),  # columns (N)
-            strategy(Partial(), Shard(a.ndim - 1), Shard(b.ndim - 2), Partial()),  # contraction (K)
-        ]
+    for spec in SPECS.values():
+        if spec.sharding is not None:
+            register_sharding(getattr(torch.ops.tile_ops, spec.name).default)(spec.sharding)
