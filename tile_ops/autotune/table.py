@@ -34,7 +34,7 @@ import sys
 import tempfile
 import warnings
 
-from ..jit.cache import DiskCache, _fsync_dir, _write_synced, cache_dir
+from ..jit.cache import DiskCache, fsync_dir, write_synced, cache_dir
 from . import targets
 
 TABLE_FILE = "autotune.json"
@@ -199,10 +199,10 @@ class TuneTable:
         fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         os.close(fd)
         try:
-            _write_synced(pathlib.Path(tmp), json.dumps(data, indent=1).encode())  # configs keep field order
+            write_synced(pathlib.Path(tmp), json.dumps(data, indent=1).encode())  # configs keep field order
             os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache directory may be shared
             os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

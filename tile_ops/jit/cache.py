@@ -71,14 +71,14 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_synced(path: pathlib.Path, data: bytes) -> None:
+def write_synced(path: pathlib.Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
+def fsync_dir(path: pathlib.Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -203,14 +203,14 @@ class DiskCache:
         try:
             blobs = {SOURCE_FILE: entry.source.encode("utf-8"), CUBIN_FILE: bytes(entry.cubin)}
             for name, blob in blobs.items():
-                _write_synced(tmp / name, blob)
+                write_synced(tmp / name, blob)
             meta = {
                 "key": key,
                 "files": {n: {"sha256": _sha256(b), "size": len(b)} for n, b in blobs.items()},
                 "meta": entry.meta,
             }
-            _write_synced(tmp / META_FILE, json.dumps(meta, indent=1, sort_keys=True).encode())
-            _fsync_dir(tmp)
+            write_synced(tmp / META_FILE, json.dumps(meta, indent=1, sort_keys=True).encode())
+            fsync_dir(tmp)
             final.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(tmp, final)
@@ -218,7 +218,7 @@ class DiskCache:
                 if not final.exists():  # not a lost race: a real error
                     raise
             else:
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
