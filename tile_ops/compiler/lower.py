@@ -25,7 +25,7 @@ from .exprs import broadcast, cast, collect_loads, nonneg, pad, ramp, rewrite
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta
-from .ops import Container, row_reduce, unit
+from .ops import Container, present, unit
 from .ops import setup as setup_ops
 from .ops.gemm import is_wgmma
 from .schedules.persistent import rasterize
@@ -57,14 +57,15 @@ class Lowering:
             if isinstance(loop, ir.For) and loop.kind == "pipelined":
                 check_pipelined_loads(loop, self.buffers)
         self.memory = Memory(self)
-        self.row_reduction = row_reduce.find(self.kernel)
+        self.ops = present(self.kernel)  # (op, node), in program order
+        self.walks_tiles = any(op.walks_tiles for op, _ in self.ops)
         self.ws = None  # (planning asks global_writes, which asks it)
         self.ws = WarpSpecialized.plan(self) if target.hopper else None
         # consumer warpgroups that each run the program on alternate tiles: two with T.Kernel(pingpong=True)
         # on the warp-specialized sm_90a path (a schedule; elsewhere the program runs as written)
         self.consumers = CONSUMERS if self.ws and self.ws.pingpong else 1
-        if self.row_reduction is not None and target.hopper:
-            row_reduce.check(self, self.row_reduction)
+        for op, node in self.ops if target.hopper else ():
+            op.check_schedule(self, node)
         self.uses_wgmma = any(isinstance(n, ir.Gemm) and is_wgmma(self, n) for n in walk(self.kernel.body))
         self.wgmma_warpgroup = None  # a kernel's consumer warpgroup, bound warp-uniform where there are several
         self.consumer = 0  # the running consumer warpgroup (pingpong)
@@ -79,7 +80,7 @@ class Lowering:
     def lower(self) -> "Lowered":
         k, ws = self.kernel, self.ws
         sk = ws.stream_k if ws else None
-        fixed = row_reduce.stats_floats(self, self.row_reduction) if self.row_reduction is not None else 0
+        fixed = sum(op.workspace_floats(self, node) for op, node in self.ops)
         with IRBuilder() as ib:
             with T.prim_func():
                 T.func_name(self.prog.name)

@@ -8,7 +8,8 @@ A unit declares
   laid out), ``joined`` (fragments that must share a default layout), ``check`` (once every fragment has one);
 - the shared memory and mbarriers it needs beyond its buffers (``scratch_bytes``, ``regions``, ``mbarriers``);
 - its lowering, ``lower(lw, node, vm)``, through the instructions of the target (``targets/sm80``, ``sm90``)
-  and the kernel's schedule (``schedules/``).
+  and the kernel's schedule (``schedules/``); an op whose CTAs meet across tiles also takes the
+  warp-specialized schedule's extension points (``walks_tiles`` and the hooks after ``setup``).
 
 Adding a tile op: its node in ``lang/ir.py``, its function in ``lang/frontend.py``, a module here, and its
 import below (the registration).
@@ -40,6 +41,8 @@ def unit(node) -> "TileOp":
 
 class TileOp:
     orders_itself = False  # it syncs before its own first shared access: the driver puts no barrier before it
+    walks_tiles = False  # it needs the warp-specialized schedule's persistent tile walk in grid order
+    uses_producer_warp = False  # it runs code on a spare warp of the producer warpgroup (producer_warp)
 
     def reads(self, node, buffers) -> list:
         """The buffers the op reads (``buffers``: the program's tirx buffer var -> TileBuffer)."""
@@ -89,6 +92,21 @@ class TileOp:
     def lower(self, lw, node, vm) -> None:
         raise NotImplementedError
 
+    # the warp-specialized schedule's extension points (schedules/warp_specialized.py)
+    def check_schedule(self, lw, node) -> None:
+        """What the op needs of the kernel's schedule (``lw.ws``, None without warp specialization)."""
+
+    def workspace_floats(self, lw, node) -> int:
+        """float32 values the op keeps in the kernel's global workspace, after its flags."""
+        return 0
+
+    def producer_warp(self, lw, node, cta) -> None:
+        """The code of a spare warp of the producer warpgroup: the op's part off the consumers' path."""
+
+    def finish_tile(self, lw, node, tile) -> None:
+        """The consumers' point to finish the op's work of an earlier tile (``tile``, its ordinal among the CTA's
+        tiles): right after each tile's main loop (the previous tile), and after the CTA's last tile."""
+
 
 class Container(TileOp):
     """A node with a body: it accesses what its body does."""
@@ -110,6 +128,11 @@ def setup(lw) -> None:
         present.setdefault(unit(node), []).append(node)
     for op, nodes in present.items():
         op.setup(lw, nodes)
+
+
+def present(kernel) -> list:
+    """(op, node) for each node of the kernel, in program order."""
+    return [(unit(node), node) for node in walk(kernel.body)]
 
 
 def accessed(node, buffers) -> list:

@@ -38,6 +38,8 @@ __forceinline__ __device__ void tile_ops_row_stats_read(float* flags, int flag, 
 @tile_op(RowReduceStore)
 class RowReduceStoreOp(Container):
     orders_itself = True  # (its publish needs no barrier)
+    walks_tiles = True  # a row's tiles run at the same time, on distinct CTAs
+    uses_producer_warp = True  # the statistics warp
 
     def mbarriers(self, lw, node):
         return 4  # "published" and "factors ready", by tile parity
@@ -76,12 +78,27 @@ class RowReduceStoreOp(Container):
             T.buffer_store(lw.pending, v, [i])
 
 
-def find(kernel) -> RowReduceStore | None:
-    return next((n for n in walk(kernel.body) if isinstance(n, RowReduceStore)), None)
+    def check_schedule(self, lw, node):
+        _check_schedule(lw, node)
+
+    def workspace_floats(self, lw, node):
+        """Every stat of every row of every tile (after the workspace's flags)."""
+        gx, gy = lw.kernel.grid[:2]
+        return gx * gy * node.tile.shape[0] * len(node.stats)
+
+    def producer_warp(self, lw, node, cta):
+        _statistics_warp(lw, node, cta)
+
+    def finish_tile(self, lw, node, tile):
+        """Store the block's staged tile, its tile ``tile``, if there is one: right after the next tile's
+        main loop (its factors were computed during that loop, and TMA reads it while the consumers compute
+        the new tile's softmax), and after the block's last tile."""
+        with T.If(lw.pending[0] == 1):
+            with T.Then():
+                _store_pending(lw, node, tile)
 
 
-def check(lw, node):
-    """What the op needs of the warp-specialized schedule (``lw.ws``, None where the kernel has none)."""
+def _check_schedule(lw, node):
     k = lw.kernel
     if not lw.ws:
         raise error(node.loc, "T.row_reduce_store needs the warp-specialized sm_90a path: one T.Pipelined "
@@ -99,12 +116,6 @@ def check(lw, node):
         raise error(node.loc, "T.row_reduce_store needs the T.Pipelined loop at the kernel's top level")
 
 
-def stats_floats(lw, node) -> int:
-    """The row statistics in the workspace (after its flags): every stat of every row of every tile."""
-    gx, gy = lw.kernel.grid[:2]
-    return gx * gy * node.tile.shape[0] * len(node.stats)
-
-
 def _stats_index(lw, node, bx, by, row):
     gx, bM = lw.kernel.grid[0], node.tile.shape[0]
     return FLAG_SLOTS + ((by * gx + bx) * bM + row) * len(node.stats)
@@ -118,15 +129,6 @@ def _published(lw, node, slot):
 def _factors_ready(lw, node, slot):
     """The row-statistics warp has written the row factors of the tile of this parity."""
     return lw.memory.mbarrier(node, 2 + slot)
-
-
-def store_pending(lw, node, ordinal):
-    """Store the block's staged tile, its tile ``ordinal``, if there is one: right after the next
-    tile's main loop (its factors were computed during that loop, and TMA reads it while the
-    consumers compute the new tile's softmax), and after the block's last tile."""
-    with T.If(lw.pending[0] == 1):
-        with T.Then():
-            _store_pending(lw, node, ordinal)
 
 
 def _store_pending(lw, node, ordinal):
@@ -143,7 +145,7 @@ def _store_pending(lw, node, ordinal):
     T.buffer_store(lw.pending, 0, [0])
 
 
-def statistics_warp(lw, node, cta):
+def _statistics_warp(lw, node, cta):
     """Per tile of the block, once its consumers have published the tile's row statistics: make them
     visible at GPU scope and count them on the row block's flag; wait until every tile of the row
     block has; compute each row's factor from every tile's statistics into the staged tile's slot; count

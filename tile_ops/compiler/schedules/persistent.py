@@ -46,12 +46,12 @@ class TileWalk:
 
     def grid(self, grid: list) -> list:
         """Launch one CTA per SM when there is more than one wave of tiles (always with pingpong, whose
-        warpgroups take a CTA's tiles in turns, with stream-K, whose CTAs walk units, and with
-        T.row_reduce_store, whose row's tiles must all be resident); the grid returned is the target's, the
-        launcher sizes it to the device it runs on (Kernel.grid_on)."""
+        warpgroups take a CTA's tiles in turns, with stream-K, whose CTAs walk units, and with an op that
+        ``walks_tiles``, e.g. T.row_reduce_store, whose row's tiles must all be resident); the grid returned
+        is the target's, the launcher sizes it to the device it runs on (Kernel.grid_on)."""
         lw, ws = self.lw, self.lw.ws
         total = math.prod(grid)
-        walks = lw.consumers > 1 or ws.stream_k or lw.row_reduction is not None
+        walks = lw.consumers > 1 or ws.stream_k or lw.walks_tiles
         if not lw.kernel.persistent or (total <= ws.resident_ctas() and not walks):
             return grid
         self.persistent = (total, grid)

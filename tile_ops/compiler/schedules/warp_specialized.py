@@ -26,7 +26,7 @@ from ..cuda import emit_ptx, warp_uniform
 from ..exprs import dtype_bits, reads_memory, uses
 from ..layout import in_swizzled_panels, shared_layout
 from ..memory import pipelined_loads
-from ..ops import row_reduce, unit
+from ..ops import unit
 from ..ops import setup as setup_ops
 from ..ops.copy import copy_extents
 from ..ops.gemm import is_wgmma
@@ -157,7 +157,7 @@ class WarpSpecialized:
         (``persistent=False``, or a grid within one wave), no pingpong, stream-K or row-softmax walk, no
         cluster exchange.  Decided without the memory plan, which depends on it."""
         lw = self.lw
-        if self.outer or lw.consumers > 1 or self.stream_k or lw.row_reduction is not None:
+        if self.outer or lw.consumers > 1 or self.stream_k or lw.walks_tiles:
             return False
         one_wave = math.prod(lw.kernel.grid) <= lw.target.wave_ctas(lw.cluster)
         exchanges = any(unit(n).regions(lw, n) for n in walk(lw.kernel.body))  # shared memory the peers write
@@ -281,10 +281,11 @@ class WarpSpecialized:
                 with T.If(lw.tid == consumers):
                     with T.Then():
                         self._producer(cta)
-                if lw.row_reduction is not None:  # the producer warpgroup's second warp
-                    with T.If(tirx.floordiv(lw.tid, 32) == consumers // 32 + 1):
+                helpers = [(op, node) for op, node in lw.ops if op.uses_producer_warp]
+                for warp, (op, node) in enumerate(helpers, 1):  # the producer warpgroup's spare warps
+                    with T.If(tirx.floordiv(lw.tid, 32) == consumers // 32 + warp):
                         with T.Then():
-                            row_reduce.statistics_warp(lw, lw.row_reduction, cta)
+                            op.producer_warp(lw, node, cta)
             with T.Else():
                 if regs:
                     emit_ptx("setmaxnreg.inc.sync.aligned.u32", regs)
@@ -321,21 +322,25 @@ class WarpSpecialized:
                 lw.sync()
             if self.pingpong:
                 self.pingpong.next_tile(self.consumer_steps)
-        if lw.row_reduction is not None:  # the block's last tile
-            row_reduce.store_pending(lw, lw.row_reduction, self.walk.cta_tiles - 1)
+        for op, node in self.tile_walkers():  # the block's last tile
+            op.finish_tile(lw, node, self.walk.cta_tiles - 1)
         if self.stores:  # the block's shared memory must outlive TMA's reads of the last tile
             self.wait_stores_read()
 
     def after_main_loop(self, rest: ExitStack):
         """What follows the main loop of a tile in the consumers' body: stream-K's exchange of partials (the
         rest of the tile is lowered inside ``rest``, an ExitStack, for the units that are not writers), and
-        a T.row_reduce_store's store of the previous tile."""
+        what the ops that walk the tiles finish of the previous tile (a T.row_reduce_store's store)."""
         if self.stream_k and self.stream_k.unit:
             cond = self.stream_k.fixup(CONSUMER_BARRIER, self.lw.threads)
             rest.enter_context(T.If(cond))
             rest.enter_context(T.Then())
-        if self.lw.row_reduction is not None:
-            row_reduce.store_pending(self.lw, self.lw.row_reduction, self.walk.tile_ordinal - 1)
+        for op, node in self.tile_walkers():
+            op.finish_tile(self.lw, node, self.walk.tile_ordinal - 1)
+
+    def tile_walkers(self) -> list:
+        """(op, node) of the ops that need the persistent tile walk (``TileOp.walks_tiles``)."""
+        return [(op, node) for op, node in self.lw.ops if op.walks_tiles]
 
     def consumer_barrier(self):
         """The consumers' named barrier (each pingpong warpgroup has its own; the producer is at none)."""
