@@ -28,6 +28,7 @@ from tile_ops.kernels.gemm_launch import build_gemm  # noqa: E402
 from tile_ops.kernels.gemm_softmax import LOG2E, gemm_softmax  # noqa: E402
 from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig  # noqa: E402
 from tile_ops.kernels.gemm_softmax_defaults import default_config  # noqa: E402
+from tile_ops.kernels.gemm_softmax_launch import build_gemm_softmax, gemm_softmax_call  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 2048, 1024), (16384, 1024, 512), (4096, 64, 512), (2048, 8192, 256)]
 # torch's softmax(a @ b) in fp16, µs, as ../shared/ANCHORS.md measured it on our H200 (issue 4's 2.5x is against it)
@@ -71,7 +72,7 @@ def build(shape, configs):
     out = {}
     for c in configs:
         try:
-            out[c] = gemm_softmax(*shape, SCALE, "float16", "float16", c)
+            out[c] = build_gemm_softmax(*shape, SCALE, "float16", "float16", c)  # as the op: M at run time
         except Exception as e:  # noqa: BLE001 - e.g. too much shared memory for this N
             print(f"{shape} {config_name(c)}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
     return out
@@ -80,8 +81,9 @@ def build(shape, configs):
 def time_parts(shape, cfg, a, b, out):
     """Microseconds of ``cfg``'s kernel without the final rescale pass, and without the softmax math too
     (that one is checked: it stores the scaled log2-unit scores)."""
-    no_rescale = gemm_softmax(*shape, SCALE, "float16", "float16", cfg, parts="no_rescale")
-    scores = gemm_softmax(*shape, SCALE, "float16", "float16", cfg, parts="gemm")
+    args, kwargs = gemm_softmax_call(*shape, SCALE, "float16", "float16", cfg)
+    no_rescale = gemm_softmax(*args, **kwargs, parts="no_rescale")
+    scores = gemm_softmax(*args, **kwargs, parts="gemm")
     out.fill_(float("nan"))
     scores.launch(a, b, out)
     want = SCALE * LOG2E * (a.double() @ b.double())

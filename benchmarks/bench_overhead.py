@@ -31,6 +31,7 @@ from common import print_table, save  # noqa: E402
 
 import tile_ops  # noqa: E402
 from tile_ops.jit import Kernel  # noqa: E402
+from tile_ops.jit.kernel import Sized  # noqa: E402
 from tile_ops.ops import fastpath  # noqa: E402
 
 GEMM = importlib.import_module("tile_ops.ops.gemm").GEMM  # the ops' OpSpecs (tile_ops.ops.gemm is the function)
@@ -86,14 +87,16 @@ def host_stages(a, b):
     """The fast path's host stages, each timed alone like host_us: where a call's microseconds go."""
     out = tile_ops.gemm(a, b)
     index = a.device.index
-    kernel = importlib.import_module("tile_ops.kernels.gemm_launch").get_gemm_kernel(a[None], b[None], out[None])[0]
+    sized = importlib.import_module("tile_ops.kernels.gemm_launch").get_gemm_kernel(a[None], b[None], out[None])[0]
+    kernel, dims = (sized.launchable, sized.dims) if isinstance(sized, Sized) else (sized, ())
     if not isinstance(kernel, Kernel):  # split-K or padded: several launches, no one launch to take apart
         print(f"host stages: {kernel!r} is several kernels; they are timed for single-kernel shapes only")
         return []
     lib_launch, handle = kernel._fn().bind(index)
-    grid, block, smem, name = kernel.grid_on(index), kernel.meta.block, kernel._fn().smem_bytes, kernel._fn().name
+    grid, block = kernel.grid_on(index, dims), kernel.meta.block
+    smem, name = kernel._fn().smem_bytes, kernel._fn().name
     ptrs = [a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()]
-    stream, args = torch._C._cuda_getCurrentRawStream(index), kernel._entry_args.build(ptrs, index)
+    stream, args = torch._C._cuda_getCurrentRawStream(index), kernel._entry_args.build(ptrs, index, dims=dims)
     stages = {
         "torch.compiler.is_compiling()": torch.compiler.is_compiling,
         "fastpath.call (C++: checks, lookup, torch.empty, launch)":
@@ -104,6 +107,25 @@ def host_stages(a, b):
         "torch.matmul (all)": lambda: torch.matmul(a, b),
     }
     return [{"stage": name, "host_us": round(host_us(fn, batches=20), 2)} for name, fn in stages.items()]
+
+
+def unseen_m_us(K, N, count=1000, first=1):
+    """Host time per ``tile_ops.gemm`` call when every call has a token count M not seen before (M = first,
+    first + 1, ...: views of one buffer), after the kernels of their configs are built: the checked path's
+    config choice, kernel lookup, launch and plan record, no compile."""
+    a = torch.randn(first + count, K, dtype=torch.float16, device="cuda")
+    b = torch.randn(K, N, dtype=torch.float16, device="cuda")
+    for M in range(first, first + count):  # the kernels of the configs chosen: built here, not timed
+        tile_ops.gemm(a[:M], b)
+    fastpath.clear()  # and what the calls memoized: their plans and configs (each kernel keeps its grid per M)
+    importlib.import_module("tile_ops.autotune.table")._chosen.clear()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for M in range(first, first + count):
+        tile_ops.gemm(a[:M], b)
+    per_call = (time.perf_counter() - t) / count * 1e6
+    torch.cuda.synchronize()
+    return per_call
 
 
 def check_fast_path_taken(a, b, scale):
@@ -150,10 +172,13 @@ def main():
     overhead = rows[0]["overhead_us"]
     print(f"tile_ops.gemm overhead {overhead} us: {'under' if overhead < BAR_US else 'OVER'} the {BAR_US:g} us bar "
           f"(torch.matmul: {rows[-1]['overhead_us']} us)")
+    new_m = unseen_m_us(K, N)
+    print(f"tile_ops.gemm with a new M every call (N={N}, K={K}; its kernels built, plans not): {new_m:.1f} us of "
+          f"host time per call (the checked path, then a plan for the next call of that M)")
     stages = host_stages(a, b)
     if stages:
         print_table(stages, list(stages[0]), "Host time of the fast path's stages (each alone, per call)")
-    save({"paths": rows, "host_stages": stages}, args.json)
+    save({"paths": rows, "host_stages": stages, "unseen_m_host_us": round(new_m, 2)}, args.json)
 
 
 if __name__ == "__main__":

@@ -33,17 +33,21 @@ SOFTMAX_SCALE = 0.125  # as in bench_gemm_softmax.py
 
 
 # ------------------------------------------------------------------------------------ child process
-def _factory(op, shape, dtype):
+def _factory(op, shape, dtype, arch):
+    """(factory, args, kwargs) of the kernel the op launches at this shape (its M a runtime size)."""
     M, N, K = shape
     if op == "gemm":
         from tile_ops.kernels.gemm import gemm
         from tile_ops.kernels.gemm_defaults import default_config
+        from tile_ops.kernels.gemm_launch import gemm_call
 
-        return gemm, (M, N, K, 1, 1, 1, False, False, False, dtype, dtype, default_config(M, N, K))
+        return (gemm, *gemm_call(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, default_config(M, N, K),
+                                 target=arch))
     from tile_ops.kernels.gemm_softmax import gemm_softmax
     from tile_ops.kernels.gemm_softmax_defaults import default_config
+    from tile_ops.kernels.gemm_softmax_launch import gemm_softmax_call
 
-    return gemm_softmax, (M, N, K, SOFTMAX_SCALE, dtype, dtype, default_config(M, N, K))
+    return (gemm_softmax, *gemm_softmax_call(M, N, K, SOFTMAX_SCALE, dtype, dtype, default_config(M, N, K)))
 
 
 def _launch_once(op, shape, dtype, kernel):
@@ -54,10 +58,8 @@ def _launch_once(op, shape, dtype, kernel):
     a = torch.randn(M, K, dtype=dt, device="cuda")
     b = torch.randn(K, N, dtype=dt, device="cuda")
     out = torch.empty(M, N, dtype=dt, device="cuda")
-    if op == "gemm":
-        kernel.launch_ptrs([a.data_ptr(), b.data_ptr(), out.data_ptr(), out.data_ptr()], a.device)  # A, B, bias, C
-    else:
-        kernel.launch(a, b, out)
+    ptrs = [a.data_ptr(), b.data_ptr(), out.data_ptr()]
+    kernel.launch_ptrs(ptrs[:3] + ptrs[2:] if op == "gemm" else ptrs, a.device, (M,))  # gemm: A, B, bias, C
     torch.cuda.synchronize()
 
 
@@ -68,8 +70,9 @@ def child(mode, name, arch):
 
     t_import = time.monotonic()
     op, shape, dtype = KERNELS[name]
-    fn, args = _factory(op, shape, dtype)
-    key = fn.key(args, {}, arch)
+    arch = arch or __import__("tile_ops.jit", fromlist=["default_arch"]).default_arch()
+    fn, args, kwargs = _factory(op, shape, dtype, arch)
+    key = fn.key(args, kwargs, arch)
     tvm_import = None
     if mode == "cold":  # import the compiler (and TVM) first, so the factory call times the compile alone
         t0 = time.monotonic()
@@ -77,7 +80,7 @@ def child(mode, name, arch):
 
         tvm_import = time.monotonic() - t0
     t0 = time.monotonic()
-    kernel = fn(*args, target=arch)
+    kernel = fn(*args, **kwargs, target=arch)
     t_factory = time.monotonic()
     res = {"key": key, "import_s": t_import - t_start, "tvm_import_s": tvm_import, "factory_s": t_factory - t0,
            "tvm_before_launch": "tvm" in sys.modules}

@@ -12,6 +12,8 @@
 #     e.g. --l2 dirty --l2-sources, which replays the whole process per pass; PROFILE_TIMEOUT, default 240 s).
 #   compare: several configs beside cuBLAS, paired call by call in one loop, a process per round
 #     (benchmarks/compare_configs.py; COMPARE_ARGS, e.g. --configs default,64x128x64/s8/t128/tma-store --shapes 1024x1024x4096).
+#   runtime_m: the op's runtime-M kernels against the same configs compiled for a fixed M, paired beside cuBLAS
+#     (benchmarks/ab_runtime_m.py; RUNTIME_M_ARGS, e.g. --shapes 4096x4096x4096 --no-sweep).
 #   ab: a compiler patch (AB_PATCH) or another checkout (AB_TREE, e.g. `git archive` of an earlier commit, carried)
 #     against main, alternating processes (benchmarks/ab_compiler.py; AB_ARGS, e.g. --benches gemm,softmax).
 #   sanitize: compute-sanitizer memcheck/racecheck/synccheck over every kernel, both paths, small and
@@ -57,11 +59,12 @@ for b in ${BENCHES:-gemm gemm80 softmax overhead compile}; do
     sanitize) timeout $T python benchmarks/sanitize.py --out "$OUT" --budget $(( T - 20 )) ${SANITIZE_ARGS:-} 2>&1 | tee "$OUT/sanitize.log" | tail -24; note $b ${PIPESTATUS[0]} $T ;;
     l2state) timeout $T python benchmarks/l2_state.py ${L2STATE_ARGS:-} 2>&1 | tee -a "$OUT/l2_state.log" | tail -16; note $b ${PIPESTATUS[0]} $T ;;
     compare) timeout $T python benchmarks/compare_configs.py ${COMPARE_ARGS:?compare needs COMPARE_ARGS} --json "$OUT/compare.json" 2>&1 | tee -a "$OUT/compare.log" | tail -24; note $b ${PIPESTATUS[0]} $T ;;
+    runtime_m) timeout $T python benchmarks/ab_runtime_m.py ${RUNTIME_M_ARGS:-} --json "$OUT/ab_runtime_m.json" 2>&1 | tee "$OUT/ab_runtime_m.log" | tail -24; note $b ${PIPESTATUS[0]} $T ;;
     ab) timeout $T python benchmarks/ab_compiler.py ${AB_TREE:+--tree "$AB_TREE"} ${AB_PATCH:-} --out "$OUT/ab" ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" | tail -16; note $b ${PIPESTATUS[0]} $T ;;
     profile) for s in ${PROFILE_SHAPES:-4096x4096x4096}; do timeout ${PROFILE_TIMEOUT:-240} python benchmarks/profile_gemm.py --shape $s ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/profile.log" | tail -4; note "profile $s" ${PIPESTATUS[0]} ${PROFILE_TIMEOUT:-240}; done ;;
     compile) python benchmarks/compile_time.py --json "$OUT/compile_time.json" 2>&1 | tee "$OUT/compile_time.log" | tail -6; note $b ${PIPESTATUS[0]} ;;
     none) ;;
-    *) note "$b" "unknown benchmark (BENCHES takes none gemm gemm80 softmax overhead compile sanitize l2state profile sustained compare ab)" ;;
+    *) note "$b" "unknown benchmark (BENCHES takes none gemm gemm80 softmax overhead compile sanitize l2state profile sustained compare runtime_m ab)" ;;
   esac
 done
 if [ -n "$failed" ]; then echo "gpu_session.sh: FAILED:$failed"; exit 1; fi

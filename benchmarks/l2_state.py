@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import l2_flusher, paired_medians, print_table  # noqa: E402
 from profile_gemm import parse_config  # noqa: E402
 
-from tile_ops.jit.kernel import Kernel  # noqa: E402
+from tile_ops.jit.kernel import Kernel, Sized  # noqa: E402
 from tile_ops.kernels.gemm_config import GemmConfig  # noqa: E402
 from tile_ops.kernels.gemm_defaults import default_config  # noqa: E402
 from tile_ops.kernels.gemm_launch import build_gemm  # noqa: E402
@@ -72,6 +72,8 @@ def parse_promotion(spec: str, tensors) -> dict:
 
 def with_l2_promotion(kernel, spec: str):
     """``kernel``'s cubin launched with the tensor maps ``spec`` (``parse_promotion``) asks for."""
+    if isinstance(kernel, Sized):  # M at run time, bound
+        return Sized(with_l2_promotion(kernel.launchable, spec), kernel.dims)
     if not isinstance(kernel, Kernel):
         if spec == "compiled":
             return kernel

@@ -103,23 +103,25 @@ def shape_str(shape):
 def build(kernel, arch, shape, label):
     """The tile_ops.Kernel for one (kernel, path, shape): compiled, or loaded from the cache."""
     M, N, K = shape
-    if kernel == "gemm":
+    if kernel == "gemm":  # the kernel the op launches: M at run time (its pads: the "padded" case's)
         from tile_ops.kernels.gemm import gemm
         from tile_ops.kernels.gemm_defaults import default_config
-        from tile_ops.kernels.gemm_launch import padded_cols
+        from tile_ops.kernels.gemm_launch import gemm_call
 
-        cols = padded_cols(M, N, K, target=arch) if label == "padded" else {}
-        return gemm(M, N, K, 1, 1, 1, False, False, label != "small", "float16", "float16",
-                    default_config(M, N, K, arch), **cols, target=arch)
+        args, kwargs = gemm_call(M, N, K, 1, 1, 1, False, False, label != "small", "float16", "float16",
+                                 default_config(M, N, K, arch), target=arch, pad=label == "padded")
+        return gemm(*args, **kwargs, target=arch)
     if kernel == "gemm_softmax":
         from tile_ops.kernels.gemm_softmax import gemm_softmax
         from tile_ops.kernels.gemm_softmax_defaults import default_config
+        from tile_ops.kernels.gemm_softmax_launch import gemm_softmax_call
 
-        return gemm_softmax(M, N, K, SCALE, "float16", "float16", default_config(M, N, K, arch), target=arch)
+        args, kwargs = gemm_softmax_call(M, N, K, SCALE, "float16", "float16", default_config(M, N, K, arch))
+        return gemm_softmax(*args, **kwargs, target=arch)
     if kernel == "pad_rows":
         from tile_ops.kernels.gemm import pad_rows
 
-        return pad_rows(1, M, N, K, "float16", target=arch)
+        return pad_rows(1, None, N, K, "float16", target=arch)
     if kernel == "matmul20":
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from programs import matmul
@@ -134,13 +136,21 @@ def out_position(k):
     return pos
 
 
-def make_tensors(k, seed):
-    """CPU tensors for every parameter of ``k``: fp16 inputs ~ N(0, 1), outputs filled with NaN."""
+def param_shape(k, i, M):
+    """Parameter i's shape with M, the kernels' one runtime size, given."""
+    from tile_ops.compiler.meta import evaluate
+
+    return tuple(evaluate(d, {"M": M}) for d in k.meta.params[i][1])
+
+
+def make_tensors(k, seed, M):
+    """CPU tensors for every parameter of ``k`` at M: fp16 inputs ~ N(0, 1), outputs filled with NaN."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i, (name, shape, dtype) in enumerate(k.meta.params):
+    for i, (name, _, dtype) in enumerate(k.meta.params):
+        shape = param_shape(k, i, M)
         dt = getattr(torch, dtype)
         if i == out_position(k):
             out.append(torch.full(shape, float("nan"), dtype=dt))
@@ -191,7 +201,7 @@ def child(kernel, arch, M, N, K, label):
     if "tvm" in sys.modules:
         print("sanitize child: WARNING: the kernel was compiled here (not in the cache); the parent should "
               "have built it", flush=True)
-    cpu = make_tensors(k, seed=M * 1000003 + N * 1009 + K)
+    cpu = make_tensors(k, seed=M * 1000003 + N * 1009 + K, M=M)
     dev = [t.to("cuda") for t in cpu]  # memcpys only: no torch kernel runs under the sanitizer
     k.launch(*dev)
     torch.cuda.synchronize()
@@ -333,9 +343,9 @@ def main():
             if isinstance(k, Exception):
                 continue
             shape = dict(SHAPES[kern])[label]
-            tensors = make_tensors(k, seed=0)
+            tensors = make_tensors(k, seed=0, M=shape[0])
             pos, ref = reference(kern, tensors, label, shape)
-            assert pos == out_position(k) and tuple(ref.shape) == tuple(k.meta.params[pos][1]), (
+            assert pos == out_position(k) and tuple(ref.shape) == param_shape(k, pos, shape[0]), (
                 kern, arch, label, ref.shape, k.meta.params)
             ok, _ = check(kern, tensors, tensors[pos], label, shape)  # the NaN-filled output must fail the check
             assert not ok, (kern, arch, label)

@@ -18,7 +18,8 @@
 // (shape, dtype), and `program` either (scratch, steps) -- scratch [(shape, dtype)], steps [(function,
 // grid, block, smem, kernel_name, args)], args [(buffer, tensormap spec dict | None)] over the plan's
 // buffers: the tensor operands, then the outputs, then the scratch buffers -- or a callable
-// launch(*pointers), the pointers of those buffers in that order, for a launch that runs host code.
+// launch(*pointers), the pointers of those buffers in that order, for a launch that runs host code.  An
+// argument (-1, int) is a 32-bit integer kernel parameter (a T.dynamic size) instead of a buffer.
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/Tensor.h>
@@ -77,9 +78,12 @@ struct TensorMapSlot {
 };
 
 struct Arg {
-  int buffer;
+  int buffer;     // or kValue: `value` itself
   int tensormap;  // index into Plan::tensormaps, or -1: the buffer's pointer
+  int64_t value = 0;
 };
+
+constexpr int kValue = -1;  // an argument (kValue, int): a 32-bit integer (a kernel's T.dynamic size), no buffer
 
 struct Step {
   CUfunction function;
@@ -263,6 +267,13 @@ void read_program(py::handle program, Plan& plan) {
     std::copy(block.begin(), block.end(), step.block);
     for (py::handle arg : t[5].cast<py::list>()) {
       auto [buffer, spec] = arg.cast<std::pair<int, py::object>>();
+      if (buffer == kValue) {
+        const int64_t value = spec.cast<int64_t>();
+        if (value < INT32_MIN || value > INT32_MAX)
+          throw py::value_error("tile_ops: plans: a value argument of kernel '" + step.name + "' is not a 32-bit int");
+        step.args.push_back(Arg{kValue, -1, value});
+        continue;
+      }
       if (buffer < 0 || buffer >= buffers)
         throw py::value_error("tile_ops: plans: argument buffer " + std::to_string(buffer) + " of kernel '" +
                               step.name + "' is not one of the plan's " + std::to_string(buffers) + " buffers");
@@ -318,7 +329,7 @@ bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device) {
     uint64_t values[kMaxArgs];  // at most kMaxArgs: checked when the plan was recorded
     for (size_t i = 0; i < step.args.size(); ++i) {
       const Arg& arg = step.args[i];
-      values[i] = pointers[arg.buffer];
+      values[i] = arg.buffer == kValue ? static_cast<uint64_t>(static_cast<uint32_t>(arg.value)) : pointers[arg.buffer];
       params[i] = arg.tensormap < 0
                       ? static_cast<void*>(&values[i])
                       : const_cast<CUtensorMap*>(descriptor_locked(plan.tensormaps[arg.tensormap], values[i], context));

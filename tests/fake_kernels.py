@@ -9,8 +9,8 @@ import torch
 class FakeKernel:
     """Records its launches as (name, pointers, device) in ``log``; its plan is one step (name, buffers)."""
 
-    def __init__(self, params, log, name, needs_workspace=False):
-        self.meta = type("Meta", (), {"params": params, "needs_workspace": needs_workspace})()
+    def __init__(self, params, log, name, needs_workspace=False, dims=()):
+        self.meta = type("Meta", (), {"params": params, "needs_workspace": needs_workspace, "dims": list(dims)})()
         self.log, self.name = log, name
         self.programmatic = False
 
@@ -22,10 +22,10 @@ class FakeKernel:
         twin.programmatic = True
         return twin
 
-    def launch_ptrs(self, ptrs, device):
+    def launch_ptrs(self, ptrs, device, dims=()):
         self.log.append((self.name, list(ptrs), device))
 
-    def plan(self, device, buffers, scratch=None):
+    def plan(self, device, buffers, scratch=None, dims=()):
         return [], [(self.name, list(buffers))]
 
 

@@ -36,6 +36,33 @@ def matmul(M, N, K, block_M=128, block_N=128, block_K=32, num_stages=3, threads=
     return main
 
 
+@tile_ops.jit(out_idx=[2])
+def matmul_any_m(N, K, block_M=128, block_N=128, block_K=32, num_stages=3, threads=128, dtype="float16",
+                 persistent=True, transpose_A=False, m_multiple=1):
+    """The README's GEMM with M a T.dynamic size: one kernel for every M (A stored (M, K), or (K, M))."""
+    M = T.dynamic("M", multiple_of=m_multiple)
+    A_shape = (K, M) if transpose_A else (M, K)
+    A_tile = (block_K, block_M) if transpose_A else (block_M, block_K)
+
+    @T.prim_func
+    def main(A: T.Tensor(A_shape, dtype), B: T.Tensor((K, N), dtype), C: T.Tensor((M, N), dtype)):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=threads, persistent=persistent) as (bx, by):
+            A_s = T.alloc_shared(A_tile, dtype)
+            B_s = T.alloc_shared((block_K, block_N), dtype)
+            C_f = T.alloc_fragment((block_M, block_N), "float32")
+            T.clear(C_f)
+            for k in T.Pipelined(T.ceildiv(K, block_K), num_stages=num_stages):
+                if transpose_A:
+                    T.copy(A[k * block_K, by * block_M], A_s)
+                else:
+                    T.copy(A[by * block_M, k * block_K], A_s)
+                T.copy(B[k * block_K, bx * block_N], B_s)
+                T.gemm(A_s, B_s, C_f, transpose_A=transpose_A)
+            T.copy(C_f, C[by * block_M, bx * block_N])
+
+    return main
+
+
 @tile_ops.jit(out_idx=[3])
 def chained_matmul(M, N, K, L, block_M=64, block_L=64, num_stages=2, threads=128, dtype="float16"):
     """C = (A @ B) @ D with FlashAttention's structure (Q, K^T, V): per tile of L, S = A @ B[:, tile] in a

@@ -371,7 +371,7 @@ def test_gemm_softmax_op_launches_the_tuned_config(fake_gpu, monkeypatch):
 
     class FakeKernel:
         def launcher(self, device):
-            return lambda ptrs: None
+            return lambda ptrs, dims=(): None
 
     monkeypatch.setattr(softmax_launch, "gemm_softmax", lambda *args, **kw: seen.append(args[-1]) or FakeKernel())
     a, b = torch.randn(128, 64, dtype=torch.float16), torch.randn(64, 96, dtype=torch.float16)
@@ -628,7 +628,7 @@ def test_a_scale_that_changes_every_call_is_called_out_once(monkeypatch):
             softmax_launch.get_gemm_softmax_kernel(a, b, out, 0.125)
         for i in range(softmax_launch.MANY_SCALES - 2):
             softmax_launch.get_gemm_softmax_kernel(a, b, out, 1.0 + i)
-    with pytest.warns(UserWarning, match=r"8 different scales for one problem \(128, 96, 64\).*multiply a"):
+    with pytest.warns(UserWarning, match=r"8 different scales for one problem \(N, K\) = \(96, 64\).*multiply a"):
         softmax_launch.get_gemm_softmax_kernel(a, b, out, 0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

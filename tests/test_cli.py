@@ -129,8 +129,65 @@ def test_precompile_builds_what_the_op_launches_for_unaligned_rows(tmp_path):
     assert "1 built, 0 already cached, 0 failed" in out, out
     key = re.search(r"\b([0-9a-f]{32})\b", out).group(1)
     params = json.loads((cache / key[:2] / key / "meta.json").read_text())["meta"]["params"]
-    assert [p[:2] for p in params[:2]] == [["A", [1, 256, 1008]], ["B", [1, 1001, 1000]]], params
+    assert [p[:2] for p in params[:2]] == [["A", [1, "M", 1008]], ["B", [1, 1001, 1000]]], params  # M at run time
     assert entries(cache) == 3  # the gemm and a pad_rows kernel per operand
+
+
+MODEL = """
+import torch, tile_ops.nn
+
+def make():
+    model = torch.nn.Sequential(tile_ops.nn.Linear(256, 512), torch.nn.GELU(), tile_ops.nn.Linear(512, 128, bias=False))
+    return model.half(), (torch.randn(3, 100, 256, dtype=torch.float16),)
+"""
+
+
+def _problems_launched_by(cache, script) -> list:
+    """The kernel problems a CPU run of ``script`` recorded (TILE_OPS_RECORD)."""
+    record = cache.parent / "record.jsonl"
+    env = dict(os.environ, TILE_OPS_RECORD=str(record), CUDA_VISIBLE_DEVICES="")
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+    return [json.loads(line) for line in record.read_text().splitlines()], record
+
+
+def test_precompile_builds_what_a_recorded_run_launches(tmp_path):
+    """A model run on the CPU with TILE_OPS_RECORD lists its gemm problems (nn.Linear: B is the transposed
+    weight, a bias in the first); precompile --record builds the kernels the op launches for them: their keys
+    are the op path's own."""
+    cache = tmp_path / "cache"
+    (tmp_path / "model.py").write_text(MODEL)
+    script = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import model; m, x = model.make(); m(*x); m(*x)"
+    entries_, record = _problems_launched_by(cache, script)
+    assert [(e["op"], e["problem"]["M"], e["problem"]["N"], e["problem"]["trans_B"], e["problem"]["has_bias"])
+            for e in entries_] == [("gemm", 300, 512, True, True), ("gemm", 300, 128, True, False)]
+    out = run_cli(cache, "precompile", "--arch", "sm_90a", "--record", str(record))
+    assert "2 built, 0 already cached, 0 failed" in out, out
+    from tile_ops.autotune import targets
+
+    for e in entries_:
+        key, _ = targets.get("gemm").launched(e["problem"], "sm_90a")
+        assert (cache / key[:2] / key / "kernel.cubin").is_file()
+    out = run_cli(cache, "precompile", "--arch", "sm_90a", "--module", f"{tmp_path / 'model.py'}:make")
+    assert "0 built, 2 already cached" in out, out  # the model's forward, traced here: the same two problems
+
+
+def test_precompile_every_m_builds_a_kernel_per_config_not_per_m(tmp_path):
+    """--all-m: the kernels of every token count up to MAX, each built once (the kernels take M at run time)."""
+    cache = tmp_path / "cache"
+    out = run_cli(cache, "precompile", "--arch", "sm_90a", "--gemm", "64x4096x4096", "--dtype", "float16",
+                  "--all-m", "2048", timeout=600)
+    keys = re.findall(r"\b([0-9a-f]{32})\b", out)
+    assert 1 < len(keys) == len(set(keys)) == int(re.search(r"(\d+) built", out).group(1)) < 16, out
+    assert all((cache / k[:2] / k / "kernel.cubin").is_file() for k in keys)
+    assert entries(cache) < 2 * len(keys)  # and a split-K config's reduction kernel
+
+
+def test_a_malformed_recording_is_refused_by_line(tmp_path):
+    record = tmp_path / "record.jsonl"
+    record.write_text('{"op": "gemm", "problem": {"M": 1}}\nnot json\n')
+    proc = subprocess.run([sys.executable, "-m", "tile_ops", "precompile", "--arch", "sm_90a", "--record", str(record)],
+                          capture_output=True, text=True, env=dict(os.environ, TILE_OPS_CACHE_DIR=str(tmp_path / "c")))
+    assert proc.returncode != 0 and f"{record}:2: not a TILE_OPS_RECORD line" in proc.stderr, proc.stderr
 
 
 def test_demo_quick_without_gpu(tmp_path):

@@ -1300,14 +1300,15 @@ def test_a_float32_output_falls_back_from_deferred_to_a_cluster_split(monkeypatc
 
     monkeypatch.setattr(gemm_softmax_defaults, "default_arch", lambda: "sm_90a")
     built = []
-    monkeypatch.setattr(gemm_softmax_launch, "gemm_softmax", lambda *args: built.append(args))
+    monkeypatch.setattr(gemm_softmax_launch, "gemm_softmax", lambda *args, **kwargs: built.append((args, kwargs)))
     M, N, K = 1000, 4096, 1000
     assert gemm_softmax_defaults.default_config(M, N, K, "sm_90a").deferred
     a, b = torch.empty(M, K, dtype=torch.float16), torch.empty(K, N, dtype=torch.float16)
     gemm_softmax_launch.get_gemm_softmax_kernel(a, b, torch.empty(M, N, dtype=torch.float32), 0.125)
-    cfg = built[0][-1]
-    assert cfg == SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8)
-    assert compile_program(gemm_softmax.fn(*built[0]), "sm_90a").meta.smem_bytes <= smem_limit("sm_90a")
+    (args, kwargs), = built
+    assert args[-1] == SoftmaxConfig(128, 256, 64, 3, 256, "full_row", split=8)
+    kwargs.pop("target")
+    assert compile_program(gemm_softmax.fn(*args, **kwargs), "sm_90a").meta.smem_bytes <= smem_limit("sm_90a")
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])  # (the Ampere-class path: 65536 columns fit sm_90's smem)

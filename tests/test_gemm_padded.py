@@ -9,10 +9,12 @@ import torch
 
 from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
+from tile_ops.compiler.meta import evaluate
 from tile_ops.kernels import gemm_launch
 from tile_ops.kernels.gemm import pad_rows
 from tile_ops.kernels.gemm_config import GemmConfig
 from tile_ops.kernels.gemm_defaults import default_config
+from tile_ops.jit.kernel import Sized
 from tile_ops.kernels.gemm_launch import PaddedGemm, SplitKGemm, build_gemm
 from fake_kernels import FakeKernel, record_allocations
 from tir_emulator import Emulator
@@ -32,31 +34,43 @@ def _cache(tmp_path, monkeypatch):
     ((1024, 3001, 1024), False, True, {}),  # B^T's rows are K = 1024 long: aligned
     ((3000, 1000, 1500), False, False, {0: (1, 3000, 1504)})])
 def test_sm90a_pads_exactly_the_operands_tma_cannot_load(shape, trans_A, trans_B, pads):
-    k = build_gemm(*shape, 1, 1, 1, trans_A, trans_B, True, "float16", "float16", CFG, target="sm_90a")
+    k = unsized(build_gemm(*shape, 1, 1, 1, trans_A, trans_B, True, "float16", "float16", CFG, target="sm_90a"))
     if not pads:
         assert not isinstance(k, PaddedGemm)
         return
-    assert isinstance(k, PaddedGemm) and {i: pad.meta.params[1][1] for i, pad in k.pads.items()} == pads
-    for i, pad in k.pads.items():
-        assert pad.meta.params[1] == ("Y", pads[i], "float16")  # the workspace the gemm reads
-        assert k.main.meta.params[i][1] == pads[i]
+    M = shape[0]
+    assert isinstance(k, PaddedGemm) and {i: at(pad, 1, M) for i, pad in k.pads.items()} == pads
+    for i, pad in k.pads.items():  # the workspace the gemm reads
+        assert pad.meta.params[1][::2] == ("Y", "float16") and at(k.main, i, M) == pads[i]
     # both operands are TMA-loaded now (a synchronous-copy fallback would have no tensor map for them)
     assert {"A", "B"} <= {m["tensor"] for m in k.main.meta.tensormaps.values()} and "wgmma.mma_async" in k.source
     assert k.meta is k.main.meta and k.cubin == k.main.cubin
-    assert k.main.meta.params[3] == ("C", (1, *shape[:2]), "float16")  # the output is not padded
+    assert at(k.main, 3, M) == (1, *shape[:2])  # the output is not padded
+    # M at run time (the pad of A's rows too), except where A^T's rows of M are padded: per M
+    assert k.main.meta.dims == ([] if trans_A else [("M", 1)])
+
+
+def unsized(k):
+    """The launchable inside build_gemm's ``Sized`` (M at run time, bound), or ``k``."""
+    return k.launchable if isinstance(k, Sized) else k
+
+
+def at(kernel, i, M) -> tuple:
+    """Parameter i's shape at M."""
+    return tuple(evaluate(d, {"M": M}) for d in kernel.meta.params[i][1])
 
 
 def test_padding_only_where_it_enables_tma():
     shape = (777, 3001, 1234)
-    unpadded = build_gemm(*shape, cfg=CFG, target="sm_90a", pad=False)
+    unpadded = unsized(build_gemm(*shape, cfg=CFG, target="sm_90a", pad=False))
     assert not isinstance(unpadded, PaddedGemm) and "cp.async.bulk.tensor" not in unpadded.source
-    assert not isinstance(build_gemm(*shape, cfg=CFG, target="sm_90"), PaddedGemm)  # cp.async path: no TMA
+    assert not isinstance(unsized(build_gemm(*shape, cfg=CFG, target="sm_90")), PaddedGemm)  # cp.async: no TMA
     # a decode split-K gemm with a ragged K pads A inside (the split pair reads the workspace)
-    k = build_gemm(16, 2048, 4095, cfg=default_config(16, 2048, 4095, "sm_90a"), target="sm_90a")
+    k = unsized(build_gemm(16, 2048, 4095, cfg=default_config(16, 2048, 4095, "sm_90a"), target="sm_90a"))
     assert isinstance(k, PaddedGemm) and isinstance(k.main, SplitKGemm) and list(k.pads) == [0]
     # ... and so does the swapped decode kernel (B^T A^T): its "B" operand is A
     swapped = default_config(16, 4096, 4095, "sm_90a")
-    k = build_gemm(16, 4096, 4095, cfg=swapped, target="sm_90a")
+    k = unsized(build_gemm(16, 4096, 4095, cfg=swapped, target="sm_90a"))
     assert swapped.swap_ab and isinstance(k, PaddedGemm) and list(k.pads) == [0]
 
 

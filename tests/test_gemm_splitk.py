@@ -103,9 +103,10 @@ def test_reduce_tile_gives_decode_reductions_many_ctas():
 def test_split_gemm_builds_and_its_sass_has_the_intended_instructions(arch, split_k):
     K = 4096 if split_k == 2 else 1000
     k = build_gemm(16, 1024, K, 1, 1, 1, False, False, True, "float16", "float16", _cfg(arch, split_k), target=arch)
+    k, dims = k.launchable, k.dims  # M at run time
     assert isinstance(k, SplitKGemm) and k.meta is k.partial.meta and k.cubin == k.partial.cubin
-    assert k.meta.grid == (8, 1, split_k) and k.workspace_shape == (split_k, 1, 16, 1024)
-    assert k.reduce.meta.grid == (16, 1, 1) and k.reduce.meta.params[0][1] == (split_k, 1, 16, 1024)
+    assert k.meta.grid == (8, "((M + 63) // 64)", split_k) and k.workspace_shape(dims) == (split_k, 1, 16, 1024)
+    assert k.reduce.meta.grid == (16, "((M + 15) // 16)", 1) and k.reduce.meta.params[0][1] == (split_k, 1, "M", 1024)
     mix = k.instruction_mix()
     if arch == "sm_90a":
         assert mix.get("HGMMA", 0) > 0 and mix.get("UTMALDG", 0) > 0 and mix.get("SYNCS", 0) > 0
@@ -122,8 +123,8 @@ def test_split_gemm_builds_and_its_sass_has_the_intended_instructions(arch, spli
 def test_batched_split_gemm_folds_batch_and_split_into_z():
     cfg = GemmConfig(64, 64, 64, 4, 128, 0, split_k=2)
     k = build_gemm(20, 192, 300, 3, 3, 1, True, False, False, "float16", "float16", cfg, target="sm_90a")
-    assert isinstance(k, PaddedGemm) and isinstance(k.main, SplitKGemm)  # A^T's rows of 20 halves: padded
-    assert k.meta.grid == (3, 1, 6) and k.main.workspace_shape == (2, 3, 20, 192)
+    assert isinstance(k, PaddedGemm) and isinstance(k.main, SplitKGemm)  # A^T's rows of 20 halves: padded, per M
+    assert k.meta.grid == (3, 1, 6) and k.main.workspace_shape() == (2, 3, 20, 192)
     assert k.main.reduce.meta.grid == (3, 1, 3)
     with pytest.raises(AttributeError, match="PaddedGemm has no 'reduce'"):  # only descriptions are forwarded
         k.reduce
@@ -161,17 +162,19 @@ def test_split_gemm_launches_partials_then_reduction_through_one_workspace(monke
 def test_get_gemm_kernel_builds_the_split_pair_for_a_split_config(monkeypatch):
     built = []
     monkeypatch.setattr(gemm_launch, "gemm", lambda *args, target=None, **_: built.append(("gemm", args)) or
-                        FakeKernel([("W", (args[-1].split_k, args[3], args[0], args[1]), "float32")], [], "p"))
+                        FakeKernel([("W", (args[-1].split_k, args[3], "M", args[1]), "float32")], [], "p",
+                                   dims=[("M", 1)]))
     monkeypatch.setattr(gemm_launch, "gemm_splitk_reduce", lambda *args, target=None, bias_dtype=None:
                         built.append(("reduce", args)) or FakeKernel([], [], "r"))
     a, b, out = torch.zeros(1, 16, 4096, dtype=torch.float16), torch.zeros(1, 4096, 256, dtype=torch.float16), \
         torch.zeros(1, 16, 256, dtype=torch.float16)
     k, _, _ = gemm_launch.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
-    assert isinstance(k, SplitKGemm) and k.workspace_shape == (4, 1, 16, 256)
-    assert built[1] == ("reduce", (16, 256, 1, 4, False, "float16", "float16", 16, 64, 128))
+    assert isinstance(k.launchable, SplitKGemm) and k.dims == (16,)  # M at run time, bound to 16
+    assert k.launchable.workspace_shape(k.dims) == (4, 1, 16, 256)
+    assert built[1] == ("reduce", (None, 256, 1, 4, False, "float16", "float16", 16, 64, 128))
     built.clear()
     k, _, _ = gemm_launch.get_gemm_kernel(a, b, out, cfg=GemmConfig(64, 128, 64, 6, 128, 0))
-    assert isinstance(k, FakeKernel) and [b[0] for b in built] == ["gemm"]
+    assert isinstance(k.launchable, FakeKernel) and [b[0] for b in built] == ["gemm"]
     # a split chosen per (M, N, K) by config_for is divided by the batch count (the batch fills the grid)
     monkeypatch.setattr(gemm_launch, "config_for", lambda *a, **k: GemmConfig(64, 128, 64, 6, 128, 0, split_k=4))
     built.clear()
@@ -225,7 +228,7 @@ def test_decode_tiles_count_the_batch(shape, batch, tile, split, monkeypatch):
     cfg = default_config(*shape, "sm_90a", batch=batch)
     assert (cfg.block_M, cfg.block_N, cfg.block_K, cfg.num_stages, cfg.split_k) == (*tile, split)
     seen = []
-    monkeypatch.setattr(gemm_launch, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
+    monkeypatch.setattr(gemm_launch, "build_gemm", lambda *args, **kw: seen.append(kw["cfg"]))
     monkeypatch.setattr(gemm_launch, "config_for", lambda *a, **k: default_config(*shape, "sm_90a"))
     for module in (gemm_defaults, gemm_launch):
         monkeypatch.setattr(module, "default_arch", lambda: "sm_90a")
@@ -354,8 +357,8 @@ def test_the_tuner_builds_and_times_split_configs_as_one_launchable(tmp_path):
 
     result = autotune.tune("gemm", shape, "float16", configs=[HOPPER_CFG, split], arch="sm_90a",
                            measure=fake_measure, gpu="FAKE GPU", show_progress=False)
-    assert isinstance(seen[split], SplitKGemm) and seen[split].meta.grid == (8, 1, 2)
-    assert not isinstance(seen[HOPPER_CFG], SplitKGemm)
+    assert isinstance(seen[split].launchable, SplitKGemm) and seen[split].meta.grid[::2] == (8, 2)
+    assert not isinstance(seen[HOPPER_CFG].launchable, SplitKGemm)
     assert result.best.config == split
     assert autotune.lookup("gemm", shape, "float16", "FAKE GPU") == split
     autotune.reload()

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from tile_ops.compiler.meta import evaluate
 from tile_ops.jit.build import _find_tool
 from tile_ops.kernels import gemm_defaults, gemm_launch
 from tile_ops.kernels.gemm_config import GemmConfig, shared_memory_bytes
@@ -72,6 +73,11 @@ def test_tuner_space_offers_swapped_tiles_that_fit_shared_memory():
 
 @needs_nvcc
 @needs_cuobjdump
+def grid_at(kernel, M) -> tuple:
+    """The kernel's launch grid at M (a grid of M tiles is an expression of M: the kernels take it at run time)."""
+    return tuple(evaluate(g, {"M": M}) for g in kernel.meta.grid)
+
+
 @pytest.mark.parametrize("shape, trans_A, trans_B, cfg, n", [
     ((16, 8192, 8192), False, True, swapped(), 16),  # nn.Linear's weight: B stored N x K, K-major for wgmma's A
     ((16, 8192, 8192), False, False, swapped(), 16),  # B stored K x N: wgmma's A read MN-major
@@ -85,7 +91,7 @@ def test_swapped_kernel_is_wgmma_along_n_with_tma_loads(shape, trans_A, trans_B,
     assert set(re.findall(r"HGMMA\.\w+", main.sass())) == {f"HGMMA.64x{n}x16"}
     mix = main.instruction_mix()
     assert mix.get("UTMALDG", 0) > 0 and mix.get("SYNCS", 0) > 0 and main.meta.resources["spill_stores"] == 0
-    assert main.meta.grid == (-(-N // cfg.block_N), -(-M // cfg.block_M), 1)
+    assert grid_at(main, M) == (-(-N // cfg.block_N), -(-M // cfg.block_M), 1)
     assert main.meta.block == (cfg.threads + 128, 1, 1)  # the consumers + the TMA producer warpgroup
     # the transposed tile is stored from registers, each element guarded (M and N need not fill it)
     assert mix.get("UTMASTG", 0) == 0 and mix.get("STG", 0) > 0
@@ -128,7 +134,7 @@ def test_swapped_kernel_in_clusters_multicasts_row_slices(cluster, cluster_n, a_
     k = build_gemm(1000, 1000, 1000, 1, 1, 1, False, False, False, "float16", "float16", cfg, target="sm_90a")
     boxes = {t["tensor"]: t["box"][1] for t in k.meta.tensormaps.values() if t["tensor"] in "AB"}
     assert boxes == {"A": a_rows, "B": b_rows}
-    assert k.meta.grid == (14, 8, 1) and f"__cluster_dims__({cluster}, {cluster_n}, 1)" in k.source
+    assert grid_at(k, 1000) == (14, 8, 1) and f"__cluster_dims__({cluster}, {cluster_n}, 1)" in k.source
     mix = k.instruction_mix()
     assert set(re.findall(r"HGMMA\.\w+", k.sass())) == {"HGMMA.64x72x16"} and k.meta.resources["spill_stores"] == 0
     assert mix.get("UTMASTG", 0) > 0 and mix.get("STG", 0) == 0  # the staged epilogue: C^T written as C, TMA-stored
@@ -147,7 +153,7 @@ def test_op_refits_a_swapped_default_to_the_batch(monkeypatch):
     import torch
 
     seen = []
-    monkeypatch.setattr(gemm_launch, "build_gemm", lambda *args, **kw: seen.append(args[-1]))
+    monkeypatch.setattr(gemm_launch, "build_gemm", lambda *args, **kw: seen.append(kw["cfg"]))
     monkeypatch.setattr(gemm_launch, "config_for", lambda op, M, N, K, *a, **k: default_config(M, N, K, "sm_90a"))
     for module in (gemm_defaults, gemm_launch):  # whatever GPU this host has
         monkeypatch.setattr(module, "default_arch", lambda: "sm_90a")

@@ -158,10 +158,10 @@ def test_plan_of_a_stream_k_kernel_is_its_launcher(monkeypatch):
                               ("C", (4,), "float16")], kept=["A", "B", "Bias", "C", WORKSPACE], out_idx=[3],
                       workspace_floats=16)
     kernel, launched = Kernel(meta, "", b""), []
-    monkeypatch.setattr(kernel, "launcher", lambda device: launched.append)
+    monkeypatch.setattr(kernel, "launcher", lambda device: lambda ptrs, dims=(): launched.append((ptrs, dims)))
     program = kernel.plan("cuda", [0, 1, 3, 3])  # gemm without bias: the bias slot takes the output's buffer
     program(10, 20, 30, 0)  # a, b, out, c
-    assert launched == [[10, 20, 30, 30]]
+    assert launched == [([10, 20, 30, 30], ())]
 
 
 def test_each_cluster_exchange_counts_its_own_uses():

@@ -316,16 +316,20 @@ class _Cta:
 
 class Emulator:
     def __init__(self, func, arrays: dict, tensormaps: dict | None = None):
-        """``arrays``: parameter name -> numpy array (written in place; bfloat16 ones as uint16 bits).
+        """``arrays``: parameter name -> numpy array (written in place; bfloat16 ones as uint16 bits), or its
+        value for a T.dynamic size.
         ``tensormaps``: the kernel's TMA descriptors as the launcher encodes them (``lk.meta.tensormaps``, or a
         compiled kernel's ``meta.tensormaps``): kernel parameter name -> {tensor, dtype, dims, strides, box,
         element_strides, swizzle, l2_promotion, oob_fill}."""
-        self.func, self.mem = func, {p.name: arrays[p.name] for p in func.params}
+        tensors = [p for p in func.params if "BufferType" in str(p.ty)]
+        self.func, self.mem = func, {p.name: arrays[p.name] for p in tensors}
+        # T.dynamic sizes: int parameters, given by name like the tensors
+        self.scalars = {_key(p): int(arrays[p.name]) for p in func.params if str(p.ty) == "int32"}
         self.tensormaps = dict(tensormaps or {})
         self.names = {}  # buffer handle -> its data var's name
         self.parsed = {}  # call handle -> what _issue_wgmma reads of it
         self.ran = Counter()  # PTX instructions executed, by lane: "cp.async.cg.16", "ldmatrix.x4.trans", ...
-        for p in func.params:
+        for p in tensors:
             if _is_bf16(p.dtype) and self.mem[p.name].dtype != np.uint16:
                 raise TypeError(f"emulator: pass bfloat16 tensor {p.name} as a uint16 array of its bits")
 
@@ -381,7 +385,7 @@ class Emulator:
                                       f"resident grid): whole warpgroups only")
         self.threads = threads
         self.arrived = Counter()  # thread -> its barrier.cluster.arrives
-        gens = {g: self._exec(body, {"tid": g % threads, "g": g}) for g in range(threads * len(self.ctas))}
+        gens = {g: self._exec(body, {"tid": g % threads, "g": g, **self.scalars}) for g in range(threads * len(self.ctas))}
         at = dict.fromkeys(gens)  # where each thread waits: "sync", a collective instruction ("kind", key,
         go = dict.fromkeys(gens)  # operand), an mbarrier wait; the threads to resume, with what they receive
         live = Counter(g // threads for g in gens)

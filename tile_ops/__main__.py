@@ -4,7 +4,9 @@
                                              with a GPU also check them against torch and time both
     tile_ops cache info | clear               the on-disk kernel cache ($TILE_OPS_CACHE_DIR or ~/.tile_ops/cache)
     tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--dtype ...]
-                                             fill the cache ahead of time (no GPU needed); an option per op
+                        [--record FILE ...] [--module FILE.py:FN ...] [--all-m MAX]
+                                             fill the cache ahead of time (no GPU needed): an option per op, the
+                                             problems a run recorded (TILE_OPS_RECORD), or a model's forward
     tile_ops tune OP --shape MxNxK [...] | --list | --show | --clear
                                              autotune kernel configs (tile_ops/autotune/cli.py)
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -43,6 +46,7 @@ class Job:
     dtype: str
     arch: str
     scale: float = 1.0  # the ops whose kernel takes one (Target.scaled)
+    recorded: dict | None = None  # a problem from a recording (layouts, batch, bias...), else a plain call's
 
     @property
     def target(self):
@@ -51,7 +55,13 @@ class Job:
         return targets.get(self.op)
 
     @property
+    def problem(self) -> dict:
+        return self.recorded or self.target.problem(self.shape, self.dtype, self.scale)
+
+    @property
     def label(self) -> str:
+        if self.recorded:
+            return f"{self.op} {self.target.describe(self.recorded)}"
         M, N, K = self.shape
         s = f"{self.op} {M}x{N}x{K} {self.dtype}"
         return s + (f" scale={self.scale:g}" if self.target.scaled else "")
@@ -59,7 +69,13 @@ class Job:
     def key_and_builder(self):
         """(cache key of the main kernel the torch op path builds, a callable that builds what it launches:
         for a gemm, with its operand pads and split-K reduction)."""
-        return self.target.launched(self.shape, self.dtype, self.arch, self.scale)
+        return self.target.launched(self.problem, self.arch)
+
+    @staticmethod
+    def of(entry: dict, arch: str) -> "Job":
+        """The job of a recorded ``{"op", "problem"}`` entry (record.py)."""
+        p = entry["problem"]
+        return Job(entry["op"], (p["M"], p["N"], p["K"]), p["dtype"], arch, p.get("scale", 1.0), recorded=p)
 
 
 @dataclasses.dataclass
@@ -267,11 +283,14 @@ def cmd_precompile(args) -> int:
     from .jit.cache import cache_dir
 
     asked = {op: getattr(args, op) for op in targets.TARGETS}
-    if all(shapes is None for shapes in asked.values()):
+    recorded = recorded_jobs(args)
+    if all(shapes is None for shapes in asked.values()) and not recorded:
         asked = {op: target.precompile for op, target in targets.TARGETS.items()}
     jobs = [Job(op, s, dt, args.arch, sc) for op, target in targets.TARGETS.items() for s in asked[op] or []
             for dt in args.dtype for sc in (args.scale if target.scaled else [1.0])]
-    jobs = list({dataclasses.astuple(j): j for j in jobs}.values())  # a repeat would count as built twice
+    jobs = _distinct(jobs + recorded)
+    if args.all_m:
+        jobs = _distinct([j for job in jobs for j in every_m(job, args.all_m)])
     print(f"Precompiling {len(jobs)} kernel{'s' if len(jobs) != 1 else ''} for {args.arch} into {cache_dir()} ({args.jobs or 'auto'} threads)")
     t0 = time.perf_counter()
     built = build_all(jobs, args.jobs)
@@ -289,6 +308,57 @@ def cmd_precompile(args) -> int:
           + (f", {n_unstored} built but NOT stored in the cache" if n_unstored else "")
           + f" in {time.perf_counter() - t0:.1f} s{_parallel_note(built)}")
     return 1 if n_err or n_unstored else 0
+
+
+def _distinct(jobs) -> list:
+    """``jobs`` without repeats (a repeat would count as built twice)."""
+    return list({json.dumps(dataclasses.asdict(j), sort_keys=True, default=str): j for j in jobs}.values())
+
+
+def recorded_jobs(args) -> list:
+    """The jobs of ``--record`` files and of ``--module`` runs (their op calls recorded on the CPU)."""
+    from .ops import record
+
+    entries = [e for path in args.record or [] for e in record.read(path)]
+    for spec in args.module or []:
+        entries += module_problems(spec)
+    return [Job.of(e, args.arch) for e in entries]
+
+
+def module_problems(spec: str) -> list:
+    """The problems a model's forward launches: ``FILE.py:FN``, FN() returning (module, example inputs), run on
+    the CPU (or wherever its inputs are) under ``record.recording()``."""
+    import importlib.util
+
+    import torch
+
+    from .ops import record
+
+    path, _, name = spec.rpartition(":")
+    if not path or not name or not os.path.isfile(path):
+        raise SystemExit(f"tile_ops precompile: --module {spec!r}; accepted: FILE.py:FUNCTION, FUNCTION() returning "
+                         f"(an nn.Module, a tuple of example inputs)")
+    mod_spec = importlib.util.spec_from_file_location(f"tile_ops_precompile_{len(path)}", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    model, inputs = getattr(module, name)()
+    with torch.no_grad(), record.recording() as problems:
+        model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+    return problems
+
+
+def every_m(job: Job, most: int) -> list:
+    """``job`` at every M in 1..``most`` that the op launches another kernel for (its config, or a variant of
+    one, changes with M): a deployment's every token count, one job per kernel."""
+    seen, jobs = set(), []
+    for M in range(1, most + 1):
+        problem = dict(job.problem, M=M)
+        (_, args, kwargs), _ = job.target.kernel_call(problem, job.arch)
+        call = repr((args, sorted(kwargs.items())))  # the kernel's key, without hashing it for every M
+        if call not in seen:
+            seen.add(call)
+            jobs.append(dataclasses.replace(job, shape=(M, *job.shape[1:]), recorded=problem))
+    return jobs
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -319,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--scale", nargs="+", type=parse_scale, default=PRECOMPILE_SCALES,
                     help=f"scales of {', '.join(op for op, t in targets.TARGETS.items() if t.scaled)} "
                     "(compile-time constants; default: 1.0 = the op's default, 0.125 = the benchmark's)")
+    pc.add_argument("--record", nargs="+", metavar="FILE", help="kernel problems a run wrote with "
+                    "TILE_OPS_RECORD=FILE (layouts, batches and biases as the ops met them)")
+    pc.add_argument("--module", nargs="+", metavar="FILE.py:FN", help="a model: FN() returns (nn.Module, example "
+                    "inputs); its forward runs on the CPU and the kernels its op calls launch on a GPU are built")
+    pc.add_argument("--all-m", type=int, metavar="MAX", help="for every problem, the kernels of every M in 1..MAX "
+                    "(a deployment's every token count), not only the M given or recorded")
     pc.add_argument("--jobs", "-j", type=parse_jobs, default=None, help="compile threads (default: one per kernel, "
                     "up to the CPU count)")
     pc.set_defaults(func=cmd_precompile)

@@ -51,8 +51,25 @@ class Target(abc.ABC):
         """The launchable for ``cfg``: ``launch_ptrs(pointers, device)`` over ``inputs``' tensors, and ``meta``."""
 
     @abc.abstractmethod
-    def launched(self, shape, dtype: str, arch: str, scale: float):
-        """(the cache key of the main kernel the op launches for this problem, a callable building all it launches)."""
+    def problem(self, shape, dtype: str, scale: float = 1.0) -> dict:
+        """The kernel problem (``OpSpec.problem``'s form, what TILE_OPS_RECORD writes) of a plain row-major call."""
+
+    @abc.abstractmethod
+    def kernel_call(self, problem: dict, arch: str) -> tuple:
+        """((factory, args, kwargs) of the main kernel the op launches for ``problem``, a callable building all it
+        launches: a gemm's pads and split-K reduction too)."""
+
+    def launched(self, problem: dict, arch: str):
+        """(the cache key of the main kernel the op launches for ``problem``, a callable building all it launches)."""
+        (factory, args, kwargs), build = self.kernel_call(problem, arch)
+        return factory.key(args, kwargs, arch), build
+
+    def describe(self, problem: dict) -> str:
+        """``problem`` in a few words, for tables: its sizes, then what differs from a plain row-major call."""
+        M, N, K = problem["M"], problem["N"], problem["K"]
+        plain = self.problem((M, N, K), problem["dtype"], problem.get("scale", 1.0))
+        extra = " ".join(f"{k}={v}" for k, v in problem.items() if k not in ("M", "N", "K") and plain.get(k) != v)
+        return f"{M}x{N}x{K} {problem['dtype']}" + (f" {extra}" if extra else "")
 
     @abc.abstractmethod
     def inputs(self, shape, dtype: str, device) -> list:

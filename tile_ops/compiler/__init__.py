@@ -34,6 +34,14 @@ def _indexed_too_far(kernel: str, huge: dict) -> ValueError:
                       f"copy of them is a TMA copy). Split the problem, e.g. along M, into parts below that")
 
 
+def check_grid(kernel: str, grid, arch: str) -> None:
+    """``grid`` within CUDA's limits, else ValueError."""
+    if grid[0] >= 2**31 or max(grid[1:]) > 65535:
+        raise ValueError(f"{kernel}: a launch grid of {tuple(grid)} blocks, past CUDA's limits (x below 2^31, y and "
+                         f"z at most 65535; for the library's gemm on {arch}, y counts M's row tiles and z the batch). "
+                         f"Split the problem into launches within them")
+
+
 def compile_program(prog: Program, arch: str = "sm_80", sms: int | None = None) -> CompiledKernel:
     """CUDA for ``prog`` on ``arch``; ``sms``: the SM count of the GPU it is for (default: the arch's table)."""
     from .codegen import emit_cuda
@@ -41,11 +49,10 @@ def compile_program(prog: Program, arch: str = "sm_80", sms: int | None = None) 
 
     lowered = lower(prog, Target.of(arch, sms))
     meta = lowered.meta
-    if meta.grid[0] >= 2**31 or max(meta.grid[1:]) > 65535:
-        raise ValueError(f"{prog.name}: a launch grid of {tuple(meta.grid)} blocks, past CUDA's limits (x below "
-                         f"2^31, y and z at most 65535; for the library's gemm on {arch}, y counts M's row tiles and "
-                         f"z the batch). Split the problem into launches within them")
-    huge = {name: shape for name, shape, _ in meta.params if math.prod(shape) >= 2**31}
+    if all(isinstance(g, int) for g in meta.grid):  # a T.dynamic grid is checked at each launch
+        check_grid(prog.name, meta.grid, arch)
+    huge = {name: shape for name, shape, _ in meta.params
+            if all(isinstance(d, int) for d in shape) and math.prod(shape) >= 2**31}
     by_tma = {spec["tensor"] for spec in meta.tensormaps.values()}
     if any(name not in by_tma for name in huge):  # indexed for sure; TVM can abort (bad_alloc) building it
         raise _indexed_too_far(prog.name, {n: s for n, s in huge.items() if n not in by_tma})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import tvm
@@ -16,10 +17,38 @@ def target_for(arch: str) -> tvm.target.Target:
     return tvm.target.Target({"kind": "cuda", "arch": arch})
 
 
+@functools.lru_cache(maxsize=None)
+def _register_dynamic_pipeline() -> str:
+    """TVM's "tirx" pipeline without its common-subexpression elimination, for kernels with T.dynamic sizes:
+    it would hoist expressions of them to the host side, as extra entry parameters the launcher does not
+    know (the config switch for it, "tir.disable_cse_tir", is a key TVM 0.27's PassContext refuses)."""
+    from tvm import s_tir, tirx
+    from tvm.backend.cuda import transforms as cuda_transforms
+    from tvm.tirx import compilation_pipeline as pipelines
+
+    def factory():
+        @tvm.transform.module_pass(opt_level=0)
+        def passes(mod, _ctx):
+            t = tirx.transform
+            return tvm.ir.transform.Sequential([
+                t.LowerTIRx(), s_tir.transform.UnifyThreadBinding(), t.StmtSimplify(), t.LowerTIRxOpaque(),
+                t.FlattenBuffer(), t.BF16ComputeLegalize(), t.NarrowDataType(32), t.VectorizeLoop(True),
+                t.UnrollLoop(), t.StmtSimplify(), t.FP8ComputeLegalize(), t.VerifyMemory(), t.AnnotateEntryFunc(),
+                t.SplitHostDevice(), cuda_transforms.LowerIket(), t.MakePackedAPI(), t.FP8StorageLegalize(),
+                t.BF16StorageLegalize()])(mod)
+
+        _, host, device = pipelines.tirx_pipeline()
+        return passes, host, device
+
+    pipelines.register_tir_pipeline("tile_ops_dynamic", factory)
+    return "tile_ops_dynamic"
+
+
 def emit_cuda(func, meta: KernelMeta, arch: str) -> tuple[str, str, list[str]]:
     """CUDA source, the entry symbol, and the names of the parameters it kept, in order
     (TVM drops parameters the kernel never touches)."""
-    mod = tvm.compile(tvm.IRModule({"main": func}), target=target_for(arch), tir_pipeline="tirx")
+    pipeline = _register_dynamic_pipeline() if meta.dims else "tirx"
+    mod = tvm.compile(tvm.IRModule({"main": func}), target=target_for(arch), tir_pipeline=pipeline)
     source = mod.mod.imports[0].inspect_source()
     if meta.ctas_per_sm > 1:  # cap registers so that many CTAs fit on an SM (setmaxnreg rebalances them)
         source = re.sub(r"__launch_bounds__\((\d+)\)", rf"__launch_bounds__(\1, {meta.ctas_per_sm})", source)

@@ -51,6 +51,51 @@ def rewrite(expr, var_map: dict | None = None, on_load: LoadFn | None = None, on
     return go(expr)
 
 
+_PYTHON_OPS = {px.Add: "+", px.Sub: "-", px.Mul: "*", px.FloorDiv: "//", px.FloorMod: "%"}
+
+
+def to_python(e):
+    """An int expression of the program's T.dynamic sizes as KernelMeta keeps it: an int where it is constant,
+    else a Python expression of their names (floor division and modulo, as TIR's)."""
+    if isinstance(e, int):
+        return e
+    from tvm.sym.analyzer import Analyzer
+
+    e = Analyzer().simplify(e)
+
+    def go(x):
+        if isinstance(x, px.IntImm):
+            return str(int(x.value))
+        if isinstance(x, irx.Var):
+            return x.name
+        if type(x) in _PYTHON_OPS:
+            return f"({go(x.a)} {_PYTHON_OPS[type(x)]} {go(x.b)})"
+        if isinstance(x, (px.Min, px.Max)):
+            return f"{type(x).__name__.lower()}({go(x.a)}, {go(x.b)})"
+        raise TypeError(f"tile_ops: a launch-time size must be integer arithmetic of T.dynamic sizes, got {x}")
+
+    return int(e.value) if isinstance(e, px.IntImm) else go(e)
+
+
+def at_most(e, n: int) -> bool:
+    """Whether ``e`` (an int, or an expression of T.dynamic sizes) is at most ``n`` for every value they take."""
+    if isinstance(e, int):
+        return e <= n
+    from tvm.sym.analyzer import Analyzer
+
+    return Analyzer().can_prove(e <= n)
+
+
+def divides(n: int, dim) -> bool:
+    """Whether ``n`` divides a tensor dimension: an int, or a T.dynamic size by its declared ``multiple_of``."""
+    return dim % n == 0 if isinstance(dim, int) else dim.multiple_of % n == 0
+
+
+def smin(a, b):
+    """min of two ints or expressions."""
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else tirx.min(a, b)
+
+
 def collect_loads(expr) -> list:
     """Every buffer load in ``expr`` as (buffer var, indices)."""
     found = []

@@ -21,7 +21,7 @@ from tvm.tirx.script import builder as T
 from ..lang import ir
 from ..lang.ir import TileLangError, error, walk
 from .cuda import emit_ptx, exp2_approx
-from .exprs import broadcast, cast, collect_loads, nonneg, pad, ramp, rewrite
+from .exprs import broadcast, cast, collect_loads, divides, nonneg, pad, ramp, rewrite, to_python
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta
@@ -81,16 +81,19 @@ class Lowering:
         k, ws = self.kernel, self.ws
         sk = ws.stream_k if ws else None
         fixed = sum(op.workspace_floats(self, node) for op, node in self.ops)
+        flags = sum(op.workspace_flags(self, node) for op, node in self.ops)
         with IRBuilder() as ib:
             with T.prim_func():
                 T.func_name(self.prog.name)
                 self.globals = {}
                 for p in self.prog.params:
                     self.globals[p] = T.arg(p.name, T.Buffer(p.shape, p.dtype))
+                for d in self.prog.dims:  # an int32 entry parameter each, after the tensors
+                    T.arg(d.name, d)
                 if sk:  # nominal extent (the launcher sizes it to the device's grid): flags, then slots
                     self.workspace = T.arg(WORKSPACE, T.Buffer(
                         (FLAG_SLOTS + ws.resident_ctas() * sk.floats_per_cta(),), "float32"))
-                elif fixed:  # flags, then what the kernel keeps there
+                elif not isinstance(fixed, int) or fixed:  # flags, then what the kernel keeps there
                     self.workspace = T.arg(WORKSPACE, T.Buffer((FLAG_SLOTS + fixed,), "float32"))
                 if ws:
                     for c in ws.loads + ws.stores:
@@ -125,14 +128,16 @@ class Lowering:
             func = ib.get()
         persistent = ws is not None and ws.walk.persistent is not None
         meta = KernelMeta(
-            name=self.prog.name, arch=self.target.arch, grid=tuple(grid), block=(block, 1, 1), smem_bytes=smem_bytes,
-            params=[(p.name, p.shape, p.dtype) for p in self.prog.params],
+            name=self.prog.name, arch=self.target.arch, grid=tuple(map(to_python, grid)), block=(block, 1, 1),
+            smem_bytes=smem_bytes, params=[(p.name, tuple(map(to_python, p.shape)), p.dtype) for p in self.prog.params],
+            dims=[(d.name, d.multiple_of) for d in self.prog.dims],
             layouts={b.name: self._describe(b) for b in k.allocs},
             tensormaps=ws.tensormaps.specs() if ws else {},
             ctas_per_sm=ws.ctas_per_sm if ws else 1, cluster=self.cluster,
             cluster_dims=(self.cluster, 1, 1) if persistent else (*self.cluster_dims, 1),
-            persistent_tiles=ws.walk.work_units() if persistent else 0,
-            workspace_floats=sk.floats_per_cta() if sk else 0, workspace_fixed_floats=fixed,
+            persistent_tiles=to_python(ws.walk.work_units()) if persistent else 0,
+            workspace_floats=sk.floats_per_cta() if sk else 0, workspace_fixed_floats=to_python(fixed),
+            workspace_flags=to_python(flags),
             waits_at_entry=self.target.hopper)
         return Lowered(func, meta)
 
@@ -223,7 +228,7 @@ class Lowering:
         must be contiguous (in a shared tile: within one swizzle chunk) and start on a multiple of ``vec``;
         in a global tensor, a last dim divisible by ``vec`` also aligns every row and puts whole
         vectors in or out of bounds, so one predicate (on the first element) guards a vector."""
-        if buf.scope not in ("global", "shared") or buf.shape[-1] % vec or not self._divisible(start, vec):
+        if buf.scope not in ("global", "shared") or not divides(vec, buf.shape[-1]) or not self._divisible(start, vec):
             return False
         lay = self.shared[buf].layout if buf.scope == "shared" else None
         return lay is None or lay.chunk % vec == 0

@@ -4,20 +4,36 @@ the JIT completes and the cache stores as JSON.  No TVM import, so a cached kern
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 WORKSPACE = "tile_ops_workspace"  # the CUDA entry parameter of a kernel's global workspace (stream_k.py)
 FLAG_SLOTS = 4096  # int32 flags at the workspace's start, one per CTA at most
 
 
+def evaluate(value, dims: dict) -> int:
+    """A meta value: an int, or the Python expression (a str) of the kernel's ``T.dynamic`` sizes the compiler
+    wrote for it, evaluated with ``dims`` (name -> int)."""
+    if isinstance(value, int):
+        return value
+    return eval(_code(value), {"__builtins__": {}, "min": min, "max": max}, dims)  # noqa: S307 - the compiler's
+
+
+@functools.lru_cache(maxsize=None)
+def _code(expression: str):
+    return compile(expression, "<tile_ops dim expression>", "eval")
+
+
 @dataclass
 class KernelMeta:
     name: str
     arch: str
-    grid: tuple  # a persistent kernel's is the compile-time estimate; the launcher sizes it (Kernel.grid_on)
+    # a persistent kernel's is the compile-time estimate, the launcher sizes it (Kernel.grid_on); grid, shapes,
+    # persistent_tiles, workspace sizes and tensor-map dims and strides may be expressions of ``dims`` (evaluate)
+    grid: tuple
     block: tuple
     smem_bytes: int
-    params: list  # [(name, shape, dtype)] of the program, in order
+    params: list  # [(name, shape, dtype)] of the program, in order; a T.dynamic dimension by its name
     entry: str = ""  # the CUDA entry symbol (set once the source is emitted)
     kept: list = field(default_factory=list)  # parameter names the CUDA entry takes, in order (TVM drops unused ones)
     out_idx: list = field(default_factory=list)  # the params a call allocates and returns (the JIT's)
@@ -31,9 +47,15 @@ class KernelMeta:
     persistent_tiles: int = 0  # > 0: the CTAs walk at most this many units; launch no more CTAs than that
     workspace_floats: int = 0  # > 0 (stream-K): fp32 partials per CTA in the workspace, after its flags
     workspace_fixed_floats: int = 0  # > 0: fp32 values the kernel keeps in the workspace, after its flags
+    workspace_flags: int = 0  # int32 flags of the workspace the kernel's ops use (at most FLAG_SLOTS)
     # sm_90a: the kernel waits for the stream's previous kernel at its entry (griddepcontrol.wait), then lets
     # the next one launch: it can be launched programmatically (Kernel.dependent)
     waits_at_entry: bool = False
+    dims: list = field(default_factory=list)  # [(name, multiple_of)]: the T.dynamic sizes, bound at launch
+
+    @property
+    def dynamic(self) -> bool:
+        return bool(self.dims)
 
     @property
     def needs_workspace(self) -> bool:
@@ -52,4 +74,5 @@ class KernelMeta:
             if key in d:
                 d[key] = tuple(d[key])
         d["params"] = [(n, tuple(s), t) for n, s, t in d["params"]]
+        d["dims"] = [tuple(x) for x in d.get("dims", ())]
         return KernelMeta(**d)

@@ -3,13 +3,19 @@ current torch stream.  Nothing here imports TVM."""
 
 from __future__ import annotations
 
-from ..compiler.meta import FLAG_SLOTS, WORKSPACE, KernelMeta
+import math
+
+from ..compiler import check_grid
+from ..compiler.meta import FLAG_SLOTS, WORKSPACE, KernelMeta, evaluate
 
 _TORCH_DTYPES = {
     "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
     "int32": "int32", "int8": "int8", "uint8": "uint8",
 }
 
+
+DIM = "dim"  # EntryArgs.sources: an argument that takes a T.dynamic size's value
+PLAN_VALUE = -1  # a plan step's argument (PLAN_VALUE, int): a 32-bit value, not a buffer's pointer (plans.cpp)
 
 TENSORMAP_KEYS = ("tensor", "dtype", "dims", "strides", "box", "element_strides", "swizzle", "l2_promotion",
                   "oob_fill")
@@ -29,12 +35,18 @@ class EntryArgs:
     def __init__(self, meta: KernelMeta, encode=None):
         self._tensormaps = meta.tensormaps
         self._encode = encode
-        self._descriptors: dict = {}  # (kept name, pointer) -> bytes: launches mostly reuse buffers
+        self._descriptors: dict = {}  # (kept name, pointer, dims) -> bytes: launches mostly reuse buffers
         position = {name: i for i, (name, _, _) in enumerate(meta.params)}
-        self.sources = []  # per kept name: (position of the tensor whose pointer it takes, tensormap name or None)
+        self._dim_names = [name for name, _ in meta.dims]
+        # per kept name: (position of the tensor whose pointer it takes, tensormap name or None); a T.dynamic
+        # size takes its value: (DIM, its index in meta.dims)
+        self.sources = []
         for name in meta.kept:
             if name == WORKSPACE:
                 self.sources.append((-1, None))
+                continue
+            if name in self._dim_names:
+                self.sources.append((DIM, self._dim_names.index(name)))
                 continue
             spec = meta.tensormaps.get(name)
             if spec is not None:
@@ -47,19 +59,32 @@ class EntryArgs:
                                  f"which is not a parameter ({', '.join(position)})")
             self.sources.append((position[tensor], None if spec is None else name))
         self._pointer_positions = [pos for pos, _ in self.sources]
+        self._plain = not self._tensormaps and not meta.dims
         self._needs_workspace = WORKSPACE in meta.kept
 
-    def build(self, ptrs, device: int, workspace: int = 0) -> list:
+    def build(self, ptrs, device: int, workspace: int = 0, dims: tuple = ()) -> list:
+        """The entry's arguments from one pointer per parameter, the workspace's pointer and the values of the
+        kernel's T.dynamic sizes (in ``meta.dims`` order)."""
         if self._needs_workspace:
             if not workspace:
                 raise ValueError("a stream-K kernel's arguments need its workspace (Kernel.launcher passes it)")
             ptrs = list(ptrs) + [workspace]  # position -1
-        if not self._tensormaps:
+        if self._plain:
             return [ptrs[pos] for pos in self._pointer_positions]
-        return [ptrs[pos] if tmap is None else self._descriptor(tmap, ptrs[pos], device) for pos, tmap in self.sources]
+        return [dims[tmap] if pos is DIM else ptrs[pos] if tmap is None else self._descriptor(tmap, ptrs[pos], device,
+                                                                                                dims)
+                for pos, tmap in self.sources]
 
-    def _descriptor(self, tmap: str, ptr: int, device: int) -> bytes:
-        desc = self._descriptors.get((tmap, ptr))
+    def spec(self, tmap: str, dims: tuple = ()) -> dict:
+        """Tensor map ``tmap``'s spec with its dims and strides evaluated for the T.dynamic sizes ``dims``."""
+        s = self._tensormaps[tmap]
+        if not dims:
+            return s
+        named = dict(zip(self._dim_names, dims))
+        return dict(s, dims=[evaluate(d, named) for d in s["dims"]], strides=[evaluate(d, named) for d in s["strides"]])
+
+    def _descriptor(self, tmap: str, ptr: int, device: int, dims: tuple = ()) -> bytes:
+        desc = self._descriptors.get((tmap, ptr, dims))
         if desc is None:
             if len(self._descriptors) >= self._MAX_DESCRIPTORS:
                 self._descriptors.clear()
@@ -67,10 +92,10 @@ class EntryArgs:
                 from .launcher import get_launcher
 
                 self._encode = get_launcher().encode_tensor_map
-            s = self._tensormaps[tmap]
+            s = self.spec(tmap, dims)
             desc = self._encode(s["dtype"], ptr, s["dims"], s["strides"], s["box"], s["element_strides"],
                                 s["swizzle"], l2_promotion=s["l2_promotion"], oob_fill=s["oob_fill"], device=device)
-            self._descriptors[(tmap, ptr)] = desc
+            self._descriptors[(tmap, ptr, dims)] = desc
         return desc
 
 
@@ -134,6 +159,7 @@ class Kernel:
         self._grids: dict = {}  # device index -> launch grid (grid_on)
         self._entry_args = EntryArgs(meta)
         self._in_pos = [i for i in range(len(meta.params)) if i not in meta.out_idx]
+        self.dims = LaunchDims(meta, self._in_pos)
 
     def __repr__(self) -> str:
         m = self.meta
@@ -181,23 +207,33 @@ class Kernel:
             device = torch.device("cuda", torch.cuda.current_device())
         else:  # a non-tensor has no device: launch refuses it by name
             device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else None
+        named = self.dims.named(self.dims.read(args)) if m.dims else {}
         for pos in m.out_idx:
             _, shape, dtype = m.params[pos]
+            shape = [evaluate(d, named) for d in shape]
             args[pos] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device)
         self.launch(*args)
         outs = [args[i] for i in m.out_idx]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def grid_on(self, index: int) -> tuple:
-        """The launch grid on device ``index``: ``meta.grid``, except for a persistent kernel, whose CTAs
-        stride over its tiles by gridDim.x: as many as the device holds at once (SMs x CTAs per SM, or,
-        clustered, the clusters that fit, which depends on how the GPCs split the SMs), at most one per
-        tile.  Without CUDA (fake drivers in tests) or an occupancy answer, ``meta.grid``."""
+    def grid_on(self, index: int, dims: tuple = ()) -> tuple:
+        """The launch grid on device ``index`` for the T.dynamic sizes ``dims`` (in ``meta.dims`` order):
+        ``meta.grid``, except for a persistent kernel, whose CTAs stride over its tiles by gridDim.x: as
+        many as the device holds at once (SMs x CTAs per SM, or, clustered, the clusters that fit, which
+        depends on how the GPCs split the SMs), at most one per tile.  Without CUDA (fake drivers in tests)
+        or an occupancy answer, ``meta.grid``.  A grid past CUDA's limits is a ValueError."""
+        grid = self._grids.get((index, dims))
+        if grid is None:
+            if len(self._grids) >= 256:  # one per device and size seen: stay small
+                self._grids.clear()
+            grid = self._grids[(index, dims)] = self._grid(index, self.dims.named(dims))
+        return grid
+
+    def _grid(self, index: int, named: dict) -> tuple:
         m = self.meta
         if not m.persistent_tiles:
-            return m.grid
-        grid = self._grids.get(index)
-        if grid is None:
+            grid = tuple(evaluate(g, named) for g in m.grid)
+        else:
             resident = None
             if m.cluster > 1:
                 clusters = self._fn().max_active_clusters(index, m.cluster, m.block[0])
@@ -205,19 +241,24 @@ class Kernel:
             else:
                 sms = _sm_count(index)
                 resident = sms * m.ctas_per_sm if sms else None
-            ctas = m.grid[0] if resident is None else min(resident, m.persistent_tiles)
+            tiles = evaluate(m.persistent_tiles, named)
+            ctas = evaluate(m.grid[0], named) if resident is None else min(resident, tiles)
             assert ctas % m.cluster == 0, (ctas, m.cluster)  # whole clusters walk the same tiles in lockstep
-            grid = self._grids[index] = (ctas, 1, 1)
+            grid = (ctas, 1, 1)
+        if m.dims:
+            self.dims.check(tuple(named.values()))
+            check_grid(m.name, grid, m.arch)
         return grid
 
-    def launch_ptrs(self, ptrs, device):
-        """Fast path for callers that validated their tensors: one pointer per parameter, in order."""
-        self.launcher(device)(ptrs)
+    def launch_ptrs(self, ptrs, device, dims: tuple = ()):
+        """Fast path for callers that validated their tensors: one pointer per parameter, in order, and the
+        values of the kernel's T.dynamic sizes (``dims``, in ``meta.dims`` order; ``self.dims.read``)."""
+        self.launcher(device)(ptrs, dims)
 
     def launcher(self, device):
-        """``launch(ptrs)`` on ``device`` (a torch.device), with everything fixed per device bound once:
-        the loaded function, the geometry and the stream getter.  A call reads the current stream,
-        builds the argument list and enters the extension's launch: the ops' per-call path."""
+        """``launch(ptrs, dims=())`` on ``device`` (a torch.device), with everything fixed per device bound
+        once: the loaded function, the geometry (per ``dims``) and the stream getter.  A call reads the current
+        stream, builds the argument list and enters the extension's launch: the ops' per-call path."""
         bound = self._bound.get(device)
         if bound is None:
             if device.index is None and device.type == "cuda":  # the current device, which may change
@@ -232,31 +273,48 @@ class Kernel:
         fn, m = self._fn(), self.meta
         launch, handle = fn.bind(index)
         build, stream = self._entry_args.build, _current_stream_getter()
-        grid, block, smem, name = self.grid_on(index), m.block, fn.smem_bytes, fn.name
+        block, smem, name = m.block, fn.smem_bytes, fn.name
+        if m.dims:
+            def bound(ptrs, dims=()):
+                grid = self.grid_on(index, dims)
+                if 0 in grid:  # a size of 0: nothing to compute
+                    return
+                ws = workspace(index, stream(index), self.workspace_bytes(grid, dims)) if m.needs_workspace else None
+                launch(handle, grid, block, smem, stream(index),
+                       build(ptrs, index, 0 if ws is None else ws.data_ptr(), dims), name)
+
+            return bound
+        grid = self.grid_on(index)
         if m.needs_workspace:
             nbytes = self.workspace_bytes(grid)
 
-            def bound(ptrs):
+            def bound(ptrs, dims=()):
                 s = stream(index)
                 ws = workspace(index, s, nbytes)
                 launch(handle, grid, block, smem, s, build(ptrs, index, ws.data_ptr()), name)
 
             return bound
 
-        def bound(ptrs):
+        def bound(ptrs, dims=()):
             launch(handle, grid, block, smem, stream(index), build(ptrs, index), name)
 
         return bound
 
-    def workspace_bytes(self, grid) -> int:
+    def workspace_bytes(self, grid, dims: tuple = ()) -> int:
         """A kernel's workspace for a launch of ``grid``: the flags, then a slot of partials per CTA (stream-K)
         or the row statistics of every tile (T.row_reduce_store)."""
+        m, named = self.meta, self.dims.named(dims)
         if grid[0] > FLAG_SLOTS:
-            raise ValueError(f"{self.meta.name}: a stream-K launch of {grid[0]} CTAs; the workspace has flags for "
+            raise ValueError(f"{m.name}: a stream-K launch of {grid[0]} CTAs; the workspace has flags for "
                              f"{FLAG_SLOTS}")
-        return (FLAG_SLOTS + self.meta.workspace_fixed_floats + grid[0] * self.meta.workspace_floats) * 4
+        flags = evaluate(m.workspace_flags, named)
+        if flags > FLAG_SLOTS:
+            raise ValueError(f"{m.name}: {self.dims.describe(dims)}: its ops need {flags} workspace flags, more than "
+                             f"the {FLAG_SLOTS} there are (e.g. T.row_reduce_store: two per row of tiles); split the "
+                             f"problem along its rows")
+        return (FLAG_SLOTS + evaluate(m.workspace_fixed_floats, named) + grid[0] * m.workspace_floats) * 4
 
-    def plan(self, device, buffers, scratch=None):
+    def plan(self, device, buffers, scratch=None, dims: tuple = ()):
         """This kernel's launch as a plan program for the ops' fast path (csrc/plans.cpp):
         ``(scratch buffers, steps)`` = ``([], [(function, grid, block, smem, name, args)])``, where
         ``buffers[i]`` is the plan buffer holding program parameter i and each entry argument is
@@ -269,13 +327,18 @@ class Kernel:
 
             def launch(a, b, out, c):
                 ptrs = (a, b, c, out)
-                run([ptrs[i] for i in buffers])
+                run([ptrs[i] for i in buffers], dims)
 
             return launch
         index = _device_index(device)
         _, handle = fn.bind(index)
-        args = [(buffers[pos], None if tmap is None else m.tensormaps[tmap]) for pos, tmap in self._entry_args.sources]
-        return [], [(handle, self.grid_on(index), m.block, fn.smem_bytes, fn.name, args)]
+        grid = self.grid_on(index, dims)
+        if 0 in grid:  # a size of 0: nothing to launch
+            return [], []
+        entry = self._entry_args
+        args = [(PLAN_VALUE, dims[tmap]) if pos is DIM else (buffers[pos], None if tmap is None else entry.spec(tmap, dims))
+                for pos, tmap in entry.sources]
+        return [], [(handle, grid, m.block, fn.smem_bytes, fn.name, args)]
 
     def launch(self, *tensors, stream=None):
         """Launch on explicit tensors for every parameter (inputs and outputs), checked first."""
@@ -286,10 +349,14 @@ class Kernel:
             names = [name for name, _, _ in m.params]
             raise TypeError(f"{m.name}.launch takes {len(names)} tensors, one per parameter ({', '.join(names)}), "
                             f"got {len(tensors)}")
-        device = None
-        for (name, shape, dtype), t in zip(m.params, tensors):
+        for (name, _, _), t in zip(m.params, tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{m.name}: parameter {name} must be a torch.Tensor, got {type(t).__name__}")
+        dims = self.dims.read(tensors)
+        named = self.dims.named(dims)
+        device = None
+        for (name, shape, dtype), t in zip(m.params, tensors):
+            shape = [evaluate(d, named) for d in shape]
             if t.device.type != "cuda":
                 raise ValueError(f"{m.name}: parameter {name} is on {t.device}; tile_ops kernels take CUDA tensors")
             device = device or t.device
@@ -304,12 +371,93 @@ class Kernel:
                 raise ValueError(f"{m.name}: parameter {name} must be 16-byte aligned (data_ptr % 16 == 0)")
         ptrs = [t.data_ptr() for t in tensors]
         if stream is None:
-            return self.launcher(device)(ptrs)
+            return self.launcher(device)(ptrs, dims)
         index = _device_index(device)
-        grid = self.grid_on(index)
+        grid = self.grid_on(index, dims)
+        if 0 in grid:
+            return None
         ws = None
         if m.needs_workspace:  # allocated and zeroed on the launch's stream
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
-                ws = workspace(index, stream, self.workspace_bytes(grid))
-        self._fn().launch(grid, m.block, self._entry_args.build(ptrs, index, ws.data_ptr() if ws is not None else 0),
-                          stream, index)
+                ws = workspace(index, stream, self.workspace_bytes(grid, dims))
+        self._fn().launch(grid, m.block, self._entry_args.build(ptrs, index, ws.data_ptr() if ws is not None else 0,
+                                                                dims), stream, index)
+
+
+class LaunchDims:
+    """A kernel's T.dynamic sizes at launch (``meta.dims``): read from the shapes of the tensors that name
+    them (an input's, where one does), and checked: each a multiple of its ``multiple_of``, and every tensor
+    that the kernel indexes with 32-bit offsets (a pointer, not a TMA descriptor) below 2^31 elements."""
+
+    def __init__(self, meta: KernelMeta, inputs: list):
+        self.meta = meta
+        self.names = [name for name, _ in meta.dims]
+        self.where = {}  # name -> (param position, axis) it is read from
+        for pos in inputs + [i for i in range(len(meta.params)) if i not in inputs]:
+            for axis, d in enumerate(meta.params[pos][1]):
+                if isinstance(d, str) and d in self.names:
+                    self.where.setdefault(d, (pos, axis))
+        by_pointer = set(meta.kept) - set(meta.tensormaps)
+        self.indexed = [i for i, (name, shape, _) in enumerate(meta.params)
+                        if name in by_pointer and not all(isinstance(d, int) for d in shape)]
+
+    def named(self, dims: tuple) -> dict:
+        return dict(zip(self.names, dims))
+
+    def describe(self, dims: tuple) -> str:
+        return ", ".join(f"{n}={v}" for n, v in zip(self.names, dims))
+
+    def read(self, tensors) -> tuple:
+        """The sizes' values from ``tensors`` (one per parameter; None for one not allocated yet)."""
+        values = []
+        for name in self.names:
+            pos, axis = self.where[name]
+            t = tensors[pos]
+            if t is None or not hasattr(t, "shape") or len(t.shape) <= axis:
+                pname = self.meta.params[pos][0]
+                raise ValueError(f"{self.meta.name}: T.dynamic size {name} is read from parameter {pname}'s dim "
+                                 f"{axis}; got {type(t).__name__ if t is None else list(t.shape)}")
+            values.append(int(t.shape[axis]))
+        return tuple(values)
+
+    def check(self, dims: tuple) -> None:
+        """ValueError unless the kernel can run at these sizes."""
+        m, named = self.meta, self.named(dims)
+        for (name, multiple), v in zip(m.dims, dims):
+            if v < 0 or v % multiple:
+                raise ValueError(f"{m.name}: {name}={v}; this kernel takes {name} >= 0 and a multiple of {multiple} "
+                                 f"(T.dynamic({name!r}, multiple_of={multiple}))")
+        for i in self.indexed:
+            name, shape, _ = m.params[i]
+            if math.prod(evaluate(d, named) for d in shape) >= 2**31:
+                raise ValueError(f"{m.name}: parameter {name} has 2^31 elements or more at {self.describe(dims)}, "
+                                 f"which this kernel addresses with 32-bit offsets; split the problem into parts "
+                                 f"below that")
+
+
+class Sized:
+    """A launchable (a Kernel, or kernels launched as one) with the values of its T.dynamic sizes given:
+    launched like a kernel that has none (``launch_ptrs(ptrs, device)``, ``launcher``, ``plan``), the sizes
+    passed along; everything else (meta, source, sass, ...) is the launchable's."""
+
+    def __init__(self, launchable, dims: tuple):
+        self.launchable, self.dims = launchable, tuple(dims)
+
+    def __repr__(self) -> str:
+        return f"<tile_ops.Sized {self.launchable!r} at {self.dims}>"
+
+    def __getattr__(self, name):
+        return getattr(self.launchable, name)
+
+    def dependent(self) -> "Sized":
+        return Sized(self.launchable.dependent(), self.dims)
+
+    def launch_ptrs(self, ptrs, device, dims: tuple = ()):
+        self.launchable.launch_ptrs(ptrs, device, self.dims)
+
+    def launcher(self, device):
+        run, dims = self.launchable.launcher(device), self.dims
+        return lambda ptrs, _dims=(): run(ptrs, dims)
+
+    def plan(self, device, buffers, scratch=None, dims: tuple = ()):
+        return self.launchable.plan(device, buffers, scratch, self.dims)

@@ -22,26 +22,37 @@ def split_k_tiles(K: int, cfg: GemmConfig) -> int:
 @tile_ops.jit(out_idx=[-1])
 def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
          dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), a_cols=None, b_cols=None,
-         bias_dtype=None):
+         bias_dtype=None, one_wave=False, m_multiple=1):
     """C = A @ B (+ Bias, in ``bias_dtype``: the input dtype unless given).  With ``cfg.split_k > 1`` the
-    split-K partial kernel instead: grid z is (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n = ``split_k_tiles``; the last splits
-    may get fewer, or none: zeros) into W[s] in fp32, without the bias; ``gemm_splitk_reduce`` adds up.
-    ``a_cols``/``b_cols``: A's/B's stored row length when padded past the logical one (``PaddedGemm``)."""
+    split-K partial kernel instead: grid z is (split, batch); split s sums k-tiles [s * n, (s + 1) * n) (n =
+    ``split_k_tiles``; the last splits may get fewer, or none: zeros) into W[s] in fp32, without the bias;
+    ``gemm_splitk_reduce`` adds up.  ``a_cols``/``b_cols``: A's/B's stored row length when padded past the
+    logical one (``PaddedGemm``).
+
+    ``M=None``: M is a T.dynamic size, one kernel for every M (a multiple of ``m_multiple``, which A's rows need
+    for TMA or vector loads when A is stored transposed); ``one_wave``: launched only where the grid is one wave
+    of CTAs, so each CTA runs one tile (its epilogue may lie over the dead pipeline stages); a cluster's grid is
+    rounded up to whole clusters (the tiles past M compute nothing that is stored)."""
     bM, bN, bK, splits = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split_k
     bias_dtype = bias_dtype or dtype
-    _check_problem(M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtype)
+    _check_problem(1 if M is None else M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtype)
+    dynamic = M is None
+    M = T.dynamic("M", multiple_of=m_multiple) if dynamic else M
     A_shape = (batch_a, K, a_cols or M) if trans_A else (batch_a, M, a_cols or K)
     B_shape = (batch_b, N, b_cols or K) if trans_B else (batch_b, K, b_cols or N)
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
-    tma_rows = A_shape[-1] * _ESIZE[dtype] % 16 == 0 and B_shape[-1] * _ESIZE[dtype] % 16 == 0
-    misfit = _misfit(cfg, M, N, trans_A)
-    if misfit:
+    tma_rows = all(_row_multiple(shape[-1]) * _ESIZE[dtype] % 16 == 0 for shape in (A_shape, B_shape))
+    misfit = _misfit(cfg, 1 if dynamic else M, N, trans_A)
+    if misfit and not (dynamic and "cluster=" in misfit):  # a dynamic grid is rounded up to whole clusters
         raise ValueError(f"gemm: {misfit}")
 
     clustered = cfg.cluster * cfg.cluster_n > 1  # grid x: M tiles, grid y: N tiles, a cfg.cluster x cluster_n rectangle
-    grid = [T.ceildiv(N, bN), T.ceildiv(M, bM), batch * splits]
+    m_tiles = T.ceildiv(M, bM * cfg.cluster) * cfg.cluster if dynamic and clustered else T.ceildiv(M, bM)
+    grid = [T.ceildiv(N, bN), m_tiles, batch * splits]
+    overlaid = one_wave if dynamic else None
+    persistent = not (dynamic and one_wave) or cfg.pingpong or cfg.stream_k > 0
 
     def load_A(A, A_s, bz, by, k):  # A's k-th tile of block rows by, stored either way round
         za = bz if batch_a > 1 else 0
@@ -63,7 +74,8 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
         """The launch, rasterized: yields (by, bx, bz), this block's M tile, N tile and batch (and split).
         In clusters grid x runs over M tiles, so that a cluster row shares B's tile."""
         with T.Kernel(*([grid[1], grid[0]] if clustered else grid[:2]), grid[2], threads=cfg.threads,
-                      cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k) as ids:
+                      cluster=(cfg.cluster, cfg.cluster_n), pingpong=cfg.pingpong, stream_k=cfg.stream_k,
+                      persistent=persistent) as ids:
             if cfg.swizzle:
                 T.use_swizzle(cfg.swizzle)
             yield ids if clustered else (ids[1], ids[0], ids[2])
@@ -89,7 +101,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
             if has_bias:
                 _add_bias(C_f, Bias, bx * bN, bM, bN, bias_dtype)
             # coalesced (TMA) stores of a staged tile
-            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows, overlaid):
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 T.copy(C_f, C_s)
                 T.copy(C_s, C[bz, by * bM, bx * bN])
@@ -109,7 +121,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
             if has_bias:
                 _add_bias(Ct_f, Bias, bx * bN, bN, bM, bias_dtype, along_rows=True)
             # transposed into a staged C tile, TMA-stored
-            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows):
+            if _shared_epilogue_fits(cfg, M, N, batch, dtype, out_dtype, tma_rows, overlaid):
                 C_s = T.alloc_shared((bM, bN), out_dtype)
                 for i, j in T.Parallel(bN, bM):
                     C_s[j, i] = Ct_f[i, j]
@@ -155,13 +167,18 @@ def _check_problem(M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtyp
 
 
 
-def _shared_epilogue_fits(cfg: GemmConfig, M: int, N: int, batch: int, dtype: str, out_dtype: str,
-                          tma_rows: bool) -> bool:
+def _shared_epilogue_fits(cfg: GemmConfig, M, N: int, batch: int, dtype: str, out_dtype: str,
+                          tma_rows: bool, overlaid: bool | None) -> bool:
     """``cfg.epilogue == "shared"`` unless the output tile in ``out_dtype`` would overflow shared memory
     (e.g. 128x256 fp32 beside three stages, over more than a wave): then the direct epilogue, rather than a
-    compile error."""
-    return (cfg.epilogue == "shared"
-            and shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype, tma_rows) <= smem_limit("sm_90a"))
+    compile error.  ``overlaid``: whether the epilogue lies over the dead stages (None: as M's grid says)."""
+    return (cfg.epilogue == "shared" and shared_memory_bytes(cfg, M if overlaid is None else 1, N, 0, dtype, batch,
+                                                             out_dtype, tma_rows, overlaid) <= smem_limit("sm_90a"))
+
+
+def _row_multiple(cols) -> int:
+    """What a stored row length is a multiple of: itself, or a T.dynamic size's ``multiple_of``."""
+    return cols if isinstance(cols, int) else cols.multiple_of
 
 
 def _add_bias(acc, Bias, n0, rows: int, cols: int, dtype: str, along_rows: bool = False):
@@ -183,9 +200,10 @@ def reduce_tile(M: int, N: int) -> tuple:
 def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16", out_dtype="float16",
                        block_M=16, block_N=64, threads=128, bias_dtype=None):
     """C[b] = sum over s of W[s, b] (+ Bias, in ``bias_dtype``: ``dtype`` unless given), cast to ``out_dtype``:
-    the second kernel of a split-K gemm."""
+    the second kernel of a split-K gemm.  ``M=None``: a T.dynamic M."""
     bM, bN = block_M, block_N
     bias_dtype = bias_dtype or dtype
+    M = T.dynamic("M") if M is None else M
 
     @T.prim_func
     def splitk_reduce(W: T.Tensor((split_k, batch, M, N), T.float32), Bias: T.Tensor((N,), bias_dtype),
@@ -208,7 +226,9 @@ def gemm_splitk_reduce(M, N, batch=1, split_k=2, has_bias=False, dtype="float16"
 @tile_ops.jit(out_idx=[-1])
 def pad_rows(batch, rows, cols, padded, dtype="float16", block_R=16, block_C=256, threads=256):
     """Y[b, r, :cols] = X[b, r]; Y[b, r, cols:padded] = 0: a matrix re-laid with rows of ``padded``
-    elements (a 16-byte multiple), so that TMA can load it (``PaddedGemm``)."""
+    elements (a 16-byte multiple), so that TMA can load it (``PaddedGemm``).  ``rows=None``: a T.dynamic
+    count, named M (a gemm's A)."""
+    rows = T.dynamic("M") if rows is None else rows
 
     @T.prim_func
     def pad(X: T.Tensor((batch, rows, cols), dtype), Y: T.Tensor((batch, rows, padded), dtype)):

@@ -86,20 +86,23 @@ def _misfit(cfg: GemmConfig, M: int, N: int, trans_A: bool = False) -> str | Non
 
 
 def shared_memory_bytes(cfg: GemmConfig, M: int, N: int, K: int, dtype: str = "float16", batch: int = 1,
-                        out_dtype: str | None = None, tma_rows: bool = True) -> int:
+                        out_dtype: str | None = None, tma_rows: bool = True, overlaid: bool | None = None) -> int:
     """Upper estimate of the dynamic shared memory ``cfg`` needs on sm_90a: pipelined A and B tiles, the bias
     tile, the output tile of a shared epilogue (in ``out_dtype``, the input dtype unless given) (each buffer
     starts on a 1 KiB boundary; with ``pingpong`` the bias and output tiles twice, one per consumer
     warpgroup) and the pipeline's mbarriers.  Where each CTA runs one tile the compiler lays the epilogue's
     tiles over the stages (``_epilogue_overlaid``); ``tma_rows``: A's and B's stored rows are 16-byte
-    multiples (build_gemm pads them), as TMA and so the warp-specialized pipeline need."""
+    multiples (build_gemm pads them), as TMA and so the warp-specialized pipeline need; ``overlaid``: whether
+    the epilogue lies over the stages (a runtime-M kernel's choice), None: as the M x N grid gives it."""
     esize, out_size = _ESIZE[dtype], _ESIZE[out_dtype or dtype]
     stages = (_kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize)
               + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize))
     epilogue = _kib(cfg.block_N * esize) + (_kib(cfg.block_M * cfg.block_N * out_size) if cfg.epilogue == "shared"
                                             else 0)
     epilogue *= 2 if cfg.pingpong else 1
-    pipelined = max(stages, epilogue) if tma_rows and _epilogue_overlaid(cfg, M, N, batch) else stages + epilogue
+    overlaid = _epilogue_overlaid(cfg, M, N, batch) if overlaid is None else overlaid and not (cfg.pingpong or
+                                                                                               cfg.stream_k)
+    pipelined = max(stages, epilogue) if tma_rows and overlaid else stages + epilogue
     return pipelined + 16 * cfg.num_stages
 
 

@@ -7,10 +7,12 @@ import dataclasses
 import torch
 
 from tile_ops.autotune import config_for
+from tile_ops.compiler.meta import evaluate
 from tile_ops.jit import default_arch
+from tile_ops.jit.kernel import Sized
 
 from .gemm import _check_problem, gemm, gemm_splitk_reduce, pad_rows, reduce_tile
-from .gemm_config import _ESIZE, GemmConfig, _misfit
+from .gemm_config import _ESIZE, GemmConfig, _epilogue_overlaid, _misfit
 from .gemm_defaults import default_config
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -54,7 +56,7 @@ class _ComposedGemm:
                              f"meta, {', '.join(self.DESCRIBED_BY_MAIN)}")
 
     def launcher(self, device):
-        return lambda ptrs: self.launch_ptrs(ptrs, device)
+        return lambda ptrs, dims=(): self.launch_ptrs(ptrs, device, dims)
 
 
 class SplitKGemm(_ComposedGemm):
@@ -66,7 +68,6 @@ class SplitKGemm(_ComposedGemm):
     def __init__(self, partial, reduce):
         self.partial, self.reduce = partial, reduce.dependent()  # launched while the partials are summed up
         self.meta = partial.meta  # the main kernel's (grid, smem, arch, ...): what the tuner reports
-        self.workspace_shape = tuple(partial.meta.params[-1][1])
 
     def dependent(self) -> "SplitKGemm":
         """Both kernels launched programmatically (``Kernel.dependent``): the gemm after ``PaddedGemm``'s pads."""
@@ -75,18 +76,22 @@ class SplitKGemm(_ComposedGemm):
     def __repr__(self) -> str:
         return f"<tile_ops SplitKGemm {self.partial!r} + {self.reduce!r}>"
 
-    def plan(self, device, buffers, scratch):
+    def workspace_shape(self, dims=()) -> tuple:
+        """The partials' (split_k, batch, M, N) at the T.dynamic sizes ``dims`` (M's)."""
+        return _output(self.partial, dims)[0]
+
+    def plan(self, device, buffers, scratch, dims=()):
         """Both kernels as a plan program (``Kernel.plan``), the workspace as scratch buffer ``scratch``."""
         a, b, bias, c = buffers
-        _, partial = self.partial.plan(device, [a, b, bias, scratch])
-        _, reduce = self.reduce.plan(device, [scratch, bias, c])
-        return [(self.workspace_shape, torch.float32)], partial + reduce
+        _, partial = self.partial.plan(device, [a, b, bias, scratch], dims=dims)
+        _, reduce = self.reduce.plan(device, [scratch, bias, c], dims=dims)
+        return [(self.workspace_shape(dims), torch.float32)], partial + reduce
 
-    def launch_ptrs(self, ptrs, device):
+    def launch_ptrs(self, ptrs, device, dims=()):
         a_ptr, b_ptr, bias_ptr, c_ptr = ptrs
-        w = torch.empty(self.workspace_shape, dtype=torch.float32, device=device)
-        self.partial.launch_ptrs([a_ptr, b_ptr, bias_ptr, w.data_ptr()], device)
-        self.reduce.launch_ptrs([w.data_ptr(), bias_ptr, c_ptr], device)
+        w = torch.empty(self.workspace_shape(dims), dtype=torch.float32, device=device)
+        self.partial.launch_ptrs([a_ptr, b_ptr, bias_ptr, w.data_ptr()], device, dims)
+        self.reduce.launch_ptrs([w.data_ptr(), bias_ptr, c_ptr], device, dims)
 
 
 class PaddedGemm(_ComposedGemm):
@@ -113,31 +118,33 @@ class PaddedGemm(_ComposedGemm):
     def __repr__(self) -> str:
         return f"<tile_ops PaddedGemm {list(self.pads.values())!r} + {self.main!r}>"
 
-    def plan(self, device, buffers, scratch):
+    def plan(self, device, buffers, scratch, dims=()):
         """The pads and the gemm as one plan program, each padded operand a scratch buffer from ``scratch``
         on (a gemm whose launch runs host code, stream-K, is planned whole by ``launch_plan``)."""
         padded, spaces, steps = list(buffers), [], []
         for i, pad in self.pads.items():
-            spaces.append(_workspace(pad))
-            steps += pad.plan(device, [buffers[i], scratch + len(spaces) - 1])[1]
+            spaces.append(_output(pad, dims))
+            steps += pad.plan(device, [buffers[i], scratch + len(spaces) - 1], dims=dims)[1]
             padded[i] = scratch + len(spaces) - 1
-        scratch_main, steps_main = self.main.plan(device, padded, scratch + len(spaces))
+        scratch_main, steps_main = self.main.plan(device, padded, scratch + len(spaces), dims=dims)
         return spaces + scratch_main, steps + steps_main
 
-    def launch_ptrs(self, ptrs, device):
+    def launch_ptrs(self, ptrs, device, dims=()):
         ptrs, workspaces = list(ptrs), []
         for i, pad in self.pads.items():
-            shape, dtype = _workspace(pad)
+            shape, dtype = _output(pad, dims)
             workspaces.append(torch.empty(shape, dtype=dtype, device=device))
-            pad.launch_ptrs([ptrs[i], workspaces[-1].data_ptr()], device)
+            pad.launch_ptrs([ptrs[i], workspaces[-1].data_ptr()], device, dims)
             ptrs[i] = workspaces[-1].data_ptr()
-        self.main.launch_ptrs(ptrs, device)
+        self.main.launch_ptrs(ptrs, device, dims)
 
 
-def _workspace(pad) -> tuple:
-    """(shape, torch dtype) of a pad kernel's output: the padded operand."""
-    _, shape, dtype = pad.meta.params[-1]
-    return tuple(shape), getattr(torch, dtype)
+def _output(kernel, dims) -> tuple:
+    """(shape, torch dtype) of a kernel's last parameter (a pad's padded operand, split-K's partials) at the
+    T.dynamic sizes ``dims``."""
+    _, shape, dtype = kernel.meta.params[-1]
+    named = dict(zip((name for name, _ in kernel.meta.dims), dims))
+    return tuple(evaluate(d, named) for d in shape), getattr(torch, dtype)
 
 
 def _stored(M, N, K, batch_a, batch_b, trans_A, trans_B) -> list:
@@ -158,26 +165,52 @@ def padded_cols(M, N, K, batch_a=1, batch_b=1, trans_A=False, trans_B=False, dty
 
 def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
                dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None, pad=True,
-               bias_dtype=None):
+               bias_dtype=None, static_m=False):
     """The launchable gemm for ``cfg``: the ``gemm`` kernel itself, a :class:`SplitKGemm` when
     ``cfg.split_k > 1``, inside a :class:`PaddedGemm` when TMA (sm_90a) cannot load A's or B's rows as
     they are (``pad=False``: the gemm's synchronous-copy path reads them).  Each takes
-    ``launch_ptrs([A, B, Bias, C], device)``; Bias in ``bias_dtype`` (the input dtype unless given)."""
+    ``launch_ptrs([A, B, Bias, C], device)``; Bias in ``bias_dtype`` (the input dtype unless given).
+
+    Its kernels take M at run time (one per config for every M: ``Sized``, M bound) unless ``static_m`` or A
+    is stored M-contiguous with rows TMA cannot load (M not a multiple of 8 on sm_90a: padded per M)."""
     bias_dtype = None if bias_dtype == dtype else bias_dtype  # one cache entry whichever way it is said
     _check_problem(M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtype or dtype)
-    cols = padded_cols(M, N, K, batch_a, batch_b, trans_A, trans_B, dtype, target) if pad else {}
-    main = gemm(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg, **cols,
-                bias_dtype=bias_dtype, target=target)
+    args, kwargs = gemm_call(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg,
+                             target, pad, bias_dtype, static_m)
+    cols = {k: v for k, v in kwargs.items() if k.endswith("_cols")}
+    m = args[0]
+    dynamic = m is None
+    main = gemm(*args, **kwargs, target=target)
     if cfg.split_k > 1:
-        reduce = gemm_splitk_reduce(M, N, batch, cfg.split_k, has_bias, dtype, out_dtype, *reduce_tile(M, N),
+        reduce = gemm_splitk_reduce(m, N, batch, cfg.split_k, has_bias, dtype, out_dtype, *reduce_tile(M, N),
                                     bias_dtype=bias_dtype, target=target)
         main = SplitKGemm(main, reduce)
-    if not cols:
-        return main
-    stored = _stored(M, N, K, batch_a, batch_b, trans_A, trans_B)
-    pads = {i: pad_rows(*stored[i], n, dtype, target=target)
-            for i, name in enumerate(("a_cols", "b_cols")) if (n := cols.get(name))}
-    return PaddedGemm(pads, main)
+    if cols:
+        stored = _stored(M, N, K, batch_a, batch_b, trans_A, trans_B)
+        if dynamic:  # A's rows (K): their count is M
+            stored[0] = (stored[0][0], None, stored[0][2])
+        main = PaddedGemm({i: pad_rows(*stored[i], n, dtype, target=target)
+                           for i, name in enumerate(("a_cols", "b_cols")) if (n := cols.get(name))}, main)
+    return Sized(main, (M,)) if dynamic else main
+
+
+def gemm_call(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
+              dtype="float16", out_dtype="float16", cfg: GemmConfig = GemmConfig(), target=None, pad=True,
+              bias_dtype=None, static_m=False) -> tuple:
+    """(args, kwargs) of the ``gemm`` kernel ``build_gemm`` builds for this problem (without ``target``): M at
+    run time (None) unless ``static_m`` or A is stored M-contiguous in rows TMA cannot load."""
+    bias_dtype = None if bias_dtype == dtype else bias_dtype  # one cache entry whichever way it is said
+    cols = padded_cols(M, N, K, batch_a, batch_b, trans_A, trans_B, dtype, target) if pad else {}
+    dynamic = not static_m and not (trans_A and "a_cols" in cols)
+    shape = dict(one_wave=_epilogue_overlaid(cfg, M, N, batch), m_multiple=_m_multiple(M, trans_A)) if dynamic else {}
+    args = (None if dynamic else M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg)
+    return args, dict(cols, bias_dtype=bias_dtype, **shape)
+
+
+def _m_multiple(M: int, trans_A: bool) -> int:
+    """A runtime-M kernel's ``m_multiple``: where A is stored M-contiguous, 8 for an M that is a multiple of 8
+    (16-byte rows: TMA, vector loads), else 1 (its own kernel, rows read element by element on sm_80)."""
+    return 8 if trans_A and M % 8 == 0 else 1
 
 
 def get_gemm_kernel(a, b, out, bias=None, cfg=None):
@@ -188,13 +221,27 @@ def get_gemm_kernel(a, b, out, bias=None, cfg=None):
     default. The heuristic default, fitted to the waves of one matrix, is re-derived with the batch; a tuned
     split-K config (``split_k > 1``) is divided by the batch count (a batch already multiplies the CTAs).
     An explicit ``cfg`` is used as is."""
+    problem, a, b = gemm_problem(a, b, out, bias)
+    return build_problem(problem, cfg=cfg, device=a.device), a, b
+
+
+def gemm_problem(a, b, out, bias=None) -> tuple:
+    """(problem, a, b): ``build_gemm``'s arguments for these operands (a dict of ints, bools and dtype names, as
+    ``TILE_OPS_RECORD`` writes it) and the operand views the kernel reads."""
     Bt, M, K = a.shape
     N = b.shape[-1]
     a, b, ta, ba, tb, bb = _prepare(a, b)
-    cfg = cfg or launch_config(M, N, K, _DT[a.dtype], Bt, ta, a.device)
-    kernel = build_gemm(M, N, K, Bt, ba, bb, ta, tb, bias is not None, _DT[a.dtype], _DT[out.dtype], cfg,
-                        bias_dtype=None if bias is None else _DT[bias.dtype])
-    return kernel, a, b
+    problem = dict(M=M, N=N, K=K, batch=Bt, batch_a=ba, batch_b=bb, trans_A=ta, trans_B=tb,
+                   has_bias=bias is not None, dtype=_DT[a.dtype], out_dtype=_DT[out.dtype],
+                   bias_dtype=None if bias is None or bias.dtype == a.dtype else _DT[bias.dtype])
+    return problem, a, b
+
+
+def build_problem(problem: dict, cfg=None, device=None, arch=None):
+    """What the op launches for ``problem`` (``gemm_problem``'s): its config's ``build_gemm``."""
+    p = problem
+    cfg = cfg or launch_config(p["M"], p["N"], p["K"], p["dtype"], p["batch"], p["trans_A"], device, arch)
+    return build_gemm(**p, cfg=cfg, target=arch)
 
 
 def launch_config(M, N, K, dtype, batch=1, trans_A=False, device=None, arch=None) -> GemmConfig:

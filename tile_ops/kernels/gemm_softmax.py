@@ -38,13 +38,17 @@ PARTS = ("all", "no_rescale", "gemm")
 
 @tile_ops.jit(out_idx=[-1])
 def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: SoftmaxConfig = SoftmaxConfig(),
-                 parts="all"):
+                 parts="all", one_wave=False):
     """``parts`` other than "all" are for attributing the kernel's time (bench_gemm_softmax.py --parts):
     "no_rescale" leaves out the normalization (the final pass and the cluster exchange; the output stays
-    unnormalized), "gemm" also the softmax math (each tile's scaled scores are cast and stored)."""
+    unnormalized), "gemm" also the softmax math (each tile's scaled scores are cast and stored).
+    ``M=None``: M is a T.dynamic size, one kernel for every M; ``one_wave``: launched only where its row blocks
+    make one wave of CTAs, so each CTA runs one tile (not persistent; the output tile may lie over the stages)."""
     if parts not in PARTS:
         raise ValueError(f"gemm_softmax: parts={parts!r}, accepted: {', '.join(PARTS)}")
-    if min(M, N, K) < 1 or dtype not in ("float16", "bfloat16") or out_dtype not in ("float16", "bfloat16", "float32"):
+    dynamic = M is None
+    if (min(1 if M is None else M, N, K) < 1 or dtype not in ("float16", "bfloat16")
+            or out_dtype not in ("float16", "bfloat16", "float32")):
         raise ValueError(f"gemm_softmax: M={M}, N={N}, K={K}, dtype={dtype!r}, out_dtype={out_dtype!r}; accepted: "
                          f"sizes of at least 1, dtype float16 or bfloat16, out_dtype one of those or float32")
     bM, bN, bK, split = cfg.block_M, cfg.block_N, cfg.block_K, cfg.split
@@ -66,7 +70,10 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
         raise ValueError(f"gemm_softmax: pingpong needs one column tile per block (N={N} gives {n_tiles} of "
                          f"{bN} over split={split}); use a wider split or block_N, or pingpong=False")
     # the output tile staged in shared memory beside the pipeline, unless it does not fit (fp32 output)
-    staged = _output_tile_fits(shared_memory_bytes(cfg, M, N, K, dtype), cfg, dtype, out_dtype)
+    staged = _output_tile_fits(shared_memory_bytes(cfg, M, N, K, dtype, one_wave if dynamic else None), cfg, dtype,
+                               out_dtype)
+    M = T.dynamic("M") if dynamic else M
+    persistent = cfg.persistent and not (dynamic and one_wave)
     # softmax(scale*s) == 2^(c*s - c*max) / sum.  With c > 0, c * max(s) == max(c * s): the scores stay
     # unscaled and c goes into exp2's argument (one FFMA a score); otherwise it scales them first.  The
     # test is on c as the kernel's float32 sees it: a c that rounds to 0 would make a masked -inf score NaN.
@@ -100,7 +107,7 @@ def gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg: 
     @T.prim_func
     def gemm_softmax_kernel(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), Out: T.Tensor((M, N), out_dtype)):
         with T.Kernel(split, T.ceildiv(M, bM), threads=cfg.threads, cluster=split,
-                      persistent=cfg.persistent, pingpong=cfg.pingpong, stream_k=cfg.stream_k) as (rank, bx):
+                      persistent=persistent, pingpong=cfg.pingpong, stream_k=cfg.stream_k) as (rank, bx):
             A_s = T.alloc_shared((bM, bK), dtype)
             B_s = T.alloc_shared((bK, bN), dtype)
             S = T.alloc_fragment((bM, bN), "float32")

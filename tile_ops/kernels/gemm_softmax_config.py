@@ -59,11 +59,13 @@ def _output_tile_fits(smem_bytes: int, cfg, dtype: str, out_dtype: str) -> bool:
     return smem_bytes + max(0, wider) <= smem_limit("sm_90a")
 
 
-def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str = "float16") -> int:
+def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str = "float16",
+                        one_wave: bool | None = None) -> int:
     """Upper estimate of the dynamic shared memory ``cfg`` needs: pipelined A and B tiles, the staged
     output tile, with several tiles per block the per-tile running maxima (grow with N) and the final
     max/sum rows, and the cross-warp reduction scratch (none when each row stays in one warp); the
-    cluster exchange buffers; with ``pingpong`` all but the pipeline twice (one per consumer warpgroup)."""
+    cluster exchange buffers; with ``pingpong`` all but the pipeline twice (one per consumer warpgroup).
+    ``one_wave``: a runtime-M kernel's choice of one tile per CTA (None: as M's row blocks give it)."""
     esize = _ESIZE[dtype]
     tiles = _kib(cfg.num_stages * cfg.block_M * cfg.block_K * esize) + _kib(cfg.num_stages * cfg.block_K * cfg.block_N * esize)
     scratch_cols = 0 if cfg.policy == "full_row" else cfg.threads // 32
@@ -76,17 +78,24 @@ def shared_memory_bytes(cfg: SoftmaxConfig, M: int, N: int, K: int, dtype: str =
     # (max, sum) slots and their mbarriers, two tile parities
     exchange = 2 * _kib(cfg.split * cfg.block_M * 8) + 16 if cfg.split > 1 else 0
     copies = 2 if cfg.pingpong else 1
-    if _output_overlaid(cfg, M, N, K, n_tiles, esize):
+    if _output_overlaid(cfg, M, N, K, n_tiles, esize, one_wave):
         tiles, rows = max(tiles, rows), 0
     return tiles + copies * (rows + _kib(scratch_cols * cfg.block_M * 4) + exchange) + 16 * cfg.num_stages
 
 
-def _output_overlaid(cfg: SoftmaxConfig, M: int, N: int, K: int, n_tiles: int, esize: int) -> bool:
+def _output_overlaid(cfg: SoftmaxConfig, M: int, N: int, K: int, n_tiles: int, esize: int,
+                     one_wave: bool | None = None) -> bool:
     """Whether the sm_90a compiler lays the staged output tile over the dead pipeline stages
     (Lowerer._epilogue_overlay): 16-byte rows of A and B (TMA loads, so a warp-specialized pipeline), a
     block's one tile, no cluster exchange, a grid within a wave unless not persistent."""
     tma_rows = (K * esize) % 16 == 0 and (N * esize) % 16 == 0
     one_tile = not (cfg.deferred or cfg.pingpong or cfg.stream_k) and cfg.split == 1 and n_tiles == 1
-    one_wave = 0 < -(-M // cfg.block_M) <= build_target("sm_90a").wave_ctas()
+    if one_wave is None:
+        one_wave = one_wave_of_rows(cfg, M)
     return tma_rows and one_tile and (not cfg.persistent or one_wave)
+
+
+def one_wave_of_rows(cfg: SoftmaxConfig, M: int) -> bool:
+    """Whether M's row blocks make at most one wave of CTAs on the GPU."""
+    return 0 < -(-M // cfg.block_M) <= build_target("sm_90a").wave_ctas()
 

@@ -18,7 +18,7 @@ MAX_ROW_TILES = 16
 
 _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Tensor", "abs", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
-    "ceildiv", "clear", "cluster_allreduce", "copy", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log",
+    "ceildiv", "clear", "cluster_allreduce", "copy", "dynamic", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log",
     "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial", "sqrt", "unroll",
     "use_swizzle", "where",
 }

@@ -25,15 +25,42 @@ def _check_dtype(dtype) -> str:
     return dtype
 
 
+def dynamic(name: str, multiple_of: int = 1):
+    """A tensor dimension bound when the kernel launches: ``M = T.dynamic("M")``, then ``T.Tensor((M, K), ...)``.
+    One compiled kernel serves every value: the launch reads it from the tensors' shapes, and grid extents
+    (``T.ceildiv(M, 128)``), loop bounds, boundary predicates, TMA descriptors and persistent tile counts
+    follow it.  ``multiple_of``: a divisor every value has (the launch checks it), which lets the compiler
+    vectorize along that dimension or hand its rows to TMA (16-byte rows); 1 assumes nothing."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("tile_ops"):
+        raise error(user_loc(), f"T.dynamic: name={name!r}; accepted: a Python identifier, e.g. 'M'")
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise error(user_loc(), f"T.dynamic({name!r}): multiple_of={multiple_of!r}; accepted: an int >= 1")
+    var = tirx.Var(name, "int32")
+    var.multiple_of = multiple_of  # read where the program is traced (ir.Program.dims)
+    return var
+
+
+def _dimension(d):
+    """A tensor dimension: an int >= 0, or a ``T.dynamic`` size."""
+    if getattr(d, "multiple_of", None) is not None:
+        return d
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise error(user_loc(), f"T.Tensor: dimension {d!r}; accepted: an int >= 0 or a T.dynamic size (an "
+                                f"expression of one is not a dimension: declare a T.dynamic for it)")
+    return d
+
+
 @dataclass(frozen=True)
 class Tensor:
-    """Annotation of a global-memory tensor parameter: ``A: T.Tensor((M, K), "float16")``."""
+    """Annotation of a global-memory tensor parameter: ``A: T.Tensor((M, K), "float16")``; a dimension is an
+    int or a ``T.dynamic`` size."""
 
     shape: tuple
     dtype: str = "float32"
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "shape", tuple(_dimension(operator.index(s) if isinstance(s, int) else s)
+                                                for s in self.shape))
         object.__setattr__(self, "dtype", _check_dtype(self.dtype))
 
 
@@ -52,7 +79,8 @@ def prim_func(fn) -> ir.Program:
         buf = TileBuffer(name, ann.shape, ann.dtype, "global", loc)
         tracer.buffers[buf.tir] = buf
         params.append(buf)
-    prog = ir.Program(fn.__name__, params, loc=loc, buffers=tracer.buffers)
+    prog = ir.Program(fn.__name__, params, loc=loc, buffers=tracer.buffers, dims=_dims(loc, params))
+    tracer.dims = prog.dims
     ir.tracers().append(tracer)
     try:
         fn(*params)
@@ -62,6 +90,19 @@ def prim_func(fn) -> ir.Program:
         raise error(loc, "a @T.prim_func body must contain one `with T.Kernel(...)` block")
     prog.kernel = tracer.kernel
     return prog
+
+
+def _dims(loc, params) -> list:
+    """The program's ``T.dynamic`` sizes, in the order the parameters' shapes name them; one var per name."""
+    dims = {}
+    for p in params:
+        for d in p.shape:
+            if isinstance(d, int):
+                continue
+            if dims.setdefault(d.name, d) is not d:
+                raise error(loc, f"two T.dynamic sizes are named {d.name!r}; accepted: one T.dynamic per name, "
+                                 f"used in every shape it sizes")
+    return list(dims.values())
 
 
 class Kernel:
@@ -92,8 +133,8 @@ class Kernel:
             raise error(user_loc(), "T.Kernel takes 1 to 3 grid extents")
         if threads % 32 or not 32 <= threads <= 1024:
             raise error(user_loc(), f"threads={threads}: must be a multiple of 32 in [32, 1024]")
-        self.grid = [_static_extent(g, "T.Kernel grid") for g in grid]
-        if builtins.min(self.grid) < 1:
+        self.grid = [_grid_extent(g) for g in grid]
+        if any(isinstance(g, int) and g < 1 for g in self.grid):
             raise error(user_loc(), f"T.Kernel: grid {self.grid}: every extent must be at least 1 (a problem with "
                                     f"nothing to compute has no kernel to launch)")
         self.threads = threads
@@ -241,6 +282,22 @@ def _whole(buffer, op: str) -> TileBuffer:
     return buffer
 
 
+def _grid_extent(e):
+    """A T.Kernel grid extent: a compile-time int, or an int expression of the program's T.dynamic sizes
+    (evaluated at each launch)."""
+    v = e if isinstance(e, float) else ir.tirx_simplify(e)
+    if isinstance(v, int) or hasattr(v, "value"):
+        return _static_extent(v, "T.Kernel grid")
+    if "int" not in ir.expr_dtype(v):
+        raise error(user_loc(), f"T.Kernel grid extent {e} is not an integer (// divides integers)")
+    dims = {d.name for d in ir.tracer().dims}
+    others = [str(x) for x in tirx.analysis.undefined_vars(v, []) if x.name not in dims]
+    if others:
+        raise error(user_loc(), f"T.Kernel grid extent {e} depends on {', '.join(others)}; accepted: ints and the "
+                                f"program's T.dynamic sizes")
+    return v
+
+
 def _static_extent(e, op: str) -> int:
     """An extent the compiler must know: an integer, or an expression of compile-time constants."""
     v = e if isinstance(e, float) else ir.tirx_simplify(e)
@@ -326,6 +383,9 @@ def row_reduce_store(tile, stats, combine, scale, staged, dst):
         raise error(user_loc(), "T.row_reduce_store needs T.Kernel(column tiles, row blocks, ...) over a 2-D grid, "
                                 "persistent, without cluster, pingpong, stream_k or T.use_swizzle (the CTAs walk "
                                 "the tiles in grid order so that a row's tiles run at the same time)")
+    if not isinstance(k.grid[0], int):
+        raise error(user_loc(), f"T.row_reduce_store: the tiles of a row (grid x: {k.grid[0]}) must be a "
+                                f"compile-time count (the rows, grid y, may be T.dynamic)")
     if k.grid[0] > MAX_ROW_TILES:
         raise error(user_loc(), f"T.row_reduce_store: {k.grid[0]} tiles a row; at most {MAX_ROW_TILES}, so that "
                                 f"a row's tiles run on distinct CTAs of any Hopper grid (even a "
@@ -360,10 +420,21 @@ def _cluster_dims(cluster, grid) -> tuple:
     except TypeError:
         dims = ()
     if (len(dims) != 2 or builtins.min(dims) < 1 or math.prod(dims) > MAX_CLUSTER
-            or any(e % d for e, d in zip(extents, dims))):
+            or not all(_divides(d, e) for e, d in zip(extents, dims))):
+        hint = "" if all(isinstance(e, int) for e in extents) else \
+            "; a T.dynamic extent divides when written so, e.g. T.ceildiv(M, 2 * bM) * 2"
         raise error(user_loc(), f"cluster={cluster}: n or (cx, cy) blocks, at most {MAX_CLUSTER} in all (the "
-                                f"portable cluster size), each dividing its grid extent (grid {extents})")
+                                f"portable cluster size), each dividing its grid extent (grid {extents}{hint})")
     return dims
+
+
+def _divides(d: int, e) -> bool:
+    """Whether ``d`` divides the extent ``e`` for every value of the program's T.dynamic sizes."""
+    if isinstance(e, int):
+        return e % d == 0
+    from tvm.sym.analyzer import Analyzer
+
+    return Analyzer().can_prove(tirx.floormod(e, d) == 0)
 
 
 def _check_cluster_exchange(name, buffers):

@@ -116,7 +116,8 @@ class TileBuffer:
     def __init__(self, name: str, shape, dtype: str, scope: str, loc: Loc | None):
         assert scope in SCOPES
         self.name, self.dtype, self.scope, self.loc = name, str(dtype), scope, loc
-        self.shape = tuple(int(s) for s in shape)
+        # a tensor parameter's dimension may be a T.dynamic size (a tirx Var); tiles are static
+        self.shape = tuple(s if scope == "global" and not isinstance(s, int) else int(s) for s in shape)
         # The logical buffer that loads refer to; the compiler maps it to physical storage.
         self.tir = tirx.decl_buffer(self.shape, self.dtype, name=name)
 
@@ -320,6 +321,7 @@ class Program:
     kernel: Kernel | None = None
     loc: Loc | None = None
     buffers: dict = field(default_factory=dict)  # logical tirx buffer var -> TileBuffer (what loads name)
+    dims: list = field(default_factory=list)  # T.dynamic sizes (tirx Vars), bound at launch from the shapes
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -331,6 +333,7 @@ class _Tracer:
         self.kernel: Kernel | None = None
         self.names: dict[str, int] = {}
         self.buffers: dict = {}
+        self.dims: list = []  # the program's T.dynamic sizes
 
 
 _STATE = threading.local()  # programs may be traced concurrently (parallel compiles)

@@ -148,6 +148,12 @@ def _gemm_cuda_checked(a, b, bias=None, out_dtype=None):
     return out
 
 
+def _gemm_problem(a, b, bias=None, out_dtype=None) -> list:
+    """The kernel problem of a call (record.py): what the CUDA path launches for it, on either device."""
+    _, launch_args = prepare_gemm_launch(a, b, bias, out_dtype, kind="cuda")
+    return [] if launch_args is None else [_kernels().gemm_problem(*launch_args)[0]]
+
+
 def _signature(a, b, bias=None, out_dtype=None):
     """(tensors, flags): what a call's plan is keyed on (the wrapper's fast path spells it out)."""
     return (a, b, bias), (out_dtype,)
@@ -287,14 +293,17 @@ class GemmTarget(targets.Target):
         # a split-K config builds two kernels (the gemm's partials, their reduction): one launchable
         return _kernels().build_gemm(M, N, K, 1, 1, 1, False, False, False, dtype, dtype, cfg, target=arch)
 
-    def launched(self, shape, dtype: str, arch: str, scale: float):
+    def problem(self, shape, dtype: str, scale: float = 1.0) -> dict:
+        M, N, K = shape
+        return dict(M=M, N=N, K=K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, has_bias=False,
+                    dtype=dtype, out_dtype=dtype, bias_dtype=None)
+
+    def kernel_call(self, problem: dict, arch: str):
         from ..kernels.gemm import gemm as program
 
-        M, N, K = shape
-        kernels = _kernels()
-        args = (M, N, K, 1, 1, 1, False, False, False, dtype, dtype, kernels.launch_config(M, N, K, dtype, arch=arch))
-        return (program.key(args, kernels.padded_cols(M, N, K, dtype=dtype, target=arch), arch),
-                lambda: kernels.build_gemm(*args, target=arch))
+        kernels, p = _kernels(), problem
+        cfg = kernels.launch_config(p["M"], p["N"], p["K"], p["dtype"], p["batch"], p["trans_A"], arch=arch)
+        return (program, *kernels.gemm_call(**p, cfg=cfg, target=arch)), lambda: kernels.build_problem(p, cfg, arch=arch)
 
     def inputs(self, shape, dtype: str, device):
         M, N, K = shape
@@ -397,4 +406,5 @@ GEMM = spec.register(spec.OpSpec(
     vmap=_gemm_vmap,
     tuning=GemmTarget(),
     sharding=_gemm_sharding,
+    problem=_gemm_problem,
 ))

@@ -154,6 +154,12 @@ def _gemm_softmax_cuda_checked(a, b, scale=1.0, out_dtype=None):
     return out
 
 
+def _gemm_softmax_problem(a, b, scale=1.0, out_dtype=None) -> list:
+    """The kernel problems of a call (record.py): what the CUDA path launches for it, on either device."""
+    _, launches, _ = prepare_gemm_softmax_launch(a, b, scale, out_dtype, kind="cuda")
+    return [_kernels().softmax_problem(*launch) for launch in launches[:1]]  # (the batch's launches are alike)
+
+
 def _signature(a, b, scale=1.0, out_dtype=None):
     """(tensors, flags): what a call's plan is keyed on (the wrapper's fast path spells it out)."""
     return (a, b), (scale, out_dtype)
@@ -231,16 +237,21 @@ class GemmSoftmaxTarget(targets.Target):
                                      gemm_softmax_defaults.default_config, gemm_softmax_config.shared_memory_bytes)
 
     def compile(self, shape, dtype: str, cfg, arch: str):
+        from ..kernels.gemm_softmax_launch import build_gemm_softmax
+
+        return build_gemm_softmax(*shape, 1.0, dtype, dtype, cfg, target=arch)
+
+    def problem(self, shape, dtype: str, scale: float = 1.0) -> dict:
+        M, N, K = shape
+        return dict(M=M, N=N, K=K, scale=float(scale), dtype=dtype, out_dtype=dtype)
+
+    def kernel_call(self, problem: dict, arch: str):
         from ..kernels.gemm_softmax import gemm_softmax as program
 
-        return program(*shape, 1.0, dtype, dtype, cfg, target=arch)
-
-    def launched(self, shape, dtype: str, arch: str, scale: float):
-        from ..autotune import config_for
-        from ..kernels.gemm_softmax import gemm_softmax as program
-
-        args = (*shape, float(scale), dtype, dtype, config_for("gemm_softmax", *shape, dtype, arch=arch))
-        return program.key(args, {}, arch), lambda: program(*args, target=arch)
+        kernels = _kernels()
+        cfg = kernels.problem_config(problem, arch=arch)
+        return ((program, *kernels.gemm_softmax_call(*kernels.problem_args(problem), cfg)),
+                lambda: kernels.build_problem(problem, cfg, arch=arch))
 
     def inputs(self, shape, dtype: str, device):
         M, N, K = shape
@@ -336,4 +347,5 @@ GEMM_SOFTMAX = spec.register(spec.OpSpec(
     tangent=_gemm_softmax_tangent,
     vmap=_gemm_softmax_vmap,
     tuning=GemmSoftmaxTarget(),
+    problem=_gemm_softmax_problem,
 ))

@@ -9,6 +9,7 @@ path, fake, autograd, forward mode, batching rule, the dense-only refusal), the 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from ..autotune import targets
-from . import dense_only, fastpath, forward_ad, functorch
+from . import dense_only, fastpath, forward_ad, functorch, record
 
 
 @dataclass
@@ -39,6 +40,7 @@ class OpSpec:
     vmap: Callable  # the batching rule, as register_vmap takes it
     tuning: targets.Target  # the kernel as the autotuner and the command line drive it
     sharding: Optional[Callable] = None  # DTensor strategies (register_sharding), where tensor parallelism runs it
+    problem: Optional[Callable] = None  # (*args) -> the kernel problems a call launches (JSON-able dicts: record.py)
     # made by register():
     op: object = field(init=False, default=None)  # the torch.library custom op
     cuda: Callable = field(init=False, default=None)  # its CUDA implementation: the plan, else ``launch``
@@ -58,7 +60,7 @@ def register(spec: OpSpec) -> OpSpec:
     """Make ``spec``'s op (module docstring); returns ``spec``, its ``op``, ``cuda``, ``function`` and ``plan_id``
     filled in."""
     spec.plan_id = len(SPECS)
-    spec.op = op = torch.library.custom_op(f"tile_ops::{spec.name}", spec.reference, mutates_args=(),
+    spec.op = op = torch.library.custom_op(f"tile_ops::{spec.name}", _recorded(spec), mutates_args=(),
                                            device_types="cpu", schema=spec.schema)
     spec.cuda = _cuda(spec)
     op.register_kernel("cuda", spec.cuda)
@@ -82,11 +84,31 @@ def _with_defaults(fn: Callable) -> Callable:
 
 
 def _cuda(spec: OpSpec) -> Callable:
+    full = _with_defaults(spec.reference)
+
     def cuda(*args):
         out = fastpath.call(spec.plan_id, *spec.signature(*args), False)
-        return out if out is not None else spec.launch(*args)
+        if out is not None:
+            return out
+        if record.active():
+            record.note(spec, full(args))
+        return spec.launch(*args)
 
     return cuda
+
+
+def _recorded(spec: OpSpec) -> Callable:
+    """The CPU implementation, noting the call's kernel problem while recording (a model traced on the CPU
+    lists what its CUDA run would launch)."""
+    full = _with_defaults(spec.reference)
+
+    @functools.wraps(spec.reference)
+    def reference(*args):
+        if record.active():
+            record.note(spec, full(args))
+        return spec.reference(*args)
+
+    return reference
 
 
 # this package, whose attributes are the public wrappers (gemm, gemm_softmax, ...): outside the dispatcher,

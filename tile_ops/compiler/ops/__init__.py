@@ -100,6 +100,10 @@ class TileOp:
         """float32 values the op keeps in the kernel's global workspace, after its flags."""
         return 0
 
+    def workspace_flags(self, lw, node) -> int:
+        """int32 flags the op uses at the workspace's start (of ``FLAG_SLOTS``)."""
+        return 0
+
     def producer_warp(self, lw, node, cta) -> None:
         """The code of a spare warp of the producer warpgroup: the op's part off the consumers' path."""
 

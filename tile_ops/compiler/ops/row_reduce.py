@@ -86,6 +86,10 @@ class RowReduceStoreOp(Container):
         gx, gy = lw.kernel.grid[:2]
         return gx * gy * node.tile.shape[0] * len(node.stats)
 
+    def workspace_flags(self, lw, node):
+        """Two per row of tiles (grid y): one per parity of the tile walk."""
+        return 2 * lw.kernel.grid[1]
+
     def producer_warp(self, lw, node, cta):
         _statistics_warp(lw, node, cta)
 
@@ -110,7 +114,7 @@ def _check_schedule(lw, node):
     if any(lw.infer.layouts[s] != lay for s in node.stats) or not hasattr(lay, "owner"):
         raise error(node.loc, f"T.row_reduce_store: the stats ({', '.join(s.name for s in node.stats)}) must be row "
                               f"reductions of the tile")
-    if 2 * k.grid[1] > FLAG_SLOTS:
+    if isinstance(k.grid[1], int) and 2 * k.grid[1] > FLAG_SLOTS:  # a T.dynamic one: checked at launch
         raise error(node.loc, f"T.row_reduce_store: {k.grid[1]} row blocks; at most {FLAG_SLOTS // 2}")
     if lw.ws.outer:  # the previous tile is stored after the one main loop of a tile
         raise error(node.loc, "T.row_reduce_store needs the T.Pipelined loop at the kernel's top level")

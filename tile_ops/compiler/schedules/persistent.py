@@ -13,6 +13,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..cuda import grid_x
+from ..exprs import at_most, smin
 
 
 def rasterize(kernel, ids):
@@ -52,10 +53,10 @@ class TileWalk:
         lw, ws = self.lw, self.lw.ws
         total = math.prod(grid)
         walks = lw.consumers > 1 or ws.stream_k or lw.walks_tiles
-        if not lw.kernel.persistent or (total <= ws.resident_ctas() and not walks):
+        if not lw.kernel.persistent or (at_most(total, ws.resident_ctas()) and not walks):
             return grid
         self.persistent = (total, grid)
-        return [min(ws.resident_ctas(), self.work_units()), 1, 1]
+        return [smin(ws.resident_ctas(), self.work_units()), 1, 1]
 
     def work_units(self) -> int:
         """The most units of work a persistent grid walks (tiles; with stream-K, tiles' K parts at most):

@@ -23,7 +23,7 @@ from tvm.tirx.script import builder as T
 
 from ...lang.ir import Copy, For, Gemm, error, walk
 from ..cuda import emit_ptx, warp_uniform
-from ..exprs import dtype_bits, reads_memory, uses
+from ..exprs import at_most, dtype_bits, reads_memory, uses
 from ..layout import in_swizzled_panels, shared_layout
 from ..memory import pipelined_loads
 from ..ops import unit
@@ -134,7 +134,7 @@ class WarpSpecialized:
             return 1
         if lw.cluster > 1 or lw.consumers > 1:  # clusters are scheduled whole; pingpong is the
             return 1  # two-consumer alternative
-        if math.prod(lw.kernel.grid) <= lw.target.sms:  # every CTA has an SM of its own anyway
+        if at_most(math.prod(lw.kernel.grid), lw.target.sms):  # every CTA has an SM of its own anyway
             return 1
         return 2 if 2 * (lw.memory.plan().total + 1024) <= SHARED_PER_SM else 1
 
@@ -159,7 +159,7 @@ class WarpSpecialized:
         lw = self.lw
         if self.outer or lw.consumers > 1 or self.stream_k or lw.walks_tiles:
             return False
-        one_wave = math.prod(lw.kernel.grid) <= lw.target.wave_ctas(lw.cluster)
+        one_wave = at_most(math.prod(lw.kernel.grid), lw.target.wave_ctas(lw.cluster))
         exchanges = any(unit(n).regions(lw, n) for n in walk(lw.kernel.body))  # shared memory the peers write
         return not exchanges and (not lw.kernel.persistent or one_wave)
 
@@ -492,10 +492,9 @@ def _tma_ok(lw, c: Copy) -> bool:
         return False
     if copy_extents(lw, c) != list(t.shape):  # the whole tile, from the global's last two dims
         return False
-    eb = dtype_bits(g.dtype) // 8
-    stride = eb
+    stride = dtype_bits(g.dtype) // 8  # a multiple of each stride in bytes: a T.dynamic size's multiple_of
     for d in reversed(g.shape[1:]):
-        stride *= d
+        stride *= d if isinstance(d, int) else d.multiple_of
         if stride % 16:
             return False
     return not any(reads_memory(s) for s in starts)

@@ -11,7 +11,7 @@ from tvm.script import tirx as TS
 from tvm.tirx.script import builder as T
 
 from ..cuda import emit_ptx, helper, l2_cache_hint
-from ..exprs import as_int32, dtype_bits
+from ..exprs import as_int32, dtype_bits, to_python
 from ..layout import MmaAccumLayout, SharedLayout, shared_layout
 from . import MMA_TYPES
 
@@ -75,7 +75,8 @@ class TensorMaps:
         T.evaluate(T.tensormap_encode_tiled(
             var, self.lw.globals[g].data, *dims, *strides, *box, *([1] * rank), descriptor_dtype=g.dtype,
             rank=rank, swizzle=_SWIZZLE_ENUM[lay.swizzle_bytes], l2_promotion=l2_promotion(strides[0])))
-        spec = dict(tensor=g.name, dtype=g.dtype, dims=dims, strides=strides, box=box, element_strides=[1] * rank,
+        spec = dict(tensor=g.name, dtype=g.dtype, dims=[to_python(d) for d in dims],
+                    strides=[to_python(s) for s in strides], box=box, element_strides=[1] * rank,
                     swizzle=_SWIZZLE_ENUM[lay.swizzle_bytes], l2_promotion=l2_promotion(strides[0]), oob_fill=0)
         self.maps[key] = TensorMap(var, spec)
         return self.maps[key]
