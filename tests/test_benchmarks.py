@@ -65,7 +65,7 @@ def test_sanitize_child_checks_a_shape_outside_its_table():
     shape = (72, 136, 40)
     assert "bisect" not in dict(san.SHAPES["gemm"])
     k = san.build("gemm", "sm_90a", shape, "bisect")
-    tensors = san.make_tensors(k, seed=0)
+    tensors = san.make_tensors(k, seed=0, M=shape[0])
     pos, ref = san.reference("gemm", tensors, "bisect", shape)
     assert pos == san.out_position(k) and tuple(ref.shape) == (1, 72, 136)
     assert san.check("gemm", tensors, ref.to(tensors[pos].dtype), "bisect", shape)[0]
