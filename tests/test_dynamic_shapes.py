@@ -225,7 +225,7 @@ def test_random_token_counts_build_one_kernel_per_config(monkeypatch):
     config, its one-wave variant; a split's reduction tile), none per M (the builds counted, not run)."""
     import sys
 
-    from tile_ops.kernels.gemm import reduce_tile
+    from tile_ops.kernels.gemm import gemm, gemm_splitk_reduce, reduce_tile
     from tile_ops.kernels.gemm_launch import build_gemm, gemm_call, launch_config
 
     class Built:
@@ -237,6 +237,9 @@ def test_random_token_counts_build_one_kernel_per_config(monkeypatch):
     built, calls = [], set()
     monkeypatch.setattr(sys.modules["tile_ops.jit"], "_load_or_build",
                         lambda key, trace, target, out_idx: built.append(key) or Built())
+    for factory in (gemm, gemm_splitk_reduce):  # kernels earlier tests of this process built: asked for again
+        monkeypatch.setattr(factory, "_mem", {})
+        monkeypatch.setattr(factory, "_fast", {})
     for M in random.Random(1).sample(range(1, 16385), 100):
         cfg = launch_config(M, 4096, 4096, "float16", arch="sm_90a")
         args, kwargs = gemm_call(M, 4096, 4096, cfg=cfg, target="sm_90a")

@@ -222,7 +222,11 @@ def _load_or_build(key, trace, target, out_idx) -> Kernel:
         with cache.lock(key):
             entry = cache.load(key)  # another process may have built it while we waited
             if entry is None:
-                kernel, stats = _build(trace(), target, out_idx)
+                t0 = time.perf_counter()
+                prog = trace()
+                trace_s = time.perf_counter() - t0
+                kernel, stats = _build(prog, target, out_idx)
+                stats = {"trace_s": round(trace_s, 3), **stats}
                 cache.store(key, CacheEntry(kernel.source, kernel.cubin, {**kernel.meta.to_json(), **stats}))
                 return kernel
     try:
