@@ -20,6 +20,7 @@ import tile_ops.lang as T
 from test_compiler import needs_cuobjdump, needs_nvcc
 from test_wgmma_rs import RS_PTX
 from tile_ops.compiler.lower import lower
+from tile_ops.compiler.meta import evaluate
 from tir_emulator import Emulator
 
 LOG2E = math.log2(math.e)
@@ -27,8 +28,11 @@ LOG2E = math.log2(math.e)
 
 def flash_attention(seq_q, seq_kv, dim, block_M=64, block_N=64, num_stages=2, threads=128, dtype="float16",
                     causal=False, rescale=True, mask=True):
-    """O = softmax(Q K^T / sqrt(dim)) V for one head; ``rescale``/``mask`` False are the broken variants."""
+    """O = softmax(Q K^T / sqrt(dim)) V for one head; ``rescale``/``mask`` False are the broken variants.  A
+    sequence length of None is a T.dynamic size: one kernel for every length."""
     scale = LOG2E / math.sqrt(dim)  # exp(x / sqrt(d)) = exp2(x * scale)
+    seq_q = T.dynamic("Sq") if seq_q is None else seq_q
+    seq_kv = T.dynamic("Sk") if seq_kv is None else seq_kv
 
     @T.prim_func
     def main(Q: T.Tensor((seq_q, dim), dtype), K: T.Tensor((seq_kv, dim), dtype), V: T.Tensor((seq_kv, dim), dtype),
@@ -89,14 +93,16 @@ def _bits(t):
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def run_attention(seq_q, seq_kv, dim, dtype="float16", causal=False, **kw):
-    """(O from the emulator, float64 reference from the same rounded inputs, grid, PTX that ran), float64."""
-    lk = lower(flash_attention(seq_q, seq_kv, dim, dtype=dtype, causal=causal, **kw), "sm_80")
+def run_attention(seq_q, seq_kv, dim, dtype="float16", causal=False, lk=None, **kw):
+    """(O from the emulator, float64 reference from the same rounded inputs, grid, PTX that ran), float64.
+    ``lk``: a kernel lowered with T.dynamic lengths, run at these."""
+    lk = lk or lower(flash_attention(seq_q, seq_kv, dim, dtype=dtype, causal=causal, **kw), "sm_80")
     gen = torch.Generator().manual_seed(seq_q * 1000 + seq_kv + dim)
     q, k, v = (torch.randn(n, dim, generator=gen).to(getattr(torch, dtype)) for n in (seq_q, seq_kv, seq_kv))
     out = torch.full((seq_q, dim), float("nan"), dtype=getattr(torch, dtype))  # written everywhere, or NaN shows
-    emu = Emulator(lk.func, {"Q": _bits(q), "K": _bits(k), "V": _bits(v), "O": _bits(out)})
-    emu.run(lk.meta.grid)
+    lengths = {"Sq": seq_q, "Sk": seq_kv}
+    emu = Emulator(lk.func, {"Q": _bits(q), "K": _bits(k), "V": _bits(v), "O": _bits(out), **lengths})
+    emu.run(tuple(evaluate(g, lengths) for g in lk.meta.grid))
     s = q.double() @ k.double().T / math.sqrt(dim)
     if causal:
         s = s.masked_fill(torch.ones(seq_q, seq_kv, dtype=torch.bool).triu(1), -math.inf)
@@ -130,6 +136,17 @@ def test_flash_attention_matches_float64_softmax(shape, kw, grid, tiles, tol):
     assert err < tol
 
 
+def test_one_kernel_runs_every_sequence_length():
+    """Sq and Sk T.dynamic sizes: the grid, the KV loop's trip count (with causal, from bx too) and the key mask
+    follow them at launch; one lowered kernel at several lengths, shorter than a tile and ragged."""
+    lk = lower(flash_attention(None, None, 32, causal=True), "sm_80")
+    assert lk.meta.dims == [("Sq", 1), ("Sk", 1)] and lk.meta.grid[0] == "((Sq + 63) // 64)"
+    for seq_q, seq_kv in ((100, 72), (5, 130), (64, 64)):
+        out, ref, grid, _ = run_attention(seq_q, seq_kv, 32, causal=True, lk=lk)
+        assert grid == lk.meta.grid and not np.isnan(out).any()
+        assert rel_err(out, ref) < 2e-3, (seq_q, seq_kv)
+
+
 @pytest.mark.parametrize("broken", [dict(rescale=False), dict(mask=False)], ids=["no-rescale", "no-mask"])
 def test_a_broken_variant_misses_the_tolerance(broken):
     """Without the rescale of O by exp2(m_old - m_new) the first tile's share keeps a stale max; without the mask
@@ -141,10 +158,12 @@ def test_a_broken_variant_misses_the_tolerance(broken):
 
 @needs_nvcc
 @needs_cuobjdump
-@pytest.mark.parametrize("kw", [dict(), dict(causal=True, dtype="bfloat16")])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, dtype="bfloat16"), dict(seq_q=None, seq_kv=None)])
 def test_flash_attention_builds_for_sm90a(kw):
-    """The same program on the Hopper path: both gemms are wgmma (P @ V from registers), K and V tiles by TMA."""
-    kernel = tile_ops.compile(flash_attention(1000, 1000, 64, **kw), target="sm_90a")
+    """The same program on the Hopper path: both gemms are wgmma (P @ V from registers), K and V tiles by TMA;
+    with T.dynamic lengths too (the tensor maps' rows at launch)."""
+    kw = dict(dict(seq_q=1000, seq_kv=1000), **kw)
+    kernel = tile_ops.compile(flash_attention(kw.pop("seq_q"), kw.pop("seq_kv"), 64, **kw), target="sm_90a")
     assert RS_PTX.search(kernel.source)  # P @ V: wgmma with A from registers
     mix = kernel.instruction_mix()
     assert mix.get("HGMMA", 0) >= 8 and mix.get("UTMALDG", 0) >= 2, mix
