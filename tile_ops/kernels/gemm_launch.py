@@ -8,12 +8,11 @@ import torch
 
 from tile_ops.autotune import config_for
 from tile_ops.compiler.meta import evaluate
-from tile_ops.compiler.targets import smem_limit
 from tile_ops.jit import default_arch
 from tile_ops.jit.kernel import Sized
 
 from .gemm import _check_problem, gemm, gemm_splitk_reduce, pad_rows, reduce_tile
-from .gemm_config import _ESIZE, GemmConfig, _epilogue_overlaid, _misfit, shared_memory_bytes
+from .gemm_config import _ESIZE, GemmConfig, _epilogue_overlaid, _misfit
 from .gemm_defaults import default_config
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -203,20 +202,9 @@ def gemm_call(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=Fal
     bias_dtype = None if bias_dtype == dtype else bias_dtype  # one cache entry whichever way it is said
     cols = padded_cols(M, N, K, batch_a, batch_b, trans_A, trans_B, dtype, target) if pad else {}
     dynamic = not static_m and not (trans_A and "a_cols" in cols)
-    shape = dict(one_wave=_one_wave(cfg, M, N, batch, dtype, out_dtype), m_multiple=_m_multiple(M, trans_A)) \
-        if dynamic else {}
+    shape = dict(one_wave=_epilogue_overlaid(cfg, M, N, batch), m_multiple=_m_multiple(M, trans_A)) if dynamic else {}
     args = (None if dynamic else M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg)
     return args, dict(cols, bias_dtype=bias_dtype, **shape)
-
-
-def _one_wave(cfg: GemmConfig, M: int, N: int, batch: int, dtype: str, out_dtype: str) -> bool:
-    """Whether the runtime-M kernel is the one-wave variant (each CTA one tile, the epilogue over the dead
-    stages): only for a config whose epilogue does not fit beside its stages otherwise (4 stages of 128x256),
-    where M's grid is one wave; every other config is one kernel for every M (persistent where it walks)."""
-    if not _epilogue_overlaid(cfg, M, N, batch):
-        return False
-    apart = shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype, overlaid=False)
-    return apart > smem_limit("sm_90a")
 
 
 def _m_multiple(M: int, trans_A: bool) -> int:

@@ -62,12 +62,8 @@ def build_problem(problem: dict, cfg=None, device=None, arch=None):
 
 
 def gemm_softmax_call(M, N, K, scale, dtype, out_dtype, cfg) -> tuple:
-    """(args, kwargs) of the kernel ``build_gemm_softmax`` builds: M at run time; the one-wave variant (each CTA
-    one tile, the staged output over the dead stages) only where M's row blocks are one wave and the output
-    tile would not fit beside the stages otherwise: else one kernel for every M."""
-    apart = shared_memory_bytes(cfg, M, N, K, dtype, one_wave=False)
-    one_wave = one_wave_of_rows(cfg, M) and not _output_tile_fits(apart, cfg, dtype, out_dtype)
-    return (None, N, K, scale, dtype, out_dtype, cfg), dict(one_wave=one_wave)
+    """(args, kwargs) of the kernel ``build_gemm_softmax`` builds: M at run time."""
+    return (None, N, K, scale, dtype, out_dtype, cfg), dict(one_wave=one_wave_of_rows(cfg, M))
 
 
 def build_gemm_softmax(M, N, K, scale=1.0, dtype="float16", out_dtype="float16", cfg=None, target=None):
