@@ -117,6 +117,9 @@ def test_launch_dims_read_from_the_inputs_and_checked():
         dims.check((2**31 // 128,))  # A's 128 columns reach 2^31 elements first
     with pytest.raises(ValueError, match="read from parameter A's dim 0"):
         dims.read([None, None])
+    only_out = LaunchDims(_meta(params=[("A", (4, 128), "float16"), ("C", ("M", 96), "float16")]), inputs=[0])
+    with pytest.raises(ValueError, match=r"sizes only outputs \(C\), which a call allocates: call launch\(\)"):
+        only_out.read([np.zeros((4, 128)), None])
 
 
 def test_kernel_grid_and_entry_arguments_follow_m():

@@ -415,6 +415,9 @@ class LaunchDims:
             t = tensors[pos]
             if t is None or not hasattr(t, "shape") or len(t.shape) <= axis:
                 pname = self.meta.params[pos][0]
+                if t is None and pos in self.meta.out_idx:
+                    raise ValueError(f"{self.meta.name}: T.dynamic size {name} sizes only outputs ({pname}), which a "
+                                     f"call allocates: call launch() with every tensor, the outputs too")
                 raise ValueError(f"{self.meta.name}: T.dynamic size {name} is read from parameter {pname}'s dim "
                                  f"{axis}; got {type(t).__name__ if t is None else list(t.shape)}")
             values.append(int(t.shape[axis]))
