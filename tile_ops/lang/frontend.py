@@ -41,13 +41,17 @@ def dynamic(name: str, multiple_of: int = 1):
 
 
 def _dimension(d):
-    """A tensor dimension: an int >= 0, or a ``T.dynamic`` size."""
+    """A tensor dimension: an int >= 0 (numpy's too), or a ``T.dynamic`` size."""
     if getattr(d, "multiple_of", None) is not None:
         return d
-    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+    try:
+        n = operator.index(d)
+    except TypeError:
+        n = -1
+    if n < 0:
         raise error(user_loc(), f"T.Tensor: dimension {d!r}; accepted: an int >= 0 or a T.dynamic size (an "
                                 f"expression of one is not a dimension: declare a T.dynamic for it)")
-    return d
+    return n
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,7 @@ class Tensor:
     dtype: str = "float32"
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(_dimension(operator.index(s) if isinstance(s, int) else s)
-                                                for s in self.shape))
+        object.__setattr__(self, "shape", tuple(_dimension(s) for s in self.shape))
         object.__setattr__(self, "dtype", _check_dtype(self.dtype))
 
 
