@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tile_ops.compiler.lower import lower
+from tile_ops.compiler.meta import evaluate
 from programs import matmul
 from tir_emulator import (_PEER_SHIFT, Emulator, _Cta, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store,
                           _wgmma)
@@ -148,24 +149,47 @@ def test_sm90_clustered_gemm_releasing_stages_only_locally_fails(monkeypatch):
 
 
 def run_library_gemm(M, N, K, cfg, seed, stagger=False, ctas=None, workspace=None, trans_A=False, trans_B=False,
-                     bias=False):
+                     bias=False, runtime_m=None):
     """tile_ops.kernels.gemm with ``cfg`` lowered for sm_90a and run on the emulator (a cluster's blocks
     together, or with ``ctas`` (a persistent grid of that many CTAs) the whole grid; ``stagger``: see
     Emulator.run; ``workspace``: a stream-K kernel's, zeroed; A or B stored transposed, a bias row): C, the
-    float64 reference rounded once, the lowered kernel and the emulator."""
+    float64 reference rounded once, the lowered kernel and the emulator.  ``runtime_m``: the kernel takes M at
+    run time, with these keyword arguments (one_wave, m_multiple)."""
     from tile_ops.kernels.gemm import gemm
 
-    lk = lower(gemm.fn(M, N, K, 1, 1, 1, trans_A, trans_B, bias, "float16", "float16", cfg), "sm_90a")
+    lk = lower(gemm.fn(None if runtime_m is not None else M, N, K, 1, 1, 1, trans_A, trans_B, bias, "float16",
+                       "float16", cfg, **(runtime_m or {})), "sm_90a")
+    if runtime_m is not None:  # the launch's view: the grid and the tensor maps at this M
+        named = {"M": M}
+        at = lambda values: [evaluate(v, named) for v in values]  # noqa: E731
+        lk = lk._replace(meta=lk.meta.replace(grid=tuple(at(lk.meta.grid)), tensormaps={
+            n: dict(t, dims=at(t["dims"]), strides=at(t["strides"])) for n, t in lk.meta.tensormaps.items()}))
     rng = np.random.default_rng(seed)
     a, b = (rng.integers(-16, 17, s) / 8 for s in ((M, K), (K, N)))
     bias_row = rng.integers(-16, 17, N) / 8 if bias else np.zeros(N)
     arrays = {"A": np.ascontiguousarray(a.T if trans_A else a).astype(np.float16)[None],
               "B": np.ascontiguousarray(b.T if trans_B else b).astype(np.float16)[None],
               "Bias": bias_row.astype(np.float16), "C": np.full((1, M, N), np.nan, np.float16),
-              "tile_ops_workspace": workspace}
+              "tile_ops_workspace": workspace, "M": M}
     emu = Emulator(lk.func, arrays, tensormaps=lk.meta.tensormaps)
     emu.run(lk.meta.grid if ctas is None else (ctas, 1, 1), lk.meta.cluster_dims, stagger=stagger, resident=ctas is not None)
     return arrays["C"][0], (a @ b + bias_row).astype(np.float16), lk, emu
+
+
+@pytest.mark.parametrize("M, cluster_kw, runtime_m", [
+    (100, dict(cluster=2), dict(one_wave=True)),  # 2 M tiles, one cluster
+    (40, dict(cluster=2), dict(one_wave=True)),  # the cluster's second M tile lies wholly past M
+    (200, dict(cluster=2, cluster_n=2), dict(one_wave=True)),  # 4 M tiles rounded up to whole 2x2 clusters
+])
+def test_runtime_m_clustered_gemm_rounds_its_grid_to_whole_clusters(M, cluster_kw, runtime_m):
+    """The library gemm with M at run time in clusters: the M tiles are rounded up to whole clusters; a block
+    whose tile lies past M loads zeros, multicasts its share of B to its peers and stores nothing."""
+    from tile_ops.kernels.gemm_config import GemmConfig
+
+    cfg = GemmConfig(64, 128, 64, threads=128, swizzle=8, epilogue="shared", **cluster_kw)
+    C, ref, lk, emu = run_library_gemm(M, 256, 192, cfg, seed=M, stagger=True, runtime_m=runtime_m)
+    assert lk.meta.grid[0] % cfg.cluster == 0 and "tma.load.3d.swizzle128.multicast" in emu.ran
+    np.testing.assert_array_equal(C, ref)
 
 
 def run_clustered_gemm(M, N, K, **cluster_kw):
