@@ -9,6 +9,8 @@ import tvm.ir.expr as irx
 import tvm.ir.prim.expr as px
 from tvm import tirx
 
+from ..lang import known_multiple
+
 LoadFn = Callable[[object, list], object]  # (buffer var, new indices) -> replacement expr or None
 
 
@@ -88,7 +90,7 @@ def at_most(e, n: int) -> bool:
 
 def divides(n: int, dim) -> bool:
     """Whether ``n`` divides a tensor dimension: an int, or a T.dynamic size by its declared ``multiple_of``."""
-    return dim % n == 0 if isinstance(dim, int) else dim.multiple_of % n == 0
+    return known_multiple(dim) % n == 0
 
 
 def smin(a, b):

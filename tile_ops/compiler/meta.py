@@ -54,10 +54,6 @@ class KernelMeta:
     dims: list = field(default_factory=list)  # [(name, multiple_of)]: the T.dynamic sizes, bound at launch
 
     @property
-    def dynamic(self) -> bool:
-        return bool(self.dims)
-
-    @property
     def needs_workspace(self) -> bool:
         return bool(self.workspace_floats or self.workspace_fixed_floats)
 

@@ -279,9 +279,9 @@ class Kernel:
                 grid = self.grid_on(index, dims)
                 if 0 in grid:  # a size of 0: nothing to compute
                     return
-                ws = workspace(index, stream(index), self.workspace_bytes(grid, dims)) if m.needs_workspace else None
-                launch(handle, grid, block, smem, stream(index),
-                       build(ptrs, index, 0 if ws is None else ws.data_ptr(), dims), name)
+                s = stream(index)
+                ws = workspace(index, s, self.workspace_bytes(grid, dims)) if m.needs_workspace else None
+                launch(handle, grid, block, smem, s, build(ptrs, index, 0 if ws is None else ws.data_ptr(), dims), name)
 
             return bound
         grid = self.grid_on(index)

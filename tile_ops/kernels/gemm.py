@@ -43,7 +43,7 @@ def gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=False, h
     A_tile = (bK, bM) if trans_A else (bM, bK)
     B_tile = (bN, bK) if trans_B else (bK, bN)
     k_tiles, split_tiles = T.ceildiv(K, bK), split_k_tiles(K, cfg)
-    tma_rows = all(_row_multiple(shape[-1]) * _ESIZE[dtype] % 16 == 0 for shape in (A_shape, B_shape))
+    tma_rows = all(T.known_multiple(shape[-1]) * _ESIZE[dtype] % 16 == 0 for shape in (A_shape, B_shape))
     misfit = _misfit(cfg, 1 if dynamic else M, N, trans_A)
     if misfit and not (dynamic and "cluster=" in misfit):  # a dynamic grid is rounded up to whole clusters
         raise ValueError(f"gemm: {misfit}")
@@ -172,13 +172,8 @@ def _shared_epilogue_fits(cfg: GemmConfig, M, N: int, batch: int, dtype: str, ou
     """``cfg.epilogue == "shared"`` unless the output tile in ``out_dtype`` would overflow shared memory
     (e.g. 128x256 fp32 beside three stages, over more than a wave): then the direct epilogue, rather than a
     compile error.  ``overlaid``: whether the epilogue lies over the dead stages (None: as M's grid says)."""
-    return (cfg.epilogue == "shared" and shared_memory_bytes(cfg, M if overlaid is None else 1, N, 0, dtype, batch,
-                                                             out_dtype, tma_rows, overlaid) <= smem_limit("sm_90a"))
-
-
-def _row_multiple(cols) -> int:
-    """What a stored row length is a multiple of: itself, or a T.dynamic size's ``multiple_of``."""
-    return cols if isinstance(cols, int) else cols.multiple_of
+    return (cfg.epilogue == "shared"
+            and shared_memory_bytes(cfg, M, N, 0, dtype, batch, out_dtype, tma_rows, overlaid) <= smem_limit("sm_90a"))
 
 
 def _add_bias(acc, Bias, n0, rows: int, cols: int, dtype: str, along_rows: bool = False):

@@ -173,10 +173,10 @@ def build_gemm(M, N, K, batch=1, batch_a=1, batch_b=1, trans_A=False, trans_B=Fa
 
     Its kernels take M at run time (one per config for every M: ``Sized``, M bound) unless ``static_m`` or A
     is stored M-contiguous with rows TMA cannot load (M not a multiple of 8 on sm_90a: padded per M)."""
-    bias_dtype = None if bias_dtype == dtype else bias_dtype  # one cache entry whichever way it is said
     _check_problem(M, N, K, batch, batch_a, batch_b, dtype, out_dtype, bias_dtype or dtype)
     args, kwargs = gemm_call(M, N, K, batch, batch_a, batch_b, trans_A, trans_B, has_bias, dtype, out_dtype, cfg,
                              target, pad, bias_dtype, static_m)
+    bias_dtype = kwargs["bias_dtype"]  # None where it is the input dtype: one cache entry whichever way it is said
     cols = {k: v for k, v in kwargs.items() if k.endswith("_cols")}
     m = args[0]
     dynamic = m is None

@@ -18,10 +18,16 @@ MAX_ROW_TILES = 16
 
 _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Tensor", "abs", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
-    "ceildiv", "clear", "cluster_allreduce", "copy", "dynamic", "exp", "exp2", "fill", "gemm", "if_then_else", "infinity", "log",
-    "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial", "sqrt", "unroll",
-    "use_swizzle", "where",
+    "ceildiv", "clear", "cluster_allreduce", "copy", "dynamic", "exp", "exp2", "fill", "gemm", "if_then_else",
+    "infinity", "log", "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial",
+    "sqrt", "unroll", "use_swizzle", "where",
 }
+
+
+def known_multiple(dim) -> int:
+    """What a tensor dimension is known to be a multiple of: itself (an int), or a ``T.dynamic`` size's
+    ``multiple_of``."""
+    return dim if isinstance(dim, int) else dim.multiple_of
 
 
 def __getattr__(name):

@@ -14,7 +14,7 @@ import os
 
 ENV = "TILE_OPS_RECORD"
 
-_seen: set = set()  # (op, problem as JSON) recorded by this process
+_seen: set = set()  # (file, line) this process has written
 _sinks: list = []  # the open recording() contexts' lists
 
 

@@ -21,6 +21,7 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
+from ...lang import known_multiple
 from ...lang.ir import Copy, For, Gemm, error, walk
 from ..cuda import emit_ptx, warp_uniform
 from ..exprs import at_most, dtype_bits, reads_memory, uses
@@ -494,7 +495,7 @@ def _tma_ok(lw, c: Copy) -> bool:
         return False
     stride = dtype_bits(g.dtype) // 8  # a multiple of each stride in bytes: a T.dynamic size's multiple_of
     for d in reversed(g.shape[1:]):
-        stride *= d if isinstance(d, int) else d.multiple_of
+        stride *= known_multiple(d)
         if stride % 16:
             return False
     return not any(reads_memory(s) for s in starts)
