@@ -21,7 +21,7 @@ from tvm.tirx.script import builder as T
 from ..lang import ir
 from ..lang.ir import TileLangError, error, walk
 from .cuda import emit_ptx, exp2_approx
-from .exprs import broadcast, cast, collect_loads, divides, nonneg, pad, ramp, rewrite, to_python
+from .exprs import broadcast, cast, divides, nonneg, pad, ramp, rewrite, to_python
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta
