@@ -108,7 +108,7 @@ def _meta(**kw):
 
 def test_launch_dims_read_from_the_inputs_and_checked():
     dims = LaunchDims(_meta(), inputs=[0])
-    assert dims.where == {"M": (0, 0)}
+    assert dims.where == {"M": (0, 0, "shape")}
     assert dims.read([np.zeros((40, 128)), None]) == (40,)
     with pytest.raises(ValueError, match=r"M=44; this kernel takes M >= 0 and a multiple of 8"):
         dims.check((44,))

@@ -1075,8 +1075,14 @@ class Emulator:
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_exp2":  # ex2.approx.ftz: exact
             y = np.exp2(np.asarray(self._eval(e.args[1], env), np.float32))  # here; under 2^-126 flushed to 0
             return np.where(y < np.float32(2.0 ** -126), np.float32(0), y)
+        if _op(e) in _MATH:  # libdevice's float32 functions, to within their few ulp
+            with np.errstate(divide="ignore", invalid="ignore"):
+                x = self._eval(e.args[0], env)
+                return _MATH[_op(e)](np.asarray(x, _values(e.ty.dtype)))[()]
         raise NotImplementedError(f"emulator: {type(e).__name__}: {e}")
 
 
+_MATH = {"tirx.tanh": np.tanh, "tirx.log": np.log, "prim.log2": np.log2, "tirx.exp": np.exp, "tirx.exp2": np.exp2,
+         "tirx.sqrt": np.sqrt}
 _WARPGROUP = {"wgmma.fence": Emulator._wgmma_fence, "wgmma.mma_async": Emulator._wgmma_issue,
               "wgmma.commit_group": Emulator._wgmma_commit, "wgmma.wait_group": Emulator._wgmma_wait}

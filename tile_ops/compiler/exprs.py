@@ -93,6 +93,35 @@ def divides(n: int, dim) -> bool:
     return known_multiple(dim) % n == 0
 
 
+def strides_of(buf) -> list:
+    """A global tensor's strides in elements (ints or expressions of T.dynamic sizes): its declared ones, else
+    row-major."""
+    if buf.strides is not None:
+        return list(buf.strides)
+    strides, s = [], 1
+    for d in reversed(buf.shape):
+        strides.append(s)
+        s = s * d
+    return list(reversed(strides))
+
+
+def stride_multiples(buf) -> list:
+    """What each of a global tensor's strides is known to be a multiple of (``known_multiple``, per stride)."""
+    if buf.strides is not None:
+        return [known_multiple(s) for s in buf.strides]
+    multiples, m = [], 1
+    for d in reversed(buf.shape):
+        multiples.append(m)
+        m *= known_multiple(d)
+    return list(reversed(multiples))
+
+
+def rows_divisible(n: int, buf) -> bool:
+    """Whether a global tensor's last dim and every stride but the last are multiples of ``n`` elements: then
+    an ``n``-aligned column starts an aligned run of ``n`` in every row, wholly in or out of bounds."""
+    return divides(n, buf.shape[-1]) and all(m % n == 0 for m in stride_multiples(buf)[:-1])
+
+
 def smin(a, b):
     """min of two ints or expressions."""
     return min(a, b) if isinstance(a, int) and isinstance(b, int) else tirx.min(a, b)

@@ -21,7 +21,7 @@ from tvm.tirx.script import builder as T
 from ..lang import ir
 from ..lang.ir import TileLangError, error, walk
 from .cuda import emit_ptx, exp2_approx
-from .exprs import broadcast, cast, divides, nonneg, pad, ramp, rewrite, to_python
+from .exprs import broadcast, cast, divides, nonneg, pad, ramp, rewrite, rows_divisible, to_python
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta
@@ -87,7 +87,9 @@ class Lowering:
                 T.func_name(self.prog.name)
                 self.globals = {}
                 for p in self.prog.params:
-                    self.globals[p] = T.arg(p.name, T.Buffer(p.shape, p.dtype))
+                    # a strided tensor is its flat storage here, offsets from its strides (global_index)
+                    shape = p.shape if p.strides is None else (1 + sum((n - 1) * s for n, s in zip(p.shape, p.strides)),)
+                    self.globals[p] = T.arg(p.name, T.Buffer(shape, p.dtype))
                 for d in self.prog.dims:  # an int32 entry parameter each, after the tensors
                     T.arg(d.name, d)
                 if sk:  # nominal extent (the launcher sizes it to the device's grid): flags, then slots
@@ -131,6 +133,7 @@ class Lowering:
             name=self.prog.name, arch=self.target.arch, grid=tuple(map(to_python, grid)), block=(block, 1, 1),
             smem_bytes=smem_bytes, params=[(p.name, tuple(map(to_python, p.shape)), p.dtype) for p in self.prog.params],
             dims=[(d.name, d.multiple_of) for d in self.prog.dims],
+            strides={p.name: [to_python(s) for s in p.strides] for p in self.prog.params if p.strides},
             layouts={b.name: self._describe(b) for b in k.allocs},
             tensormaps=ws.tensormaps.specs() if ws else {},
             ctas_per_sm=ws.ctas_per_sm if ws else 1, cluster=self.cluster,
@@ -181,8 +184,19 @@ class Lowering:
                 raise TileLangError(f"fragment {buf.name} can only be accessed elementwise inside T.Parallel "
                                     f"(or by tile ops)")
             return self.frags[buf], [frag_index(buf, idx)]
-        storage = self.globals[buf] if buf.scope == "global" else self.locals[buf]
-        return storage, list(idx[:-1]) + [ramp(idx[-1], vec)]
+        if buf.scope == "global":
+            return self.globals[buf], self.global_index(buf, idx, vec)
+        return self.locals[buf], list(idx[:-1]) + [ramp(idx[-1], vec)]
+
+    def global_index(self, buf, idx, vec=1) -> list:
+        """The storage indices of ``vec`` elements of a global tensor from ``idx`` along its last dim."""
+        if buf.strides is None:
+            return list(idx[:-1]) + [ramp(idx[-1], vec)]
+        return [ramp(sum(i * s for i, s in zip(idx[:-1], buf.strides[:-1])) + idx[-1], vec)]
+
+    def global_ptr(self, buf, idx):
+        """The address of a global tensor's element ``idx``."""
+        return self.globals[buf].ptr_to(self.global_index(buf, idx))
 
     def load(self, buf, idx, frag_index=None, stage=None, vec=1):
         return tirx.BufferLoad(*self._storage(buf, idx, frag_index, stage, vec))
@@ -228,7 +242,9 @@ class Lowering:
         must be contiguous (in a shared tile: within one swizzle chunk) and start on a multiple of ``vec``;
         in a global tensor, a last dim divisible by ``vec`` also aligns every row and puts whole
         vectors in or out of bounds, so one predicate (on the first element) guards a vector."""
-        if buf.scope not in ("global", "shared") or not divides(vec, buf.shape[-1]) or not self._divisible(start, vec):
+        if buf.scope not in ("global", "shared") or not self._divisible(start, vec):
+            return False
+        if not (rows_divisible(vec, buf) if buf.scope == "global" else divides(vec, buf.shape[-1])):
             return False
         lay = self.shared[buf].layout if buf.scope == "shared" else None
         return lay is None or lay.chunk % vec == 0

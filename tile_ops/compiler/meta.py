@@ -52,6 +52,7 @@ class KernelMeta:
     # the next one launch: it can be launched programmatically (Kernel.dependent)
     waits_at_entry: bool = False
     dims: list = field(default_factory=list)  # [(name, multiple_of)]: the T.dynamic sizes, bound at launch
+    strides: dict = field(default_factory=dict)  # param name -> its strides (elements), where not row-major
 
     @property
     def needs_workspace(self) -> bool:

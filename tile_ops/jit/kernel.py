@@ -209,9 +209,11 @@ class Kernel:
             device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else None
         named = self.dims.named(self.dims.read(args)) if m.dims else {}
         for pos in m.out_idx:
-            _, shape, dtype = m.params[pos]
+            name, shape, dtype = m.params[pos]
             shape = [evaluate(d, named) for d in shape]
-            args[pos] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device)
+            strides = [evaluate(s, named) for s in m.strides.get(name, ())] or None
+            args[pos] = (torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device) if strides is None
+                         else torch.empty_strided(shape, strides, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device))
         self.launch(*args)
         outs = [args[i] for i in m.out_idx]
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -365,8 +367,13 @@ class Kernel:
             if tuple(t.shape) != tuple(shape) or str(t.dtype) != f"torch.{dtype}":
                 raise ValueError(f"{m.name}: parameter {name} must be {dtype}{list(shape)}, "
                                  f"got {str(t.dtype)[6:]}{list(t.shape)}")
-            if not t.is_contiguous():
+            strides = m.strides.get(name)
+            if strides is None and not t.is_contiguous():
                 raise ValueError(f"{m.name}: parameter {name} must be contiguous (row-major)")
+            if strides is not None and any(n > 1 and t.stride(i) != evaluate(s, named)
+                                           for i, (n, s) in enumerate(zip(t.shape, strides))):
+                raise ValueError(f"{m.name}: parameter {name} must have strides {[evaluate(s, named) for s in strides]} "
+                                 f"(elements), got {list(t.stride())}")
             if t.data_ptr() % 16:
                 raise ValueError(f"{m.name}: parameter {name} must be 16-byte aligned (data_ptr % 16 == 0)")
         ptrs = [t.data_ptr() for t in tensors]
@@ -384,6 +391,18 @@ class Kernel:
                                                                 dims), stream, index)
 
 
+def extent(meta: KernelMeta, pos: int, named: dict) -> int:
+    """The elements parameter ``pos`` spans at the sizes ``named``: one past its last element's offset."""
+    name, shape, _ = meta.params[pos]
+    shape = [evaluate(d, named) for d in shape]
+    if 0 in shape:
+        return 0
+    strides = meta.strides.get(name)
+    if strides is None:
+        return math.prod(shape)
+    return 1 + sum((n - 1) * evaluate(s, named) for n, s in zip(shape, strides))
+
+
 class LaunchDims:
     """A kernel's T.dynamic sizes at launch (``meta.dims``): read from the shapes of the tensors that name
     them (an input's, where one does), and checked: each a multiple of its ``multiple_of``, and every tensor
@@ -392,14 +411,16 @@ class LaunchDims:
     def __init__(self, meta: KernelMeta, inputs: list):
         self.meta = meta
         self.names = [name for name, _ in meta.dims]
-        self.where = {}  # name -> (param position, axis) it is read from
+        self.where = {}  # name -> (param position, axis, "shape" or "stride") it is read from
         for pos in inputs + [i for i in range(len(meta.params)) if i not in inputs]:
-            for axis, d in enumerate(meta.params[pos][1]):
-                if isinstance(d, str) and d in self.names:
-                    self.where.setdefault(d, (pos, axis))
+            name = meta.params[pos][0]
+            for kind, sizes in (("shape", meta.params[pos][1]), ("stride", meta.strides.get(name, ()))):
+                for axis, d in enumerate(sizes):
+                    if isinstance(d, str) and d in self.names:
+                        self.where.setdefault(d, (pos, axis, kind))
         by_pointer = set(meta.kept) - set(meta.tensormaps)
-        self.indexed = [i for i, (name, shape, _) in enumerate(meta.params)
-                        if name in by_pointer and not all(isinstance(d, int) for d in shape)]
+        self.indexed = [i for i, (name, shape, _) in enumerate(meta.params) if name in by_pointer
+                        and not all(isinstance(d, int) for d in (*shape, *meta.strides.get(name, ())))]
 
     def named(self, dims: tuple) -> dict:
         return dict(zip(self.names, dims))
@@ -411,16 +432,17 @@ class LaunchDims:
         """The sizes' values from ``tensors`` (one per parameter; None for one not allocated yet)."""
         values = []
         for name in self.names:
-            pos, axis = self.where[name]
+            pos, axis, kind = self.where[name]
             t = tensors[pos]
             if t is None or not hasattr(t, "shape") or len(t.shape) <= axis:
                 pname = self.meta.params[pos][0]
                 if t is None and pos in self.meta.out_idx:
                     raise ValueError(f"{self.meta.name}: T.dynamic size {name} sizes only outputs ({pname}), which a "
                                      f"call allocates: call launch() with every tensor, the outputs too")
-                raise ValueError(f"{self.meta.name}: T.dynamic size {name} is read from parameter {pname}'s dim "
-                                 f"{axis}; got {type(t).__name__ if t is None else list(t.shape)}")
-            values.append(int(t.shape[axis]))
+                what = "dim" if kind == "shape" else "stride"
+                raise ValueError(f"{self.meta.name}: T.dynamic size {name} is read from parameter {pname}'s "
+                                 f"{what} {axis}; got {type(t).__name__ if t is None else list(t.shape)}")
+            values.append(int(t.shape[axis] if kind == "shape" else t.stride(axis)))
         return tuple(values)
 
     def check(self, dims: tuple) -> None:
@@ -432,7 +454,7 @@ class LaunchDims:
                                  f"(T.dynamic({name!r}, multiple_of={multiple}))")
         for i in self.indexed:
             name, shape, _ = m.params[i]
-            if math.prod(evaluate(d, named) for d in shape) >= 2**31:
+            if extent(m, i, named) >= 2**31:
                 raise ValueError(f"{m.name}: parameter {name} has 2^31 elements or more at {self.describe(dims)}, "
                                  f"which this kernel addresses with 32-bit offsets; split the problem into parts "
                                  f"below that")

@@ -20,7 +20,7 @@ _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Tensor", "abs", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
     "ceildiv", "clear", "cluster_allreduce", "copy", "dynamic", "exp", "exp2", "fill", "gemm", "if_then_else",
     "infinity", "log", "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial",
-    "sqrt", "unroll", "use_swizzle", "where",
+    "sqrt", "tanh", "unroll", "use_swizzle", "where",
 }
 
 

@@ -57,14 +57,23 @@ def _dimension(d):
 @dataclass(frozen=True)
 class Tensor:
     """Annotation of a global-memory tensor parameter: ``A: T.Tensor((M, K), "float16")``; a dimension is an
-    int or a ``T.dynamic`` size."""
+    int or a ``T.dynamic`` size.  ``strides`` (in elements; default row-major): a view's, e.g. a (B, H, S, D)
+    view of a (B, S, H, D) tensor is ``strides=(sB, sH, sS, 1)``; each an int or a ``T.dynamic`` size, which
+    the launch reads from the tensor's ``stride()``; the last is 1 (rows are contiguous)."""
 
     shape: tuple
     dtype: str = "float32"
+    strides: tuple | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(_dimension(s) for s in self.shape))
         object.__setattr__(self, "dtype", _check_dtype(self.dtype))
+        if self.strides is not None:
+            strides = tuple(_dimension(s) for s in self.strides)
+            if len(strides) != len(self.shape) or strides[-1] != 1:
+                raise error(user_loc(), f"T.Tensor: strides={self.strides!r} for shape {self.shape!r}; accepted: one "
+                                        f"stride per dimension, the last 1 (contiguous rows)")
+            object.__setattr__(self, "strides", strides)
 
 
 def prim_func(fn) -> ir.Program:
@@ -79,7 +88,7 @@ def prim_func(fn) -> ir.Program:
                              f"annotations` from the kernel's module (T.Tensor annotations must be evaluated)")
         if not isinstance(ann, Tensor):
             raise error(loc, f"parameter {name!r} must be annotated with T.Tensor(shape, dtype)")
-        buf = TileBuffer(name, ann.shape, ann.dtype, "global", loc)
+        buf = TileBuffer(name, ann.shape, ann.dtype, "global", loc, strides=ann.strides)
         tracer.buffers[buf.tir] = buf
         params.append(buf)
     prog = ir.Program(fn.__name__, params, loc=loc, buffers=tracer.buffers, dims=_dims(loc, params))
@@ -96,10 +105,11 @@ def prim_func(fn) -> ir.Program:
 
 
 def _dims(loc, params) -> list:
-    """The program's ``T.dynamic`` sizes, in the order the parameters' shapes name them; one var per name."""
+    """The program's ``T.dynamic`` sizes, in the order the parameters' shapes (then strides) name them; one var
+    per name."""
     dims = {}
     for p in params:
-        for d in p.shape:
+        for d in p.shape + (p.strides or ()):
             if isinstance(d, int):
                 continue
             if dims.setdefault(d.name, d) is not d:
@@ -519,5 +529,5 @@ def _floating(fn):
 
 
 # a float32 exp2 compiles to ex2.approx.ftz (2 ulp, subnormal results flushed to 0; compiler/lower.py)
-exp, exp2, log, log2, sqrt = map(_floating, (tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.sqrt))
+exp, exp2, log, log2, sqrt, tanh = map(_floating, (tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.sqrt, tirx.tanh))
 abs = tirx.abs  # noqa: A001

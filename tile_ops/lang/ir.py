@@ -113,11 +113,12 @@ class TileBuffer:
     ``buf[i0:i1, j0:j1]`` or ``buf[i0, j0]`` inside ``T.copy`` a region.
     """
 
-    def __init__(self, name: str, shape, dtype: str, scope: str, loc: Loc | None):
+    def __init__(self, name: str, shape, dtype: str, scope: str, loc: Loc | None, strides=None):
         assert scope in SCOPES
         self.name, self.dtype, self.scope, self.loc = name, str(dtype), scope, loc
         # a tensor parameter's dimension may be a T.dynamic size (a tirx Var); tiles are static
         self.shape = tuple(s if scope == "global" and not isinstance(s, int) else int(s) for s in shape)
+        self.strides = strides  # a tensor parameter's, in elements (T.Tensor's strides); None: row-major
         # The logical buffer that loads refer to; the compiler maps it to physical storage.
         self.tir = tirx.decl_buffer(self.shape, self.dtype, name=name)
 

@@ -21,10 +21,9 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ...lang import known_multiple
 from ...lang.ir import Copy, For, Gemm, error, walk
 from ..cuda import emit_ptx, warp_uniform
-from ..exprs import at_most, dtype_bits, reads_memory, uses
+from ..exprs import at_most, dtype_bits, reads_memory, stride_multiples, uses
 from ..layout import in_swizzled_panels, shared_layout
 from ..memory import pipelined_loads
 from ..ops import unit
@@ -493,11 +492,8 @@ def _tma_ok(lw, c: Copy) -> bool:
         return False
     if copy_extents(lw, c) != list(t.shape):  # the whole tile, from the global's last two dims
         return False
-    stride = dtype_bits(g.dtype) // 8  # a multiple of each stride in bytes: a T.dynamic size's multiple_of
-    for d in reversed(g.shape[1:]):
-        stride *= known_multiple(d)
-        if stride % 16:
-            return False
+    if any(m * dtype_bits(g.dtype) // 8 % 16 for m in stride_multiples(g)[:-1]):  # tensor maps' strides
+        return False
     return not any(reads_memory(s) for s in starts)
 
 

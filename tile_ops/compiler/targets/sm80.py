@@ -29,7 +29,7 @@ def cp_async_tile(lw, node, s_start, d_start, extents, stage, vec: int, asynchro
             g = [tirx.if_then_else(pred, x, 0) for x in g]
         d = [a + b for a, b in zip(d_start, pad(idx, d_start))]
         dst_ptr = t.view.ptr_to([lw.shared_offset(t, d, stage)])
-        src_ptr = lw.globals[sb].ptr_to(g)
+        src_ptr = lw.global_ptr(sb, g)
         nbytes = vec * bits // 8
         chain = f"cp.async.{'cg' if nbytes == 16 else 'ca'}.shared.global{hint}"
         size = [tirx.Cast("uint32", tirx.if_then_else(pred, nbytes, 0))] if pred is not None else []

@@ -11,7 +11,7 @@ from tvm.script import tirx as TS
 from tvm.tirx.script import builder as T
 
 from ..cuda import emit_ptx, helper, l2_cache_hint
-from ..exprs import as_int32, dtype_bits, to_python
+from ..exprs import as_int32, dtype_bits, strides_of, to_python
 from ..layout import MmaAccumLayout, SharedLayout, shared_layout
 from . import MMA_TYPES
 
@@ -65,10 +65,7 @@ class TensorMaps:
             return self.maps[key]
         eb = dtype_bits(g.dtype) // 8
         dims = list(reversed(g.shape))
-        strides, s = [], eb
-        for d in dims[:-1]:
-            s *= d
-            strides.append(s)
+        strides = [s * eb for s in reversed(strides_of(g)[:-1])]  # bytes, from the second-innermost dim out
         name = f"{g.name}_tmap{len([k for k in self.maps if k[0] is g]) or ''}"
         var = T.Var(name, ty=T.handle("tensormap").ty)
         T.Bind(T.tvm_stack_alloca("tensormap", 1), var=var)
