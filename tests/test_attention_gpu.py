@@ -1,0 +1,103 @@
+"""The FlashAttention forward on the GPU against a float64 reference, fresh random inputs, outputs poisoned with
+NaN first: the features crossed with odd lengths (the LSE too), (B, H, S, D) tensors transposed as transformers
+builds them (no copies: the kernel reads their strides), varlen with zero-length sequences, and one kernel per
+(head dim, dtype, mask) whatever the lengths."""
+
+import math
+
+import pytest
+import torch
+
+import tile_ops
+from tile_ops.kernels.attention_launch import attention_problem, build_attention, launch_attention
+from tile_ops.ops.attention import attention_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed, layout="bshd"):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D)]
+    if layout == "bhsd":  # (B, H, S, D) storage seen as (B, S, H, D): transformers' layout
+        return [torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+                for b, s, h, d in shapes]
+    return [torch.randn(*s, device="cuda", dtype=dtype, generator=gen) for s in shapes]
+
+
+def _check(out, lse, q, k, v, tol, **kw):
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **kw)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    finite = ~ref_lse.isinf()
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < 2e-3
+    err = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    assert err < tol, err
+
+
+CASES = [
+    # (B, Hq, Hkv, Sq, Sk, D), options
+    ((2, 4, 4, 257, 333, 64), dict()),
+    ((1, 8, 2, 1000, 1000, 128), dict(causal=True)),
+    ((2, 4, 1, 77, 300, 96), dict(causal=True)),  # Sq < Sk: bottom-right
+    ((1, 2, 2, 300, 77, 128), dict(causal=True)),  # Sq > Sk: rows with no key
+    ((1, 4, 4, 513, 700, 192), dict(window_size=(100, 20))),
+    ((1, 2, 1, 400, 400, 256), dict(softcap=30.0, causal=True)),
+    ((2, 4, 2, 129, 255, 128), dict(alibi=True)),
+    ((1, 3, 3, 1, 5000, 128), dict()),  # decode-like: one query row
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape, kw", CASES, ids=[f"{'x'.join(map(str, s))}-{'-'.join(k) or 'plain'}" for s, k in CASES])
+def test_forward_matches_float64(shape, kw, dtype):
+    B, Hq, Hkv, Sq, Sk, D = shape
+    kw = dict(kw)
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=sum(shape))
+    slopes = torch.rand(Hq, device="cuda") * 0.2 if kw.pop("alibi", False) else None
+    out = torch.full((B, Sq, Hq, D), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((B, Hq, Sq), float("nan"), device="cuda")
+    launch_attention(q, k, v, out, lse, None, kw.get("causal", False), kw.get("window_size", (-1, -1)),
+                     kw.get("softcap", 0.0), slopes)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, 2e-2 if dtype == torch.bfloat16 else 4e-3, alibi_slopes=slopes, **kw)
+
+
+def test_transposed_inputs_reach_the_kernel_without_copies():
+    q, k, v = _inputs(2, 8, 8, 300, 300, 128, torch.bfloat16, seed=1, layout="bhsd")
+    assert not q.is_contiguous()
+    out, lse, _ = tile_ops.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    _check(out, lse, q, k, v, 2e-2, causal=True)
+
+
+def test_one_kernel_for_every_length():
+    problem = attention_problem(torch.empty(1, 1, 1, 128, dtype=torch.float16), causal=True)
+    kernel = build_attention(problem)
+    for i, (Sq, Sk) in enumerate(((1, 1), (100, 1000), (4097, 4097), (63, 65))):
+        q, k, v = _inputs(1, 2, 2, Sq, Sk, 128, torch.float16, seed=i)
+        out, lse, _ = tile_ops.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        _check(out, lse, q, k, v, 4e-3, causal=True)
+        assert build_attention(attention_problem(q, causal=True)) is kernel
+
+
+def test_varlen_with_empty_sequences():
+    lengths = [0, 130, 1, 0, 517, 64]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(total, 4, 64, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+    out, lse, _ = tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                                  return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (4, total)
+    for s, e in zip(cu.tolist(), cu.tolist()[1:]):
+        if e > s:
+            ref, ref_lse = attention_reference(q[s:e][None].double(), k[s:e][None].double(), v[s:e][None].double(),
+                                               causal=True, return_lse=True)
+            assert (out[s:e].double() - ref[0]).abs().max() < 4e-3 * ref.abs().max()
+            assert (lse[:, s:e].double() - ref_lse[0]).abs().max() < 2e-3
+
+
+def test_no_keys_gives_zero_and_minus_infinity():
+    q = torch.randn(1, 5, 2, 64, device="cuda", dtype=torch.float16)
+    k = v = torch.randn(1, 0, 2, 64, device="cuda", dtype=torch.float16)
+    out, lse, _ = tile_ops.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())

@@ -1,0 +1,133 @@
+"""The library's FlashAttention forward (tile_ops/kernels/attention.py) on the CPU: its programs lowered for
+sm_80 and run on the emulator (tests/tir_emulator.py) against a float64 reference, over the features crossed
+with ragged lengths: batches and heads, GQA, Sq != Sk, causal (bottom-right), sliding windows, softcap,
+ALiBi, rows that see no key (O = 0, LSE = -inf), (B, S, H, D) tensors read through their strides; one lowered
+kernel at several shapes.  The sm_90a build (TMA for K and V, wgmma with P from registers) where nvcc is
+present."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tile_ops
+from test_compiler import needs_cuobjdump, needs_nvcc
+from test_wgmma_rs import RS_PTX
+from tile_ops.compiler.lower import lower
+from tile_ops.compiler.meta import evaluate
+from tile_ops.kernels.attention import flash_attention_forward
+from tile_ops.kernels.attention_config import AttentionConfig
+from tile_ops.ops.attention import attention_reference
+from tir_emulator import Emulator
+
+SMALL = AttentionConfig(64, 32, 2, 128)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _bits(t):
+    """A torch tensor's storage as the flat numpy array the emulator takes (bfloat16 as uint16 bits)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else flat.numpy()
+
+
+def _program(dim, dtype="float16", cfg=SMALL, **kw):
+    return flash_attention_forward.fn(dim, dtype, cfg=cfg, **kw)
+
+
+def run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", slopes=None, seed=0):
+    """(O, LSE) from the emulator and the float64 reference's, for (B, S, H, D) inputs read as (B, H, S, D)
+    views (strided), outputs poisoned with NaN first."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, Sq, Hq, dim, generator=gen).to(dt)
+    k = torch.randn(B, Sk, Hkv, dim, generator=gen).to(dt)
+    v = torch.randn(B, Sk, Hkv, dim, generator=gen).to(dt)
+    out = torch.full((B, Sq, Hq, dim), float("nan"), dtype=dt)
+    lse = torch.full((B, Hq, Sq), float("nan"), dtype=torch.float32)
+    arrays = {"Q": _bits(q), "K": _bits(k), "V": _bits(v), "O": _bits(out), "LSE": lse.numpy()}
+    sizes = {"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "Sk": Sk}
+    for name, t in (("Q", q), ("K", k), ("V", v), ("O", out)):
+        view = t.transpose(1, 2)
+        sizes.update({f"{name}_stride_{a}": view.stride(i) for i, a in enumerate("bhs")})
+    if slopes is not None:
+        arrays["Slopes"] = slopes.expand(B, Hq).contiguous().reshape(-1).numpy()
+        sizes["slopes_stride_b"] = Hq
+    emu = Emulator(lk.func, {**arrays, **sizes})
+    emu.run(tuple(evaluate(g, sizes) for g in lk.meta.grid))
+    return out.double(), lse.double(), (q, k, v), emu.ran
+
+
+def reference(q, k, v, **kw):
+    out, lse = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **kw)
+    return out, lse
+
+
+def check(out, lse, ref_out, ref_lse, tol):
+    assert not out.isnan().any(), "an output element was never written (or is NaN)"
+    assert not lse.isnan().any()
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "rows with no visible key: LSE -inf exactly there"
+    finite = ~ref_lse.isinf()
+    assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
+    err = (out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-6)
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("case", [
+    dict(shape=(2, 2, 2, 100, 70), kw=dict()),  # ragged: 2 query blocks, 3 key tiles, the last ones partial
+    dict(shape=(1, 4, 2, 80, 80), kw=dict(causal=True)),  # GQA 4/2, the diagonal's tiles
+    dict(shape=(1, 2, 1, 100, 33), kw=dict(causal=True)),  # Sq > Sk: the first 67 rows see no key
+    dict(shape=(1, 2, 2, 20, 90), kw=dict(causal=True), dtype="bfloat16"),  # Sq < Sk: bottom-right
+    dict(shape=(1, 1, 1, 128, 160), kw=dict(window=(20, 5))),  # a sliding window: tiles outside it skipped
+    dict(shape=(1, 2, 1, 70, 70), kw=dict(softcap=2.0, alibi=True, causal=True)),
+], ids=["ragged", "gqa-causal", "causal-sq>sk", "causal-sq<sk-bf16", "window", "softcap-alibi"])
+def test_forward_matches_float64(case):
+    B, Hq, Hkv, Sq, Sk = case["shape"]
+    kw, dtype, dim = case["kw"], case.get("dtype", "float16"), 32
+    lk = lower(_program(dim, dtype, **kw), "sm_80")
+    slopes = torch.rand(Hq) * 0.3 if kw.get("alibi") else None
+    out, lse, (q, k, v), ran = run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype, slopes)
+    ref_out, ref_lse = reference(q, k, v, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+                                 softcap=kw.get("softcap", 0.0), alibi_slopes=slopes)
+    check(out.transpose(1, 2), lse, ref_out.transpose(1, 2), ref_lse, 8e-3 if dtype == "bfloat16" else 2e-3)
+    assert ran.get(f"mma.{'bf16' if dtype == 'bfloat16' else 'f16'}", 0) > 0 and ran.get("cp.async.cg.16", 0) > 0
+
+
+def test_one_kernel_serves_every_shape():
+    """Batch, heads, lengths and strides are all launch-time values: one lowered kernel runs several shapes."""
+    lk = lower(_program(32, causal=True), "sm_80")
+    for i, (B, Hq, Hkv, Sq, Sk) in enumerate(((1, 1, 1, 5, 9), (2, 3, 1, 70, 31), (1, 2, 2, 64, 64))):
+        out, lse, (q, k, v), _ = run_emulated(lk, B, Hq, Hkv, Sq, Sk, 32, seed=i)
+        ref_out, ref_lse = reference(q, k, v, causal=True)
+        check(out, lse, ref_out, ref_lse, 2e-3)
+
+
+def test_a_window_skips_the_tiles_outside_it():
+    """A window of 8 keys before the diagonal: each 64-row block walks at most 3 of the 6 key tiles, not all."""
+    lk = lower(_program(32, window=(8, 0)), "sm_80")
+    _, _, _, ran = run_emulated(lk, 1, 1, 1, 192, 192, 32)
+    full = lower(_program(32), "sm_80")
+    _, _, _, ran_full = run_emulated(full, 1, 1, 1, 192, 192, 32)
+    assert ran["mma.f16"] * 18 == ran_full["mma.f16"] * 8, (ran["mma.f16"], ran_full["mma.f16"])  # 2+3+3 of 18
+
+
+@needs_nvcc
+@needs_cuobjdump
+@pytest.mark.parametrize("kw", [dict(dim=128), dict(dim=64, causal=True, dtype="bfloat16"),
+                                dict(dim=256, window=(128, 0), softcap=30.0, alibi=True)])
+def test_forward_builds_for_sm90a(kw):
+    """The Hopper path: K and V by TMA (their strides from the launch), S and P V as wgmma, P from registers."""
+    from tile_ops.kernels.attention_config import default_config
+
+    dim = kw.pop("dim")
+    kernel = tile_ops.compile(_program(dim, kw.pop("dtype", "float16"), cfg=default_config(dim, "sm_90a"), **kw),
+                              target="sm_90a")
+    assert set(kernel.meta.tensormaps) == {"K_tmap", "V_tmap"}
+    assert RS_PTX.search(kernel.source)
+    mix = kernel.instruction_mix()
+    assert mix.get("HGMMA", 0) >= 8 and mix.get("UTMALDG", 0) >= 2, mix
+    assert kernel.meta.resources.get("spills", 0) == 0, kernel.meta.resources

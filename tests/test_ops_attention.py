@@ -1,0 +1,145 @@
+"""torch.ops.tile_ops.flash_attention and flash-attn's API on the CPU: the reference against a float64 softmax
+written out here, flash-attn's conventions (bottom-right causal, windows, softcap, ALiBi, LSE layout, varlen),
+opcheck, torch.compile(fullgraph=True, dynamic=True), autograd of the reference path, and the errors bad
+input gets (each naming the argument)."""
+
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import tile_ops
+from tile_ops.ops.attention import attention_reference
+
+
+def _qkv(B=2, Sq=7, Sk=11, Hq=4, Hkv=2, D=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Sq, Hq, D, generator=gen, dtype=dtype), torch.randn(B, Sk, Hkv, D, generator=gen, dtype=dtype),
+            torch.randn(B, Sk, Hkv, D, generator=gen, dtype=dtype))
+
+
+def _naive(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
+    """One (batch, head, row) at a time, as the definition reads."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = scale or D ** -0.5
+    out = torch.zeros(B, Sq, Hq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float64)
+    left, right = window[0], 0 if causal else window[1]
+    for b in range(B):
+        for h in range(Hq):
+            kh = h // (Hq // Hkv)
+            for i in range(Sq):
+                s = (k[b, :, kh].double() @ q[b, i, h].double()) * scale
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                d = i + Sk - Sq
+                for j in range(Sk):
+                    if slopes is not None:
+                        s[j] -= slopes[h] * abs(d - j)
+                    if (right >= 0 and j > d + right) or (left >= 0 and j < d - left):
+                        s[j] = -math.inf
+                if Sk and not torch.isinf(s).all():
+                    lse[b, h, i] = torch.logsumexp(s, 0)
+                    out[b, i, h] = torch.softmax(s, 0) @ v[b, :, kh].double()
+    return out, lse
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(3, 1)), dict(softcap=2.0, causal=True),
+                                dict(slopes=torch.tensor([0.1, 0.2, 0.3, 0.4]))],
+                         ids=["plain", "causal", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("lengths", [(7, 11), (11, 7)], ids=["sq<sk", "sq>sk"])
+def test_reference_follows_flash_attn_conventions(kw, lengths):
+    q, k, v = _qkv(Sq=lengths[0], Sk=lengths[1], dtype=torch.float64)
+    out, lse, probs = tile_ops.flash_attn_func(q, k, v, causal=kw.get("causal", False),
+                                               window_size=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0),
+                                               alibi_slopes=kw.get("slopes"), return_attn_probs=True)
+    ref, ref_lse = _naive(q, k, v, **kw)
+    assert probs is None and out.shape == q.shape and lse.shape == (2, 4, lengths[0])
+    assert torch.allclose(out, ref, atol=1e-10) and torch.equal(lse.isinf(), ref_lse.isinf())
+    assert torch.allclose(lse[~lse.isinf()].double(), ref_lse[~ref_lse.isinf()], atol=1e-5)
+
+
+def test_rows_without_keys_are_zero_with_minus_infinite_lse():
+    q, k, v = _qkv(Sq=9, Sk=4)
+    out, lse, _ = tile_ops.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:, :5], torch.zeros_like(out[:, :5])) and bool((lse[..., :5] == -math.inf).all())
+    assert not out.isnan().any()
+    out, lse, _ = tile_ops.flash_attn_func(q, k[:, :0], v[:, :0], return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+
+
+def test_opcheck():
+    q, k, v = _qkv()
+    opcheck(torch.ops.tile_ops.flash_attention, (q, k, v, None, True, -1, -1, 0.0, None))
+    opcheck(torch.ops.tile_ops.flash_attention, (q, k, v, 0.3, False, 2, 3, 5.0, torch.rand(4)))
+
+
+def test_compiles_fullgraph_dynamic():
+    f = torch.compile(lambda q, k, v: tile_ops.flash_attn_func(q, k, v, causal=True), fullgraph=True, dynamic=True)
+    for Sq, Sk in ((7, 11), (5, 13)):
+        q, k, v = _qkv(Sq=Sq, Sk=Sk)
+        assert torch.allclose(f(q, k, v), tile_ops.flash_attn_func(q, k, v, causal=True), atol=1e-6)
+
+
+def test_gradients_are_the_references():
+    q, k, v = _qkv(dtype=torch.float64)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out, lse, _ = tile_ops.flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
+    (out.square().sum() + lse.sum()).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref, ref_lse = attention_reference(q, k, v, causal=True, softcap=3.0, return_lse=True)
+    (ref.square().sum() + ref_lse.sum()).backward()
+    for g, t in zip(grads, (q, k, v)):
+        assert torch.allclose(g, t.grad, atol=1e-5)
+
+
+def test_varlen_matches_per_sequence_calls():
+    lengths = [3, 0, 5, 1]
+    cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
+    out, lse, _ = tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, return_attn_probs=True)
+    assert out.shape == (9, 2, 16) and lse.shape == (2, 9)
+    for s, e in zip(cu.tolist(), cu.tolist()[1:]):
+        if e > s:
+            o, l_, _ = tile_ops.flash_attn_func(q[None, s:e], k[None, s:e], v[None, s:e], causal=True,
+                                                return_attn_probs=True)
+            assert torch.allclose(out[s:e], o[0]) and torch.allclose(lse[:, s:e], l_[0])
+    assert sum(lengths) == 9
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, k, v: tile_ops.flash_attn_func(q.int(), k, v), "q is torch.int32"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q[0], k, v), "q has shape .*accepted: 4 dims"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k[..., :8], v[..., :8]), "head_dim must match"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, torch.randn(2, 11, 3, 16), torch.randn(2, 11, 3, 16)),
+     "multiple of k's"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v.double()), "v is torch.float64"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v),
+     "contiguous last dimension"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, dropout_p=0.1), "dropout_p=0.1"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, window_size=(-2, 0)), r"window_size\[0\]=-2"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softcap=-1.0), "softcap=-1.0"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softmax_scale=math.nan), "softmax_scale=nan"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, alibi_slopes=torch.rand(3)), "alibi_slopes has shape"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, alibi_slopes=torch.rand(4).double()), "float32 tensor"),
+])
+def test_bad_input_is_named(call, match):
+    with pytest.raises((TypeError, ValueError, RuntimeError, NotImplementedError), match=match):
+        call(*_qkv())
+
+
+@pytest.mark.parametrize("cu_q, match", [
+    (torch.tensor([0, 3, 9]), "int32"),
+    (torch.tensor([0, 5, 3], dtype=torch.int32), "non-decreasing"),
+    (torch.tensor([1, 3, 9], dtype=torch.int32), "from 0"),
+    (torch.tensor([0, 3, 12], dtype=torch.int32), "at most the tensor's 9 tokens"),
+])
+def test_bad_cu_seqlens_are_named(cu_q, match):
+    q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
+    cu_k = torch.tensor([0, 3, 9], dtype=torch.int32)
+    with pytest.raises((TypeError, ValueError), match=match):
+        tile_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)

@@ -1,0 +1,40 @@
+"""The FlashAttention forward's config, and the one launched for a head dim on a target."""
+
+
+from dataclasses import dataclass
+
+from tile_ops.jit import default_arch
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_M: int = 64  # query rows per block
+    block_N: int = 64  # keys per tile of the loop
+    num_stages: int = 2  # key/value tiles in flight
+    threads: int = 128
+
+    def __post_init__(self):
+        for name in ("block_M", "block_N"):
+            v = getattr(self, name)
+            if v < 16 or v % 16:
+                raise ValueError(f"AttentionConfig.{name}={v}: a multiple of 16, at least 16")
+        if self.num_stages < 1 or self.threads % 128:
+            raise ValueError(f"AttentionConfig: num_stages={self.num_stages} (>= 1), threads={self.threads} "
+                             f"(a multiple of 128: whole warpgroups)")
+
+
+def shared_memory_bytes(cfg: AttentionConfig, dim: int, esize: int = 2) -> int:
+    """Q's tile and ``num_stages`` K and V tiles."""
+    return esize * dim * (cfg.block_M + 2 * cfg.num_stages * cfg.block_N)
+
+
+def default_config(dim: int, arch: str | None = None) -> AttentionConfig:
+    """A block of 128 query rows (two warpgroups of 64) where its accumulator fits the registers beside the
+    scores; 64 rows from head dim 192 on, and on the mma.sync path."""
+    if (arch or default_arch()) != "sm_90a":
+        return AttentionConfig(64, 64, 2, 128)
+    if dim <= 128:
+        return AttentionConfig(128, 64, 2, 256)
+    return AttentionConfig(64, 64, 2, 128)

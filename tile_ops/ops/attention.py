@@ -1,0 +1,296 @@
+"""``torch.ops.tile_ops.flash_attention`` and flash-attn 2's Python API over it.
+
+Schema::
+
+    tile_ops::flash_attention(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False,
+                              int window_left=-1, int window_right=-1, float softcap=0.0,
+                              Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)
+
+On (B, S, H, D) tensors, as flash-attn: ``out`` (B, Sq, Hq, D) in q's dtype, ``lse`` (B, Hq, Sq) float32, the
+natural log-sum-exp of each row's scores (-inf, with out 0, for a row that sees no key).  Scores are
+``softcap * tanh(scale * q k / softcap)`` (just ``scale * q k`` without a softcap) plus the ALiBi bias
+``-slope * |i + Sk - Sq - j|``; query i sees key j where ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``
+(a bound of -1: none; causal is right = 0), so masks align to the bottom-right corner as in flash-attn >= 2.1.
+
+Implementations:
+
+* CUDA: ``tile_ops.kernels.attention`` (fp16/bf16), one kernel per (head dim, dtype, mask kind, scale, softcap,
+  config) for every batch, head count and length; q, k and v reach it through their strides, no copies, where
+  each has a contiguous last dimension and 16-byte-aligned rows (e.g. (B, H, S, D) tensors transposed).
+* CPU: the reference in plain torch (float32; float64 for float64 inputs).
+* Fake: shapes and dtypes, for ``torch.compile``.
+* Autograd: the gradients of the reference, recomputed in float32 (the backward kernels are issue 43's).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from . import checks
+
+OP = "tile_ops.flash_attention"
+HEAD_DIMS = (64, 96, 128, 192, 256)  # the CUDA kernel's (any head dim on the CPU)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_window(window_left, window_right):
+    for name, w in (("window_size[0]", window_left), ("window_size[1]", window_right)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+            raise ValueError(f"{OP}: {name}={w!r}; accepted: an int >= -1 (-1: unbounded)")
+
+
+def check_inputs(q, k, v, softmax_scale=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    """ValueError/TypeError naming the argument unless the op can run on these inputs (shapes and dtypes only:
+    the fake implementation runs it too)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{OP}: {name} has shape {list(t.shape)}; accepted: 4 dims (batch, seqlen, heads, "
+                             f"head_dim)")
+    kind = checks.device_kind(q.device)
+    dtypes = checks.input_dtypes(kind)
+    if q.dtype not in dtypes:
+        raise TypeError(f"{OP}: q is {q.dtype}; accepted on {'CUDA' if kind == 'cuda' else 'CPU'}: "
+                        f"{checks.dtype_names(dtypes)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise RuntimeError(f"{OP}: {name} is on {t.device}, q on {q.device}; accepted: all on one device")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{OP}: {name} is {t.dtype}, q {q.dtype}; accepted: q, k and v of one dtype")
+    B, _, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"{OP}: k {list(k.shape)} and v {list(v.shape)} differ; accepted: the same shape")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"{OP}: q {list(q.shape)} and k {list(k.shape)}: batch and head_dim must match")
+    Hkv = k.shape[2]
+    if Hkv == 0 and Hq or Hkv and Hq % Hkv:
+        raise ValueError(f"{OP}: q has {Hq} heads, k and v {Hkv}; accepted: a number of q heads that is a multiple "
+                         f"of k's (MQA/GQA)")
+    if kind == "cuda" and D not in HEAD_DIMS:
+        raise ValueError(f"{OP}: head_dim {D}; accepted on CUDA: {', '.join(map(str, HEAD_DIMS))}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{OP}: {name} has strides {list(t.stride())}; accepted: a contiguous last dimension "
+                             f"(stride 1), e.g. {name}.contiguous()")
+    if softmax_scale is not None and (not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale)):
+        raise ValueError(f"{OP}: softmax_scale={softmax_scale!r}; accepted: None (1/sqrt(head_dim)) or a finite float")
+    _check_window(window_left, window_right)
+    if not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"{OP}: softcap={softcap!r}; accepted: a finite float >= 0 (0: none)")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"{OP}: alibi_slopes must be a float32 tensor, got "
+                            f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
+        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+            raise ValueError(f"{OP}: alibi_slopes has shape {list(alibi_slopes.shape)}; accepted: ({Hq},) or "
+                             f"({B}, {Hq}) (nheads, or batch x nheads)")
+        if alibi_slopes.device != q.device:
+            raise RuntimeError(f"{OP}: alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+
+
+def _check_cuda_layout(q, k, v):
+    """The kernel reads each (B, S, H, D) tensor through its strides: rows 16-byte aligned."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() == 0:
+            continue
+        if t.data_ptr() % checks.POINTER_ALIGNMENT:
+            raise ValueError(f"{OP}: {name}.data_ptr() is not 16-byte aligned; accepted: aligned tensors (a "
+                             f"fresh tensor or {name}.contiguous() is)")
+        if any(n > 1 and s * t.element_size() % checks.POINTER_ALIGNMENT for n, s in zip(t.shape[:3], t.stride()[:3])):
+            raise ValueError(f"{OP}: {name} has strides {list(t.stride())}: its rows do not start 16-byte aligned; "
+                             f"accepted: strides of batch, seqlen and heads that are multiples of "
+                             f"{checks.POINTER_ALIGNMENT // t.element_size()} elements (e.g. {name}.contiguous())")
+
+
+# --------------------------------------------------------------------------- CPU reference and fake
+
+
+def attention_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, return_lse=False):
+    """Plain-torch attention on (B, S, H, D) tensors, in float32 (float64 for float64 inputs): ``out`` in q's
+    dtype, with ``return_lse`` also the (B, Hq, Sq) log-sum-exp."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    group = Hq // Hkv if Hkv else 1
+    qh = q.to(cdt).transpose(1, 2)
+    kh, vh = (t.to(cdt).transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
+    s = qh @ kh.transpose(-1, -2) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(Sq, device=q.device).view(-1, 1)
+    j = torch.arange(Sk, device=q.device).view(1, -1)
+    diagonal = i + Sk - Sq
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.to(cdt).reshape(-1, Hq, 1, 1) * (diagonal - j).abs().to(cdt)
+    left, right = window_size
+    right = 0 if causal else right
+    visible = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible &= j <= diagonal + right
+    if left >= 0:
+        visible &= j >= diagonal - left
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1) if Sk else s.new_full((B, Hq, Sq), -math.inf)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # a row that sees no key: -inf - -inf
+    out = (p @ vh).transpose(1, 2).to(q.dtype)
+    return (out, lse.to(cdt)) if return_lse else out
+
+
+def _flash_attention_reference(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
+                               softcap=0.0, alibi_slopes=None):
+    check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    out, lse = attention_reference(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
+                                   alibi_slopes, return_lse=True)
+    return out.contiguous(), lse.to(torch.float32).contiguous()
+
+
+def _flash_attention_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                          alibi_slopes=None):
+    check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    B, Sq, Hq, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                          alibi_slopes=None):
+    check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    _check_cuda_layout(q, k, v)
+    B, Sq, Hq, D = q.shape
+    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no keys: every row sees none
+        return out.zero_(), lse.fill_(-math.inf)
+    from ..kernels.attention_launch import launch_attention
+
+    launch_attention(q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                       softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    """The reference's gradients, recomputed in float32 (issue 43 brings the backward kernels)."""
+    q, k, v = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [t.detach().float().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        out, lse = attention_reference(*inputs, return_lse=True, **ctx.options)
+        outputs, grads = [out], [grad_out.float()]
+        if grad_lse is not None:
+            outputs.append(lse)
+            grads.append(grad_lse.float().masked_fill(lse.isinf(), 0.0))
+        wanted = [t for t in inputs if t.requires_grad]
+        got = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True)) if wanted else iter(())
+    dq, dk, dv = (next(got).to(t.dtype) if need else None for t, need in zip((q, k, v), ctx.needs_input_grad[:3]))
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_op = torch.library.custom_op(
+    "tile_ops::flash_attention", _flash_attention_reference, mutates_args=(), device_types="cpu",
+    schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, int window_left=-1, "
+           "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)")
+_op.register_kernel("cuda", _flash_attention_cuda)
+_op.register_fake(_flash_attention_fake)
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- flash-attn's API
+
+
+def _refuse(dropout_p, block_table=None):
+    if dropout_p:
+        raise NotImplementedError(f"{OP}: dropout_p={dropout_p}; accepted: 0.0 (attention dropout is not "
+                                  f"implemented: it needs a reproducible RNG in the kernel; FlashAttention-3 has "
+                                  f"none either)")
+    if block_table is not None:
+        raise NotImplementedError(f"{OP}: block_table (a paged KV cache) is not supported; accepted: None")
+
+
+def _window(window_size):
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"{OP}: window_size={window_size!r}; accepted: a pair (left, right) of ints >= -1")
+    _check_window(*window_size)
+    return int(window_size[0]), int(window_size[1])
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2's ``flash_attn_func`` on (batch, seqlen, nheads, headdim) tensors: ``out``, with
+    ``return_attn_probs`` ``(out, softmax_lse, None)`` (lse (batch, nheads, seqlen_q), float32; the probabilities
+    themselves are never formed).  ``deterministic`` is accepted: the forward is deterministic."""
+    _refuse(dropout_p)
+    left, right = _window(window_size)
+    out, lse = torch.ops.tile_ops.flash_attention(q, k, v, softmax_scale, bool(causal), left, right, float(softcap),
+                                                  alibi_slopes)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _check_cu_seqlens(name, cu, total, batch=None):
+    """The host copy of a cu_seqlens tensor, checked: int32, 1-D, from 0, non-decreasing, ending within ``total``."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+        raise TypeError(f"{OP}: {name} must be a 1-D int32 tensor of batch + 1 offsets, got "
+                        f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
+    if batch is not None and cu.numel() != batch + 1:
+        raise ValueError(f"{OP}: {name} has {cu.numel()} offsets, cu_seqlens_q {batch + 1}; accepted: the same count")
+    offsets = cu.tolist()
+    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[-1] > total:
+        raise ValueError(f"{OP}: {name}={offsets[:8]}{'...' if len(offsets) > 8 else ''}; accepted: offsets from 0, "
+                         f"non-decreasing, the last at most the tensor's {total} tokens")
+    return offsets
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's ``flash_attn_varlen_func`` on packed (total, nheads, headdim) tensors, sequence i being
+    rows ``cu_seqlens[i]:cu_seqlens[i + 1]``: ``out`` (total_q, nheads, headdim), with ``return_attn_probs``
+    ``(out, softmax_lse, None)``, lse (nheads, total_q).  Each sequence runs as a batch of one through its view
+    of the packed tensors (no copies in); zero-length sequences are skipped."""
+    _refuse(dropout_p, block_table)
+    left, right = _window(window_size)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{OP}: {name} must be a packed (total, nheads, headdim) tensor, got "
+                             f"{list(getattr(t, 'shape', [])) or type(t).__name__}")
+    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], batch=len(cq) - 1)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] != len(cq) - 1:
+        raise ValueError(f"{OP}: alibi_slopes has shape {list(alibi_slopes.shape)}; accepted: (nheads,) or "
+                         f"(batch, nheads) with batch = {len(cq) - 1}")
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o, lse = torch.ops.tile_ops.flash_attention(
+            q[cq[i]:cq[i + 1]].unsqueeze(0), k[ck[i]:ck[i + 1]].unsqueeze(0), v[ck[i]:ck[i + 1]].unsqueeze(0),
+            softmax_scale, bool(causal), left, right, float(softcap), slopes)
+        outs.append(o[0])
+        lses.append(lse[0])
+    tail = q.shape[0] - cq[-1]  # rows past the last sequence belong to none: zeros, as flash-attn leaves them
+    out = torch.cat(outs + [q.new_zeros((tail, *q.shape[1:]))]) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses + [q.new_full((q.shape[1], tail), -math.inf, dtype=torch.float32)], dim=1) if lses else \
+        q.new_full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
+    return (out, lse, None) if return_attn_probs else out
+
+
+flash_attention = torch.ops.tile_ops.flash_attention
