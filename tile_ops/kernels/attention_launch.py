@@ -38,4 +38,5 @@ def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window
         slopes = alibi_slopes if alibi_slopes.stride(-1) == 1 and alibi_slopes.data_ptr() % 16 == 0 else \
             alibi_slopes.clone()
         args.append(slopes.expand(q.shape[0], q.shape[2]))  # (Hq,) over the batch: its stride 0
-    kernel.launch(*args)
+    # the op checked dtypes, shapes and alignment; the sizes and strides come from these very tensors
+    kernel.launch_ptrs([t.data_ptr() for t in args], q.device, kernel.dims.read(args))
