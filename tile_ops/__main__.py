@@ -3,8 +3,8 @@
     tile_ops demo [--arch ARCH] [--quick]     compile the library's kernels, show registers / smem / SASS mix;
                                              with a GPU also check them against torch and time both
     tile_ops cache info | clear               the on-disk kernel cache ($TILE_OPS_CACHE_DIR or ~/.tile_ops/cache)
-    tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--dtype ...]
-                        [--record FILE ...] [--module FILE.py:FN ...] [--all-m MAX]
+    tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--attention D ...]
+                        [--dtype ...] [--record FILE ...] [--module FILE.py:FN ...] [--all-m MAX]
                                              fill the cache ahead of time (no GPU needed): an option per op, the
                                              problems a run recorded (TILE_OPS_RECORD), or a model's forward
     tile_ops tune OP --shape MxNxK [...] | --list | --show | --clear
@@ -75,7 +75,42 @@ class Job:
     def of(entry: dict, arch: str) -> "Job":
         """The job of a recorded ``{"op", "problem"}`` entry (record.py)."""
         p = entry["problem"]
+        if entry["op"] == AttentionJob.op:
+            return AttentionJob(p, arch)
         return Job(entry["op"], (p["M"], p["N"], p["K"]), p["dtype"], arch, p.get("scale", 1.0), recorded=p)
+
+
+@dataclasses.dataclass
+class AttentionJob:
+    """A FlashAttention forward kernel: its problem (``attention_launch.attention_problem``: head dim, dtype, mask
+    kind, scale, softcap; never a size) and the target arch."""
+
+    problem: dict
+    arch: str
+    op = "flash_attention"
+
+    @property
+    def label(self) -> str:
+        p = self.problem
+        mask = ("causal" if p["causal"] else "") + (f" window={tuple(p['window'])}" if tuple(p["window"]) not in
+                                                   ((-1, -1), (-1, 0)) else "")
+        extra = " ".join(f"{k}={p[k]}" for k in ("softcap", "scale") if p[k]) + (" alibi" if p["alibi"] else "")
+        return " ".join(x for x in (f"flash_attention d{p['dim']} {p['dtype']}", mask.strip(), extra) if x)
+
+    def key_and_builder(self):
+        from .kernels.attention import flash_attention_forward
+        from .kernels.attention_config import default_config
+        from .kernels.attention_launch import build_attention
+
+        problem = dict(self.problem, window=tuple(self.problem["window"]))
+        cfg = default_config(problem["dim"], self.arch)
+        return (flash_attention_forward.key((), dict(problem, cfg=cfg), self.arch),
+                lambda: build_attention(problem, cfg, self.arch))
+
+    @staticmethod
+    def plain(dim: int, dtype: str, causal: bool, arch: str) -> "AttentionJob":
+        return AttentionJob(dict(dim=dim, dtype=dtype, causal=causal, window=(-1, 0 if causal else -1), softcap=0.0,
+                                 alibi=False, scale=None), arch)
 
 
 @dataclasses.dataclass
@@ -284,10 +319,12 @@ def cmd_precompile(args) -> int:
 
     asked = {op: getattr(args, op) for op in targets.TARGETS}
     recorded = recorded_jobs(args)
-    if all(shapes is None for shapes in asked.values()) and not recorded:
+    if all(shapes is None for shapes in asked.values()) and not recorded and not args.attention:
         asked = {op: target.precompile for op, target in targets.TARGETS.items()}
     jobs = [Job(op, s, dt, args.arch, sc) for op, target in targets.TARGETS.items() for s in asked[op] or []
             for dt in args.dtype for sc in (args.scale if target.scaled else [1.0])]
+    jobs += [AttentionJob.plain(d, dt, causal, args.arch) for d in args.attention or [] for dt in args.dtype
+             for causal in (False, True)]
     jobs = _distinct(jobs + recorded)
     if args.all_m:
         jobs = _distinct([j for job in jobs for j in every_m(job, args.all_m)])
@@ -385,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         pc.add_argument(f"--{op.replace('_', '-')}", dest=op, nargs="+", type=parse_shape, metavar="MxNxK",
                         help=f"{op} shapes (default, when no op's shapes are given: "
                         + " ".join("x".join(map(str, s)) for s in target.precompile) + ")")
+    pc.add_argument("--attention", nargs="+", type=int, choices=(64, 96, 128, 192, 256), metavar="HEAD_DIM",
+                    help="FlashAttention forward kernels of these head dims, causal and not (every length and batch)")
     pc.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     pc.add_argument("--scale", nargs="+", type=parse_scale, default=PRECOMPILE_SCALES,
                     help=f"scales of {', '.join(op for op, t in targets.TARGETS.items() if t.scaled)} "

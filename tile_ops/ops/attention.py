@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import checks
+from . import checks, record
 
 OP = "tile_ops.flash_attention"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # the CUDA kernel's (any head dim on the CPU)
@@ -145,9 +145,19 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, window_size=(
     return (out, lse.to(cdt)) if return_lse else out
 
 
+def _note(q, softmax_scale, causal, window, softcap, alibi_slopes):
+    """While recording (record.py): the kernel a CUDA call on these inputs launches."""
+    if record.active() and q.dtype in checks.CUDA_INPUT_DTYPES and q.shape[-1] in HEAD_DIMS:
+        from ..kernels.attention_launch import attention_problem
+
+        record.add("flash_attention", attention_problem(q, softmax_scale, causal, window, softcap,
+                                                        alibi_slopes is not None))
+
+
 def _flash_attention_reference(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
                                softcap=0.0, alibi_slopes=None):
     check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
     out, lse = attention_reference(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
                                    alibi_slopes, return_lse=True)
     return out.contiguous(), lse.to(torch.float32).contiguous()
@@ -167,6 +177,7 @@ def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left
                           alibi_slopes=None):
     check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     _check_cuda_layout(q, k, v)
+    _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
     B, Sq, Hq, D = q.shape
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)

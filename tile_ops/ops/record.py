@@ -32,7 +32,12 @@ def note(spec, args) -> None:
     except (ValueError, TypeError, KeyError, RuntimeError):
         return
     for problem in problems:
-        _append({"op": spec.name, "problem": problem})
+        add(spec.name, problem)
+
+
+def add(op: str, problem: dict) -> None:
+    """Record one kernel problem of op ``op`` (a JSON-able dict its precompile job reads back)."""
+    _append({"op": op, "problem": problem})
 
 
 def _append(entry: dict) -> None:
