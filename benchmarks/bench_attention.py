@@ -71,8 +71,9 @@ def ours(q, k, v, causal, cfg=None):
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Sq, device=q.device)
     args = [t.transpose(1, 2) for t in (q, k, v, out)] + [lse]
-    ptrs, dims = [t.data_ptr() for t in args], kernel.dims.read(args)
-    return lambda: kernel.launch_ptrs(ptrs, q.device, dims)
+    ptrs = [t.data_ptr() for t in args]
+    values = kernel.values(kernel.dims.read(args), scale=D ** -0.5, softcap=0.0, window_left=-1, window_right=-1)
+    return lambda: kernel.launch_ptrs(ptrs, q.device, values)
 
 
 def error(q, k, v, causal) -> float:

@@ -69,13 +69,13 @@ def test_transposed_inputs_reach_the_kernel_without_copies():
     _check(out, lse, q, k, v, 2e-2, causal=True)
 
 
-def test_one_kernel_for_every_length():
+def test_one_kernel_for_every_length_and_scale():
     problem = attention_problem(torch.empty(1, 1, 1, 128, dtype=torch.float16), causal=True)
     kernel = build_attention(problem)
-    for i, (Sq, Sk) in enumerate(((1, 1), (100, 1000), (4097, 4097), (63, 65))):
+    for i, (Sq, Sk, scale) in enumerate(((1, 1, None), (100, 1000, 0.05), (4097, 4097, None), (63, 65, 0.3))):
         q, k, v = _inputs(1, 2, 2, Sq, Sk, 128, torch.float16, seed=i)
-        out, lse, _ = tile_ops.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-        _check(out, lse, q, k, v, 4e-3, causal=True)
+        out, lse, _ = tile_ops.flash_attn_func(q, k, v, causal=True, softmax_scale=scale, return_attn_probs=True)
+        _check(out, lse, q, k, v, 4e-3, causal=True, softmax_scale=scale)
         assert build_attention(attention_problem(q, causal=True)) is kernel
 
 

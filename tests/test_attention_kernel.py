@@ -39,9 +39,10 @@ def _program(dim, dtype="float16", cfg=SMALL, **kw):
     return flash_attention_forward.fn(dim, dtype, cfg=cfg, **kw)
 
 
-def run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", slopes=None, seed=0):
+def run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", slopes=None, seed=0, scale=None, softcap=0.0,
+                 window=(-1, -1)):
     """(O, LSE) from the emulator and the float64 reference's, for (B, S, H, D) inputs read as (B, H, S, D)
-    views (strided), outputs poisoned with NaN first."""
+    views (strided), outputs poisoned with NaN first; the kernel's scalars as given."""
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
     q = torch.randn(B, Sq, Hq, dim, generator=gen).to(dt)
@@ -51,13 +52,15 @@ def run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", slopes=None, seed
     lse = torch.full((B, Hq, Sq), float("nan"), dtype=torch.float32)
     arrays = {"Q": _bits(q), "K": _bits(k), "V": _bits(v), "O": _bits(out), "LSE": lse.numpy()}
     sizes = {"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "Sk": Sk}
+    scalars = dict(scale=dim ** -0.5 if scale is None else scale, softcap=softcap, window_left=window[0],
+                   window_right=window[1])
     for name, t in (("Q", q), ("K", k), ("V", v), ("O", out)):
         view = t.transpose(1, 2)
         sizes.update({f"{name}_stride_{a}": view.stride(i) for i, a in enumerate("bhs")})
     if slopes is not None:
         arrays["Slopes"] = slopes.expand(B, Hq).contiguous().reshape(-1).numpy()
         sizes["slopes_stride_b"] = Hq
-    emu = Emulator(lk.func, {**arrays, **sizes})
+    emu = Emulator(lk.func, {**arrays, **sizes, **scalars})
     emu.run(tuple(evaluate(g, sizes) for g in lk.meta.grid))
     return out.double(), lse.double(), (q, k, v), emu.ran
 
@@ -83,33 +86,40 @@ def check(out, lse, ref_out, ref_lse, tol):
     dict(shape=(1, 2, 1, 100, 33), kw=dict(causal=True)),  # Sq > Sk: the first 67 rows see no key
     dict(shape=(1, 2, 2, 20, 90), kw=dict(causal=True), dtype="bfloat16"),  # Sq < Sk: bottom-right
     dict(shape=(1, 1, 1, 128, 160), kw=dict(window=(20, 5))),  # a sliding window: tiles outside it skipped
-    dict(shape=(1, 2, 1, 70, 70), kw=dict(softcap=2.0, alibi=True, causal=True)),
-], ids=["ragged", "gqa-causal", "causal-sq>sk", "causal-sq<sk-bf16", "window", "softcap-alibi"])
+    dict(shape=(1, 1, 1, 100, 100), kw=dict(window=(-1, 7), scale=0.3)),  # bounded on the right only
+    dict(shape=(1, 2, 1, 70, 70), kw=dict(softcap=2.0, alibi=True, causal=True, window=(30, 0))),
+], ids=["ragged", "gqa-causal", "causal-sq>sk", "causal-sq<sk-bf16", "window", "window-right", "softcap-alibi"])
 def test_forward_matches_float64(case):
     B, Hq, Hkv, Sq, Sk = case["shape"]
     kw, dtype, dim = case["kw"], case.get("dtype", "float16"), 32
-    lk = lower(_program(dim, dtype, **kw), "sm_80")
+    window, causal = kw.get("window", (-1, -1)), kw.get("causal", False)
+    local = window[0] >= 0 or (window[1] >= 0 and not causal)
+    lk = lower(_program(dim, dtype, causal=causal, local=local, softcap=kw.get("softcap", 0) > 0,
+                        alibi=kw.get("alibi", False)), "sm_80")
     slopes = torch.rand(Hq) * 0.3 if kw.get("alibi") else None
-    out, lse, (q, k, v), ran = run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype, slopes)
-    ref_out, ref_lse = reference(q, k, v, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
-                                 softcap=kw.get("softcap", 0.0), alibi_slopes=slopes)
+    out, lse, (q, k, v), ran = run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype, slopes, scale=kw.get("scale"),
+                                            softcap=kw.get("softcap", 0.0), window=window)
+    ref_out, ref_lse = reference(q, k, v, causal=causal, window_size=window, softcap=kw.get("softcap", 0.0),
+                                 alibi_slopes=slopes, softmax_scale=kw.get("scale"))
     check(out.transpose(1, 2), lse, ref_out.transpose(1, 2), ref_lse, 8e-3 if dtype == "bfloat16" else 2e-3)
     assert ran.get(f"mma.{'bf16' if dtype == 'bfloat16' else 'f16'}", 0) > 0 and ran.get("cp.async.cg.16", 0) > 0
 
 
 def test_one_kernel_serves_every_shape():
-    """Batch, heads, lengths and strides are all launch-time values: one lowered kernel runs several shapes."""
+    """Batch, heads, lengths, strides and the scale are all launch-time values: one lowered kernel runs several
+    shapes."""
     lk = lower(_program(32, causal=True), "sm_80")
-    for i, (B, Hq, Hkv, Sq, Sk) in enumerate(((1, 1, 1, 5, 9), (2, 3, 1, 70, 31), (1, 2, 2, 64, 64))):
-        out, lse, (q, k, v), _ = run_emulated(lk, B, Hq, Hkv, Sq, Sk, 32, seed=i)
-        ref_out, ref_lse = reference(q, k, v, causal=True)
+    for i, (B, Hq, Hkv, Sq, Sk, scale) in enumerate(((1, 1, 1, 5, 9, None), (2, 3, 1, 70, 31, 0.05),
+                                                     (1, 2, 2, 64, 64, 0.4))):
+        out, lse, (q, k, v), _ = run_emulated(lk, B, Hq, Hkv, Sq, Sk, 32, seed=i, scale=scale)
+        ref_out, ref_lse = reference(q, k, v, causal=True, softmax_scale=scale)
         check(out, lse, ref_out, ref_lse, 2e-3)
 
 
 def test_a_window_skips_the_tiles_outside_it():
     """A window of 8 keys before the diagonal: each 64-row block walks at most 3 of the 6 key tiles, not all."""
-    lk = lower(_program(32, window=(8, 0)), "sm_80")
-    _, _, _, ran = run_emulated(lk, 1, 1, 1, 192, 192, 32)
+    lk = lower(_program(32, local=True), "sm_80")
+    _, _, _, ran = run_emulated(lk, 1, 1, 1, 192, 192, 32, window=(8, 0))
     full = lower(_program(32), "sm_80")
     _, _, _, ran_full = run_emulated(full, 1, 1, 1, 192, 192, 32)
     assert ran["mma.f16"] * 18 == ran_full["mma.f16"] * 8, (ran["mma.f16"], ran_full["mma.f16"])  # 2+3+3 of 18
@@ -118,7 +128,7 @@ def test_a_window_skips_the_tiles_outside_it():
 @needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("kw", [dict(dim=128), dict(dim=64, causal=True, dtype="bfloat16"),
-                                dict(dim=256, window=(128, 0), softcap=30.0, alibi=True)])
+                                dict(dim=256, causal=True, local=True, softcap=True, alibi=True)])
 def test_forward_builds_for_sm90a(kw):
     """The Hopper path: K and V by TMA (their strides from the launch), S and P V as wgmma, P from registers."""
     from tile_ops.kernels.attention_config import default_config

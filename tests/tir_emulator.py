@@ -323,8 +323,9 @@ class Emulator:
         element_strides, swizzle, l2_promotion, oob_fill}."""
         tensors = [p for p in func.params if "BufferType" in str(p.ty)]
         self.func, self.mem = func, {p.name: arrays[p.name] for p in tensors}
-        # T.dynamic sizes: int parameters, given by name like the tensors
+        # T.dynamic sizes and T.Scalars: int32 and float32 parameters, given by name like the tensors
         self.scalars = {_key(p): int(arrays[p.name]) for p in func.params if str(p.ty) == "int32"}
+        self.scalars.update({_key(p): np.float32(arrays[p.name]) for p in func.params if str(p.ty) == "float32"})
         self.tensormaps = dict(tensormaps or {})
         self.names = {}  # buffer handle -> its data var's name
         self.parsed = {}  # call handle -> what _issue_wgmma reads of it

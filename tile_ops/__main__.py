@@ -83,7 +83,7 @@ class Job:
 @dataclasses.dataclass
 class AttentionJob:
     """A FlashAttention forward kernel: its problem (``attention_launch.attention_problem``: head dim, dtype, mask
-    kind, scale, softcap; never a size) and the target arch."""
+    kind; never a size, scale or window) and the target arch."""
 
     problem: dict
     arch: str
@@ -92,25 +92,22 @@ class AttentionJob:
     @property
     def label(self) -> str:
         p = self.problem
-        mask = ("causal" if p["causal"] else "") + (f" window={tuple(p['window'])}" if tuple(p["window"]) not in
-                                                   ((-1, -1), (-1, 0)) else "")
-        extra = " ".join(f"{k}={p[k]}" for k in ("softcap", "scale") if p[k]) + (" alibi" if p["alibi"] else "")
-        return " ".join(x for x in (f"flash_attention d{p['dim']} {p['dtype']}", mask.strip(), extra) if x)
+        kind = [name for name in ("causal", "local", "softcap", "alibi") if p[name]]
+        return " ".join([f"flash_attention d{p['dim']} {p['dtype']}", *kind])
 
     def key_and_builder(self):
         from .kernels.attention import flash_attention_forward
         from .kernels.attention_config import default_config
         from .kernels.attention_launch import build_attention
 
-        problem = dict(self.problem, window=tuple(self.problem["window"]))
+        problem = self.problem
         cfg = default_config(problem["dim"], self.arch)
         return (flash_attention_forward.key((), dict(problem, cfg=cfg), self.arch),
                 lambda: build_attention(problem, cfg, self.arch))
 
     @staticmethod
     def plain(dim: int, dtype: str, causal: bool, arch: str) -> "AttentionJob":
-        return AttentionJob(dict(dim=dim, dtype=dtype, causal=causal, window=(-1, 0 if causal else -1), softcap=0.0,
-                                 alibi=False, scale=None), arch)
+        return AttentionJob(dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False), arch)
 
 
 @dataclasses.dataclass

@@ -64,7 +64,8 @@ def compile_program(prog: Program, arch: str = "sm_80", sms: int | None = None) 
         raise
     if any(name in kept for name in huge):  # its pointer is indexed (not a TMA descriptor): 32-bit offsets
         raise _indexed_too_far(prog.name, {n: s for n, s in huge.items() if n in kept})
-    known = {name for name, _, _ in meta.params} | {name for name, _ in meta.dims} | set(meta.tensormaps) | {WORKSPACE}
+    known = ({name for name, _, _ in meta.params} | {name for name, _ in meta.dims + meta.scalars}
+             | set(meta.tensormaps) | {WORKSPACE})
     if not set(kept) <= known:  # a value the launcher cannot pass (TVM hoisted an expression to the host side)
         raise RuntimeError(f"tile_ops: {prog.name}'s CUDA entry takes {sorted(set(kept) - known)}, which is no "
                            f"parameter, T.dynamic size or tensor map of the program; please report this kernel")

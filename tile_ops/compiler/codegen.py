@@ -47,7 +47,7 @@ def _register_dynamic_pipeline() -> str:
 def emit_cuda(func, meta: KernelMeta, arch: str) -> tuple[str, str, list[str]]:
     """CUDA source, the entry symbol, and the names of the parameters it kept, in order
     (TVM drops parameters the kernel never touches)."""
-    pipeline = _register_dynamic_pipeline() if meta.dims else "tirx"
+    pipeline = _register_dynamic_pipeline() if meta.dims or meta.scalars else "tirx"
     mod = tvm.compile(tvm.IRModule({"main": func}), target=target_for(arch), tir_pipeline=pipeline)
     source = mod.mod.imports[0].inspect_source()
     if meta.ctas_per_sm > 1:  # cap registers so that many CTAs fit on an SM (setmaxnreg rebalances them)

@@ -90,7 +90,7 @@ class Lowering:
                     # a strided tensor is its flat storage here, offsets from its strides (global_index)
                     shape = p.shape if p.strides is None else (1 + sum((n - 1) * s for n, s in zip(p.shape, p.strides)),)
                     self.globals[p] = T.arg(p.name, T.Buffer(shape, p.dtype))
-                for d in self.prog.dims:  # an int32 entry parameter each, after the tensors
+                for d in self.prog.dims + self.prog.scalars:  # an entry parameter each, after the tensors
                     T.arg(d.name, d)
                 if sk:  # nominal extent (the launcher sizes it to the device's grid): flags, then slots
                     self.workspace = T.arg(WORKSPACE, T.Buffer(
@@ -133,6 +133,7 @@ class Lowering:
             name=self.prog.name, arch=self.target.arch, grid=tuple(map(to_python, grid)), block=(block, 1, 1),
             smem_bytes=smem_bytes, params=[(p.name, tuple(map(to_python, p.shape)), p.dtype) for p in self.prog.params],
             dims=[(d.name, d.multiple_of) for d in self.prog.dims],
+            scalars=[(v.name, str(v.ty)) for v in self.prog.scalars],
             strides={p.name: [to_python(s) for s in p.strides] for p in self.prog.params if p.strides},
             layouts={b.name: self._describe(b) for b in k.allocs},
             tensormaps=ws.tensormaps.specs() if ws else {},

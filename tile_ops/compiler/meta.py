@@ -53,6 +53,7 @@ class KernelMeta:
     waits_at_entry: bool = False
     dims: list = field(default_factory=list)  # [(name, multiple_of)]: the T.dynamic sizes, bound at launch
     strides: dict = field(default_factory=dict)  # param name -> its strides (elements), where not row-major
+    scalars: list = field(default_factory=list)  # [(name, dtype)]: T.Scalar parameters, passed after the dims
 
     @property
     def needs_workspace(self) -> bool:
@@ -72,4 +73,5 @@ class KernelMeta:
                 d[key] = tuple(d[key])
         d["params"] = [(n, tuple(s), t) for n, s, t in d["params"]]
         d["dims"] = [tuple(x) for x in d.get("dims", ())]
+        d["scalars"] = [tuple(x) for x in d.get("scalars", ())]
         return KernelMeta(**d)

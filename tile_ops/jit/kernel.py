@@ -38,15 +38,16 @@ class EntryArgs:
         self._descriptors: dict = {}  # (kept name, pointer, dims) -> bytes: launches mostly reuse buffers
         position = {name: i for i, (name, _, _) in enumerate(meta.params)}
         self._dim_names = [name for name, _ in meta.dims]
+        values = self._dim_names + [name for name, _ in meta.scalars]
         # per kept name: (position of the tensor whose pointer it takes, tensormap name or None); a T.dynamic
-        # size takes its value: (DIM, its index in meta.dims)
+        # size or a T.Scalar takes its value: (DIM, its index in the values, meta.dims then meta.scalars)
         self.sources = []
         for name in meta.kept:
             if name == WORKSPACE:
                 self.sources.append((-1, None))
                 continue
-            if name in self._dim_names:
-                self.sources.append((DIM, self._dim_names.index(name)))
+            if name in values:
+                self.sources.append((DIM, values.index(name)))
                 continue
             spec = meta.tensormaps.get(name)
             if spec is not None:
@@ -59,21 +60,21 @@ class EntryArgs:
                                  f"which is not a parameter ({', '.join(position)})")
             self.sources.append((position[tensor], None if spec is None else name))
         self._pointer_positions = [pos for pos, _ in self.sources]
-        self._plain = not self._tensormaps and not meta.dims
+        self._plain = not self._tensormaps and not meta.dims and not meta.scalars
         self._needs_workspace = WORKSPACE in meta.kept
 
     def build(self, ptrs, device: int, workspace: int = 0, dims: tuple = ()) -> list:
         """The entry's arguments from one pointer per parameter, the workspace's pointer and the values of the
-        kernel's T.dynamic sizes (in ``meta.dims`` order)."""
+        kernel's T.dynamic sizes (in ``meta.dims`` order) then of its T.Scalars (``Kernel.values``: 32-bit
+        patterns, passed as the low 4 bytes of a 64-bit argument)."""
         if self._needs_workspace:
             if not workspace:
                 raise ValueError("a stream-K kernel's arguments need its workspace (Kernel.launcher passes it)")
             ptrs = list(ptrs) + [workspace]  # position -1
         if self._plain:
             return [ptrs[pos] for pos in self._pointer_positions]
-        return [dims[tmap] if pos is DIM else ptrs[pos] if tmap is None else self._descriptor(tmap, ptrs[pos], device,
-                                                                                                dims)
-                for pos, tmap in self.sources]
+        return [dims[tmap] & 0xFFFFFFFF if pos is DIM else ptrs[pos] if tmap is None else
+                self._descriptor(tmap, ptrs[pos], device, dims) for pos, tmap in self.sources]
 
     def spec(self, tmap: str, dims: tuple = ()) -> dict:
         """Tensor map ``tmap``'s spec with its dims and strides evaluated for the T.dynamic sizes ``dims``."""
@@ -97,6 +98,19 @@ class EntryArgs:
                                 s["swizzle"], l2_promotion=s["l2_promotion"], oob_fill=s["oob_fill"], device=device)
             self._descriptors[(tmap, ptr, dims)] = desc
         return desc
+
+
+def encode_scalar(name: str, value, dtype: str) -> int:
+    """A T.Scalar's value as the signed 32-bit pattern a launch passes (plans.cpp's value arguments)."""
+    import struct
+
+    if dtype == "float32":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"T.Scalar {name} (float32): got {type(value).__name__}; accepted: a float")
+        return struct.unpack("<i", struct.pack("<f", float(value)))[0]
+    if isinstance(value, bool) or not isinstance(value, int) or not -2**31 <= value < 2**31:
+        raise TypeError(f"T.Scalar {name} (int32): got {value!r}; accepted: an int in [-2^31, 2^31)")
+    return value
 
 
 def _device_index(device) -> int:
@@ -193,7 +207,7 @@ class Kernel:
             self._dependent = Kernel(self.meta, self.source, self.cubin, programmatic=True)
         return self._dependent
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, **scalars):
         import torch
 
         m = self.meta
@@ -214,9 +228,17 @@ class Kernel:
             strides = [evaluate(s, named) for s in m.strides.get(name, ())] or None
             args[pos] = (torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device) if strides is None
                          else torch.empty_strided(shape, strides, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device))
-        self.launch(*args)
+        self.launch(*args, **scalars)
         outs = [args[i] for i in m.out_idx]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def values(self, dims: tuple = (), **scalars) -> tuple:
+        """The launch's values: the T.dynamic sizes ``dims`` (``self.dims.read``), then the T.Scalars by name."""
+        names = [name for name, _ in self.meta.scalars]
+        if set(scalars) != set(names):
+            raise TypeError(f"{self.meta.name} takes the scalars {', '.join(names) or 'none'}; got "
+                            f"{', '.join(sorted(scalars)) or 'none'}")
+        return tuple(dims) + tuple(encode_scalar(n, scalars[n], dt) for n, dt in self.meta.scalars)
 
     def grid_on(self, index: int, dims: tuple = ()) -> tuple:
         """The launch grid on device ``index`` for the T.dynamic sizes ``dims`` (in ``meta.dims`` order):
@@ -276,7 +298,7 @@ class Kernel:
         launch, handle = fn.bind(index)
         build, stream = self._entry_args.build, _current_stream_getter()
         block, smem, name = m.block, fn.smem_bytes, fn.name
-        if m.dims:
+        if m.dims or m.scalars:
             def bound(ptrs, dims=()):
                 grid = self.grid_on(index, dims)
                 if 0 in grid:  # a size of 0: nothing to compute
@@ -342,8 +364,9 @@ class Kernel:
                 for pos, tmap in entry.sources]
         return [], [(handle, grid, m.block, fn.smem_bytes, fn.name, args)]
 
-    def launch(self, *tensors, stream=None):
-        """Launch on explicit tensors for every parameter (inputs and outputs), checked first."""
+    def launch(self, *tensors, stream=None, **scalars):
+        """Launch on explicit tensors for every parameter (inputs and outputs), checked first; the kernel's
+        T.Scalars by name."""
         import torch
 
         m = self.meta
@@ -377,6 +400,7 @@ class Kernel:
             if t.data_ptr() % 16:
                 raise ValueError(f"{m.name}: parameter {name} must be 16-byte aligned (data_ptr % 16 == 0)")
         ptrs = [t.data_ptr() for t in tensors]
+        dims = self.values(dims, **scalars)
         if stream is None:
             return self.launcher(device)(ptrs, dims)
         index = _device_index(device)

@@ -6,15 +6,14 @@ transform (scale, softcap, ALiBi) in one pass, the online softmax (running row m
 2, the accumulator rescaled by 2^(m_old - m_new)), then P V with P from registers.  Rows that see no key get
 O = 0 and LSE = -inf.
 
-Every size is a ``T.dynamic`` one: batch, heads, both lengths and every stride but the last, so one kernel per
-(head dim, dtype, mask, config) serves every shape and every layout whose rows are contiguous: (B, S, H, D)
+Every size is a ``T.dynamic`` one (batch, heads, both lengths and every stride but the last) and every number
+of the mask and the scores a ``T.Scalar`` (scale, softcap, window sizes), so one kernel per (head dim, dtype,
+mask kind, config) serves every shape and every layout whose rows are contiguous: (B, S, H, D)
 tensors and (B, H, S, D) ones alike, read through (B, H, S, D) strides.  Causal masks are aligned to the
 bottom-right corner (query i sees key j <= i + Sk - Sq), as flash-attn >= 2.1.
 
 Configs: attention_config; the torch side: ops/attention.py."""
 
-
-import math
 
 import tile_ops
 import tile_ops.lang as T
@@ -32,48 +31,57 @@ def strided(name: str, dims: tuple, dtype: str, vec: int):
 
 
 @tile_ops.jit(out_idx=[])
-def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = False, window: tuple = (-1, -1),
-                            softcap: float = 0.0, alibi: bool = False, scale: float | None = None,
-                            cfg: AttentionConfig = AttentionConfig()):
-    """``window`` = (left, right): a query row sees keys within ``left`` before and ``right`` after its diagonal
-    (-1: unbounded); ``causal`` is right = 0.  ``softcap`` > 0: scores become softcap * tanh(scores / softcap)
-    before the ALiBi bias (-slope * |distance to the diagonal|) is added; ``scale`` defaults to 1/sqrt(dim)."""
-    left, right = window
-    right = 0 if causal else right
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = False, local: bool = False,
+                            softcap: bool = False, alibi: bool = False, cfg: AttentionConfig = AttentionConfig()):
+    """The mask kind and score transform are compile-time, their numbers launch-time scalars: ``scale``;
+    ``softcap`` (with ``softcap=True``: scores become softcap * tanh(scores / softcap), before the ALiBi bias
+    -slope * |distance to the diagonal| is added); ``window_left`` / ``window_right`` (with ``local=True``: a
+    query row sees keys within left before and right after its diagonal, -1 unbounded; ``causal`` fixes right
+    at 0)."""
     bM, bN = cfg.block_M, cfg.block_N
     vec = 16 // (2 if dtype in ("float16", "bfloat16") else 4)  # a 16-byte row chunk: TMA's and cp.async's unit
     B, Hq, Hkv, Sq, Sk = T.dynamic("B"), T.dynamic("Hq"), T.dynamic("Hkv"), T.dynamic("Sq"), T.dynamic("Sk")
     inf = T.infinity("float32")
 
-    def score(s, q, k, slope):
+    def mask(left, right):
+        """(visible(q, k), key_tiles(bx)) for keys in [diagonal - left, diagonal + right]; a bound is None (none),
+        a constant, or a launch-time scalar where -1 means none."""
+        right = 0 if causal else right if local else None
+        left = left if local else None
+
+        def bounded(bound, within, otherwise):
+            """``within(bound)`` where ``bound`` bounds the window, else ``otherwise``."""
+            return otherwise if bound is None else within(bound) if isinstance(bound, int) else \
+                T.where(bound >= 0, within(bound), otherwise)
+
+        def visible(q, k):
+            """Whether query ``q`` sees key ``k``: inside the keys, and the window around its diagonal."""
+            diagonal = q + (Sk - Sq)
+            return ((k < Sk) & bounded(right, lambda r: k <= diagonal + r, True)
+                    & bounded(left, lambda w: k >= diagonal - w, True))
+
+        def key_tiles(bx):
+            """(first, count) of the key tiles block ``bx``'s rows see."""
+            end = bounded(right, lambda r: T.min(Sk, (bx + 1) * bM + (Sk - Sq) + r), Sk)
+            first = bounded(left, lambda w: T.max(bx * bM + (Sk - Sq) - w, 0), 0) // bN
+            return first, T.max(T.ceildiv(end, bN) - first, 0)
+
+        return visible, key_tiles
+
+    def score(s, q, k, scale, cap, slope):
         """The score of query ``q`` and key ``k`` in log2 units, from the raw product ``s``."""
-        x = s * (scale * LOG2E) if softcap <= 0 else T.tanh(s * (scale / softcap)) * (softcap * LOG2E)
+        x = T.tanh(s * scale / cap) * (cap * LOG2E) if softcap else s * (scale * LOG2E)
         if alibi:
             x = x - slope * LOG2E * T.cast(T.abs(q + (Sk - Sq) - k), "float32")
         return x
 
-    def visible(q, k):
-        """Whether query ``q`` sees key ``k``: inside the keys, and the window around its diagonal."""
-        cond = k < Sk
-        if right >= 0:
-            cond = cond & (k <= q + (Sk - Sq) + right)
-        if left >= 0:
-            cond = cond & (k >= q + (Sk - Sq) - left)
-        return cond
-
-    def key_tiles(bx):
-        """(first, count) of the key tiles block ``bx``'s rows see."""
-        end = Sk if right < 0 else T.min(Sk, (bx + 1) * bM + (Sk - Sq) + right)
-        start = 0 if left < 0 else T.max(bx * bM + (Sk - Sq) - left, 0)
-        first = start // bN
-        return first, T.max(T.ceildiv(end, bN) - first, 0)
-
     q_type, o_type = strided("Q", (B, Hq, Sq, dim), dtype, vec), strided("O", (B, Hq, Sq, dim), dtype, vec)
     k_type, v_type = strided("K", (B, Hkv, Sk, dim), dtype, vec), strided("V", (B, Hkv, Sk, dim), dtype, vec)
     lse_type = T.Tensor((B, Hq, Sq), "float32")
+    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
 
-    def attention(Q, K, V, O, LSE, Slopes=None):
+    def attention(Q, K, V, O, LSE, scale, cap, left, right, Slopes=None):
+        visible, key_tiles = mask(left, right)
         with T.Kernel(T.ceildiv(Sq, bM), Hq, B, threads=cfg.threads) as (bx, h, b):
             kv_head = h // (Hq // Hkv)  # GQA/MQA: a group of query heads reads one K/V head
             slope = Slopes[b, h] if alibi else 0.0
@@ -99,7 +107,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
                     q, k = bx * bM + i, k0 + j
-                    S[i, j] = T.where(visible(q, k), score(S[i, j], q, k, slope), -inf)
+                    S[i, j] = T.where(visible(q, k), score(S[i, j], q, k, scale, cap, slope), -inf)
                 T.copy(m, rescale)
                 T.reduce_max(S, m, dim=1, clear=False)
                 for i in T.Parallel(bM):  # a row that has seen no key yet keeps m = -inf: subtract 0 instead
@@ -122,11 +130,13 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
     if alibi:  # one slope per (batch, head): a (B, Hq) view, a (Hq,) one expanded over the batch (stride 0)
         @T.prim_func
         def flash_attention(Q: q_type, K: k_type, V: v_type, O: o_type, LSE: lse_type,
-                            Slopes: T.Tensor((B, Hq), "float32", strides=(T.dynamic("slopes_stride_b"), 1))):
-            attention(Q, K, V, O, LSE, Slopes)
+                            Slopes: T.Tensor((B, Hq), "float32", strides=(T.dynamic("slopes_stride_b"), 1)),
+                            scale: f32, softcap: f32, window_left: i32, window_right: i32):
+            attention(Q, K, V, O, LSE, scale, softcap, window_left, window_right, Slopes)
     else:
         @T.prim_func
-        def flash_attention(Q: q_type, K: k_type, V: v_type, O: o_type, LSE: lse_type):
-            attention(Q, K, V, O, LSE)
+        def flash_attention(Q: q_type, K: k_type, V: v_type, O: o_type, LSE: lse_type, scale: f32, softcap: f32,
+                            window_left: i32, window_right: i32):
+            attention(Q, K, V, O, LSE, scale, softcap, window_left, window_right)
 
     return flash_attention

@@ -12,13 +12,12 @@ from .attention_config import default_config
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def attention_problem(q, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=False) -> dict:
-    """The kernel's compile-time arguments for a call: what one kernel is built per (never a size)."""
-    dim = q.shape[-1]
-    scale = None if softmax_scale is None or softmax_scale == dim ** -0.5 else float(softmax_scale)
+def attention_problem(q, causal=False, window=(-1, -1), softcap=0.0, alibi=False) -> dict:
+    """The kernel's compile-time arguments for a call: the head dim, dtype and mask kind (never a size, nor the
+    scale, softcap or window sizes, which the kernel takes at launch)."""
     left, right = window
-    return dict(dim=dim, dtype=_DT[q.dtype], causal=bool(causal), window=(int(left), 0 if causal else int(right)),
-                softcap=float(softcap), alibi=bool(alibi), scale=scale)
+    return dict(dim=q.shape[-1], dtype=_DT[q.dtype], causal=bool(causal), local=left >= 0 or (right >= 0 and not causal),
+                softcap=softcap > 0, alibi=bool(alibi))
 
 
 def build_attention(problem: dict, cfg=None, arch=None):
@@ -31,12 +30,15 @@ def build_attention(problem: dict, cfg=None, arch=None):
 def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
                      alibi_slopes=None):
     """out (B, Sq, Hq, D), lse (B, Hq, Sq) of the checked inputs, on the current stream."""
-    problem = attention_problem(q, softmax_scale, causal, window, softcap, alibi_slopes is not None)
-    kernel = build_attention(problem, arch=default_arch(q.device))
+    kernel = build_attention(attention_problem(q, causal, window, softcap, alibi_slopes is not None),
+                             arch=default_arch(q.device))
     args = [t.transpose(1, 2) for t in (q, k, v, out)] + [lse]
     if alibi_slopes is not None:
         slopes = alibi_slopes if alibi_slopes.stride(-1) == 1 and alibi_slopes.data_ptr() % 16 == 0 else \
             alibi_slopes.clone()
         args.append(slopes.expand(q.shape[0], q.shape[2]))  # (Hq,) over the batch: its stride 0
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     # the op checked dtypes, shapes and alignment; the sizes and strides come from these very tensors
-    kernel.launch_ptrs([t.data_ptr() for t in args], q.device, kernel.dims.read(args))
+    values = kernel.values(kernel.dims.read(args), scale=float(scale), softcap=float(softcap),
+                           window_left=int(window[0]), window_right=int(window[1]))
+    kernel.launch_ptrs([t.data_ptr() for t in args], q.device, values)

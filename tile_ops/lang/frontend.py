@@ -76,26 +76,44 @@ class Tensor:
             object.__setattr__(self, "strides", strides)
 
 
+@dataclass(frozen=True)
+class Scalar:
+    """Annotation of a scalar parameter passed by value at each launch: ``scale: T.Scalar("float32")``
+    (float32 or int32).  A value that changes from call to call without a new kernel (a softmax scale, a
+    window size); a compile-time constant is a factory argument instead."""
+
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "int32"):
+            raise error(user_loc(), f"T.Scalar: dtype={self.dtype!r}; accepted: 'float32' or 'int32'")
+
+
 def prim_func(fn) -> ir.Program:
     """Trace ``fn`` (whose parameters are annotated with ``T.Tensor``) into a tile program."""
     loc = ir.Loc(fn.__code__.co_filename, fn.__code__.co_firstlineno)
-    params = []
+    params, scalars, args = [], [], []
     tracer = ir._Tracer()
     for name, p in inspect.signature(fn).parameters.items():
         ann = p.annotation
         if isinstance(ann, str):
             raise error(loc, f"parameter {name!r} has a string annotation; remove `from __future__ import "
                              f"annotations` from the kernel's module (T.Tensor annotations must be evaluated)")
+        if isinstance(ann, Scalar):
+            scalars.append(tirx.Var(name, ann.dtype))
+            args.append(scalars[-1])
+            continue
         if not isinstance(ann, Tensor):
-            raise error(loc, f"parameter {name!r} must be annotated with T.Tensor(shape, dtype)")
+            raise error(loc, f"parameter {name!r} must be annotated with T.Tensor(shape, dtype) or T.Scalar(dtype)")
         buf = TileBuffer(name, ann.shape, ann.dtype, "global", loc, strides=ann.strides)
         tracer.buffers[buf.tir] = buf
         params.append(buf)
-    prog = ir.Program(fn.__name__, params, loc=loc, buffers=tracer.buffers, dims=_dims(loc, params))
+        args.append(buf)
+    prog = ir.Program(fn.__name__, params, loc=loc, buffers=tracer.buffers, dims=_dims(loc, params), scalars=scalars)
     tracer.dims = prog.dims
     ir.tracers().append(tracer)
     try:
-        fn(*params)
+        fn(*args)
     finally:
         ir.tracers().pop()
     if tracer.kernel is None:

@@ -323,6 +323,7 @@ class Program:
     loc: Loc | None = None
     buffers: dict = field(default_factory=dict)  # logical tirx buffer var -> TileBuffer (what loads name)
     dims: list = field(default_factory=list)  # T.dynamic sizes (tirx Vars), bound at launch from the shapes
+    scalars: list = field(default_factory=list)  # T.Scalar parameters (tirx Vars), passed by value at launch
 
 
 # ----------------------------------------------------------------------------- tracing

@@ -14,8 +14,8 @@ natural log-sum-exp of each row's scores (-inf, with out 0, for a row that sees 
 
 Implementations:
 
-* CUDA: ``tile_ops.kernels.attention`` (fp16/bf16), one kernel per (head dim, dtype, mask kind, scale, softcap,
-  config) for every batch, head count and length; q, k and v reach it through their strides, no copies, where
+* CUDA: ``tile_ops.kernels.attention`` (fp16/bf16), one kernel per (head dim, dtype, mask kind, config) for
+  every batch, head count, length, scale, softcap and window size; q, k and v reach it through their strides, no copies, where
   each has a contiguous last dimension and 16-byte-aligned rows (e.g. (B, H, S, D) tensors transposed).
 * CPU: the reference in plain torch (float32; float64 for float64 inputs).
 * Fake: shapes and dtypes, for ``torch.compile``.
@@ -150,8 +150,7 @@ def _note(q, softmax_scale, causal, window, softcap, alibi_slopes):
     if record.active() and q.dtype in checks.CUDA_INPUT_DTYPES and q.shape[-1] in HEAD_DIMS:
         from ..kernels.attention_launch import attention_problem
 
-        record.add("flash_attention", attention_problem(q, softmax_scale, causal, window, softcap,
-                                                        alibi_slopes is not None))
+        record.add("flash_attention", attention_problem(q, causal, window, softcap, alibi_slopes is not None))
 
 
 def _flash_attention_reference(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
