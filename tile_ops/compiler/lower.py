@@ -291,19 +291,23 @@ class Lowering:
     # ------------------------------------------------------------------ statements and barriers
 
     def body(self, nodes, var_map=None):
-        """Lower a statement list; a block barrier separates any two tile ops that touch shared
-        memory (their thread mappings differ, so one's writes are another's reads)."""
-        shared_before = False
+        """Lower a statement list; a block barrier separates two tile ops that touch shared memory where
+        either writes it (their thread mappings differ, so one's writes are another's reads); ops that only
+        read it since the last barrier need none."""
+        shared_before = written_before = False
         with ExitStack() as rest:  # stream-K: what follows the main loop, for the units that run it
             for node in nodes:
                 if self._reads_block_writes(node):  # global memory this block wrote, read back
                     self.sync_global_writes()
-                    shared_before = False  # that ends with a consumer barrier
+                    shared_before = written_before = False  # that ends with a consumer barrier
                 op = unit(node)
                 touches = op.touches_shared(self, node)
-                if shared_before and touches and not op.orders_itself:
+                writes = touches and op.writes_shared(self, node)
+                if shared_before and touches and (writes or written_before) and not op.orders_itself:
                     self.sync()
+                    shared_before = written_before = False
                 shared_before = shared_before or touches
+                written_before = written_before or writes
                 try:
                     op.lower(self, node, var_map or {})
                     self.written |= set(self.global_writes(node))

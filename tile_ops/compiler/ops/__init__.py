@@ -89,6 +89,11 @@ class TileOp:
         tile ops before it, whose thread mappings differ."""
         return any(b.scope == "shared" for b in self.reads(node, lw.buffers) + self.writes(node))
 
+    def writes_shared(self, lw, node) -> bool:
+        """Whether it writes shared memory (a tile, or the ops' scratch): two ops that only read it need no
+        barrier between them."""
+        return any(b.scope == "shared" for b in self.writes(node))
+
     def lower(self, lw, node, vm) -> None:
         raise NotImplementedError
 
@@ -123,6 +128,9 @@ class Container(TileOp):
 
     def touches_shared(self, lw, node) -> bool:
         return any(unit(n).touches_shared(lw, n) for n in node.body)
+
+    def writes_shared(self, lw, node) -> bool:
+        return any(unit(n).writes_shared(lw, n) for n in node.body)
 
 
 def setup(lw) -> None:

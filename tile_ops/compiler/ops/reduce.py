@@ -51,6 +51,9 @@ class ReduceOp(TileOp):
     def touches_shared(self, lw, node):
         return _across_warps(lw, node)
 
+    def writes_shared(self, lw, node):  # its partials, through the ops' scratch
+        return _across_warps(lw, node)
+
     def scratch_bytes(self, lw, node):
         lay = lw.infer.layouts.get(node.src)
         return lay.w.M * lay.w.wn * 4 if _across_warps(lw, node) else 0
