@@ -101,3 +101,19 @@ def test_no_keys_gives_zero_and_minus_infinity():
     k = v = torch.randn(1, 0, 2, 64, device="cuda", dtype=torch.float16)
     out, lse, _ = tile_ops.flash_attn_func(q, k, v, return_attn_probs=True)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+
+
+def test_compiled_fullgraph_dynamic_and_autograd():
+    """torch.compile(fullgraph=True, dynamic=True) over the CUDA op at two lengths, and its gradients (the
+    reference's until the backward kernels) against float64 autograd."""
+    f = torch.compile(lambda q, k, v: tile_ops.flash_attn_func(q, k, v, causal=True), fullgraph=True, dynamic=True)
+    for i, (Sq, Sk) in enumerate(((100, 130), (257, 257))):
+        q, k, v = _inputs(2, 4, 2, Sq, Sk, 64, torch.bfloat16, seed=10 + i)
+        ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
+        assert ((f(q, k, v).double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, 77, 99, 128, torch.float16, seed=5))
+    tile_ops.flash_attn_func(q, k, v, causal=True).float().square().sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    attention_reference(q64, k64, v64, causal=True).square().sum().backward()
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
