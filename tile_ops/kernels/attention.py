@@ -92,6 +92,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
             P = T.alloc_fragment((bM, bN), dtype)
             acc = T.alloc_fragment((bM, dim), "float32")
             m = T.alloc_fragment((bM,), "float32")  # running row max of the scores (log2 units)
+            m_sub = T.alloc_fragment((bM,), "float32")  # what exp2 subtracts: m, or 0 while m is -inf (no key yet)
             rescale = T.alloc_fragment((bM,), "float32")  # the previous max, then 2^(previous - new)
             l = T.alloc_fragment((bM,), "float32")  # running row sum of 2^(score - m)
             l_tile = T.alloc_fragment((bM,), "float32")
@@ -110,10 +111,11 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                     S[i, j] = T.where(visible(q, k), score(S[i, j], q, k, scale, cap, slope), -inf)
                 T.copy(m, rescale)
                 T.reduce_max(S, m, dim=1, clear=False)
-                for i in T.Parallel(bM):  # a row that has seen no key yet keeps m = -inf: subtract 0 instead
-                    rescale[i] = T.exp2(rescale[i] - T.where(m[i] == -inf, 0.0, m[i]))
+                for i in T.Parallel(bM):
+                    m_sub[i] = T.where(m[i] == -inf, 0.0, m[i])
+                    rescale[i] = T.exp2(rescale[i] - m_sub[i])
                 for i, j in T.Parallel(bM, bN):
-                    S[i, j] = T.exp2(S[i, j] - T.where(m[i] == -inf, 0.0, m[i]))
+                    S[i, j] = T.exp2(S[i, j] - m_sub[i])
                 T.reduce_sum(S, l_tile, dim=1)
                 for i in T.Parallel(bM):
                     l[i] = l[i] * rescale[i] + l_tile[i]
