@@ -7,8 +7,9 @@ ragged shapes of each kernel, on both code paths (issue 4 item 6).
 
 Kernels: ``gemm`` (the library factory, tile_ops.kernels.gemm, with its default config for the shape and
 path; the ragged shapes also take the bias), ``gemm_softmax`` (tile_ops.kernels.gemm_softmax, default
-config), ``matmul20`` (the README's 20-line matmul, tests/programs.py, default tiles) and ``pad_rows``
-(the copy build_gemm puts before a gemm whose rows TMA cannot load).  Paths: ``sm_90a``
+config), ``matmul20`` (the README's 20-line matmul, tests/programs.py, default tiles), ``pad_rows``
+(the copy build_gemm puts before a gemm whose rows TMA cannot load) and ``attention`` (the FlashAttention
+forward, tile_ops.kernels.attention, default config; its shapes are (Sq, Sk, head dim)).  Paths: ``sm_90a``
 (TMA + wgmma, warp-specialized, when the copies are TMA-eligible) and ``sm_90`` (cp.async + mma.sync) on
 the same GPU.  Shapes: a small one, a ragged one whose rows are not 16-byte aligned (so sm_90a falls back
 to non-TMA copies) and a ragged one whose rows are 16-byte aligned but whose M/N/K are not tile multiples
@@ -60,7 +61,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-KERNELS = ("gemm", "gemm_softmax", "matmul20", "pad_rows")
+KERNELS = ("gemm", "gemm_softmax", "matmul20", "pad_rows", "attention")
 PATHS = ("sm_90a", "sm_90")
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 DEFAULT_TOOLS = ("memcheck", "racecheck", "synccheck")
@@ -89,6 +90,9 @@ SHAPES = {
                      ("cluster-walk-1k", (200, 2312, 8)),
                      # sm_90a T.row_reduce_store: rows over the grid, statistics through the workspace
                      ("deferred", (512, 1024, 512)), ("deferred-ragged", (300, 776, 520))],
+    # the FlashAttention forward: (Sq, Sk, head dim), one batch, 4 query heads over 2 K/V heads
+    "attention": [("small", (128, 128, 64)), ("ragged", (77, 300, 128)), ("causal-ragged", (300, 213, 64)),
+                  ("causal-d256", (130, 130, 256))],
 }
 SCALE = 0.125  # gemm_softmax's scale
 RTOL = 1e-2  # max |out - ref| <= RTOL * max |ref| (fp16 output, fp32 accumulation)
@@ -122,6 +126,11 @@ def build(kernel, arch, shape, label):
         from tile_ops.kernels.gemm import pad_rows
 
         return pad_rows(1, None, N, K, "float16", target=arch)
+    if kernel == "attention":
+        from tile_ops.kernels.attention_launch import build_attention
+
+        return build_attention(dict(dim=K, dtype="float16", causal="causal" in label, local=False, softcap=False,
+                                    alibi=False), arch=arch)
     if kernel == "matmul20":
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from programs import matmul
@@ -192,10 +201,38 @@ def check(kernel, tensors, out, label, shape):
     return err <= RTOL, err
 
 
+def attention_child(arch, Sq, Sk, D, label):
+    """The attention kernel under the sanitizer: (1, S, H, D) inputs, out and LSE poisoned with NaN."""
+    import torch
+
+    from tile_ops.kernels.attention_launch import launch_attention
+    from tile_ops.ops.attention import attention_reference
+
+    g = torch.Generator().manual_seed(Sq * 1009 + Sk)
+    cpu = [torch.randn(1, n, h, D, generator=g).half() for n, h in ((Sq, 4), (Sk, 2), (Sk, 2))]
+    q, k, v = (t.to("cuda") for t in cpu)
+    out = torch.full((1, Sq, 4, D), float("nan"), dtype=torch.float16).to("cuda")
+    lse = torch.full((1, 4, Sq), float("nan")).to("cuda")
+    causal = "causal" in label
+    launch_attention(q, k, v, out, lse, causal=causal, arch=arch)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_reference(*(t.double() for t in cpu), causal=causal, return_lse=True)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    finite = ~ref_lse.isinf()
+    ok = bool(out.isfinite().all()) and torch.equal(lse.isinf(), ref_lse.isinf())
+    err = ((out - ref).abs().max() / ref.abs().max()).item() if ok else float("nan")
+    ok = ok and err <= RTOL and (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-2
+    print(f"sanitize child: attention {arch} {Sq}x{Sk}x{D} {label} max rel err {err:.2e}: "
+          f"{'ok' if ok else 'WRONG RESULT'}", flush=True)
+    sys.exit(0 if ok else 3)
+
+
 def child(kernel, arch, M, N, K, label):
     """Runs under compute-sanitizer: load, launch once, check, exit (0 ok, 3 wrong result)."""
     import torch
 
+    if kernel == "attention":
+        return attention_child(arch, M, N, K, label)
     shape = (M, N, K)
     k = build(kernel, arch, shape, label)
     if "tvm" in sys.modules:
@@ -343,6 +380,10 @@ def main():
             if isinstance(k, Exception):
                 continue
             shape = dict(SHAPES[kern])[label]
+            if kern == "attention":  # its child checks itself (attention_child)
+                print(f"  {kern:12} {arch:6} {label:10} {shape_str(shape):14} {k!r} "
+                      f"tma={'yes' if k.meta.tensormaps else 'no'}")
+                continue
             tensors = make_tensors(k, seed=0, M=shape[0])
             pos, ref = reference(kern, tensors, label, shape)
             assert pos == out_position(k) and tuple(ref.shape) == param_shape(k, pos, shape[0]), (

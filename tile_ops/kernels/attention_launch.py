@@ -28,10 +28,11 @@ def build_attention(problem: dict, cfg=None, arch=None):
 
 
 def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                     alibi_slopes=None):
-    """out (B, Sq, Hq, D), lse (B, Hq, Sq) of the checked inputs, on the current stream."""
+                     alibi_slopes=None, arch=None):
+    """out (B, Sq, Hq, D), lse (B, Hq, Sq) of the checked inputs, on the current stream; ``arch``: the path
+    (default: the device's)."""
     kernel = build_attention(attention_problem(q, causal, window, softcap, alibi_slopes is not None),
-                             arch=default_arch(q.device))
+                             arch=arch or default_arch(q.device))
     args = [t.transpose(1, 2) for t in (q, k, v, out)] + [lse]
     if alibi_slopes is not None:
         slopes = alibi_slopes if alibi_slopes.stride(-1) == 1 and alibi_slopes.data_ptr() % 16 == 0 else \
