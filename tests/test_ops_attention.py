@@ -143,3 +143,17 @@ def test_bad_cu_seqlens_are_named(cu_q, match):
     cu_k = torch.tensor([0, 3, 9], dtype=torch.int32)
     with pytest.raises((TypeError, ValueError), match=match):
         tile_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
+
+
+def test_batches_past_32_bit_offsets_run_in_parts():
+    """The kernel indexes with 32-bit offsets: a batch whose tensors span 2^31 elements or more is launched in
+    runs of batch entries (meta tensors: no memory), the fewest that fit."""
+    from tile_ops.kernels.attention_launch import batch_parts
+
+    q = torch.empty(16, 32768, 32, 128, device="meta")  # 2^31 elements
+    lse = torch.empty(16, 32, 32768, device="meta")
+    assert batch_parts([q, lse]) == [(0, 15), (15, 16)]
+    assert batch_parts([q[:4], lse[:4]]) == [(0, 4)]
+    assert batch_parts([q.transpose(1, 2).transpose(1, 2), lse], limit=2**30) == [(0, 7), (7, 14), (14, 16)]
+    with pytest.raises(ValueError, match="one batch entry spans 2,147,483,648 elements"):
+        batch_parts([torch.empty(1, 2**20, 16, 128, device="meta")])

@@ -30,16 +30,38 @@ def build_attention(problem: dict, cfg=None, arch=None):
 def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
                      alibi_slopes=None, arch=None):
     """out (B, Sq, Hq, D), lse (B, Hq, Sq) of the checked inputs, on the current stream; ``arch``: the path
-    (default: the device's)."""
+    (default: the device's).  Batches whose tensors span 2^31 elements or more (the kernel's 32-bit offsets)
+    run in parts along the batch."""
     kernel = build_attention(attention_problem(q, causal, window, softcap, alibi_slopes is not None),
                              arch=arch or default_arch(q.device))
-    args = [t.transpose(1, 2) for t in (q, k, v, out)] + [lse]
+    tensors = [q, k, v, out, lse]
     if alibi_slopes is not None:
         slopes = alibi_slopes if alibi_slopes.stride(-1) == 1 and alibi_slopes.data_ptr() % 16 == 0 else \
             alibi_slopes.clone()
-        args.append(slopes.expand(q.shape[0], q.shape[2]))  # (Hq,) over the batch: its stride 0
+        tensors.append(slopes.expand(q.shape[0], q.shape[2]))  # (Hq,) over the batch: its stride 0
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    # the op checked dtypes, shapes and alignment; the sizes and strides come from these very tensors
-    values = kernel.values(kernel.dims.read(args), scale=float(scale), softcap=float(softcap),
-                           window_left=int(window[0]), window_right=int(window[1]))
-    kernel.launch_ptrs([t.data_ptr() for t in args], q.device, values)
+    for b0, b1 in batch_parts(tensors):
+        args = [t[b0:b1].transpose(1, 2) for t in tensors[:4]] + [t[b0:b1] for t in tensors[4:]]
+        # the op checked dtypes, shapes and alignment; the sizes and strides come from these very tensors
+        values = kernel.values(kernel.dims.read(args), scale=float(scale), softcap=float(softcap),
+                               window_left=int(window[0]), window_right=int(window[1]))
+        kernel.launch_ptrs([t.data_ptr() for t in args], q.device, values)
+
+
+def span(t) -> int:
+    """The elements a tensor's view reaches: one past its last element's offset."""
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def batch_parts(tensors, limit: int = 2**31) -> list:
+    """[(b0, b1)]: the fewest runs of batch entries over which every tensor (batch first) spans fewer than
+    ``limit`` elements; ValueError where one entry alone does."""
+    B = tensors[0].shape[0]
+    one = max(span(t[:1]) for t in tensors)
+    if one >= limit:
+        raise ValueError(f"tile_ops.flash_attention: one batch entry spans {one:,} elements of a tensor, which "
+                         f"the kernel addresses with 32-bit offsets (accepted: below 2^31 per entry); split the "
+                         f"heads or the sequence into calls below that")
+    step = max(abs(t.stride(0)) for t in tensors)
+    n = B if step == 0 else max(1, min(B, (limit - one - 1) // step + 1))  # (n - 1) * step + one < limit
+    return [(b, min(b + n, B)) for b in range(0, B, n)]
