@@ -2,7 +2,8 @@
 sm_80 and run on the emulator (tests/tir_emulator.py) against a float64 reference, over the features crossed
 with ragged lengths: batches and heads, GQA, Sq != Sk, causal (bottom-right), sliding windows, softcap,
 ALiBi, rows that see no key (O = 0, LSE = -inf), (B, S, H, D) tensors read through their strides; one lowered
-kernel at several shapes.  The sm_90a build (TMA for K and V, wgmma with P from registers) where nvcc is
+kernel at several shapes.  The sm_90a path too (warp-specialized: K and V by 4-D TMA through their strides,
+S = Q K^T and P V as wgmma with P from registers, a persistent tile walk), and its build where nvcc is
 present."""
 
 import math
@@ -22,6 +23,7 @@ from tile_ops.ops.attention import attention_reference
 from tir_emulator import Emulator
 
 SMALL = AttentionConfig(64, 32, 2, 128)
+CTAS = 2  # a persistent grid's CTAs on the emulator: each walks several (query block, head, batch) tiles
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +62,14 @@ def run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", slopes=None, seed
     if slopes is not None:
         arrays["Slopes"] = slopes.expand(B, Hq).contiguous().reshape(-1).numpy()
         sizes["slopes_stride_b"] = Hq
-    emu = Emulator(lk.func, {**arrays, **sizes, **scalars})
-    emu.run(tuple(evaluate(g, sizes) for g in lk.meta.grid))
+    # sm_90a: the tensor maps as the launch encodes them at these sizes; the persistent walk's CTAs all resident
+    at = lambda values: [evaluate(x, sizes) for x in values]  # noqa: E731
+    tensormaps = {n: dict(t, dims=at(t["dims"]), strides=at(t["strides"])) for n, t in lk.meta.tensormaps.items()}
+    emu = Emulator(lk.func, {**arrays, **sizes, **scalars}, tensormaps=tensormaps)
+    if lk.meta.persistent_tiles:
+        emu.run((CTAS, 1, 1), lk.meta.cluster_dims, resident=True)
+    else:
+        emu.run(tuple(at(lk.meta.grid)))
     return out.double(), lse.double(), (q, k, v), emu.ran
 
 
@@ -123,6 +131,32 @@ def test_a_window_skips_the_tiles_outside_it():
     full = lower(_program(32), "sm_80")
     _, _, _, ran_full = run_emulated(full, 1, 1, 1, 192, 192, 32)
     assert ran["mma.f16"] * 18 == ran_full["mma.f16"] * 8, (ran["mma.f16"], ran_full["mma.f16"])  # 2+3+3 of 18
+
+
+@pytest.mark.parametrize("case", [
+    # one consumer warpgroup; 2 CTAs walk 4 tiles (2 query blocks x 2 heads); GQA, causal with Sq < Sk
+    dict(shape=(1, 2, 1, 100, 130), cfg=AttentionConfig(64, 64, 2, 128), kw=dict(causal=True)),
+    # two consumer warpgroups on 128 rows; bf16; a window with softcap and ALiBi; 2 key tiles
+    dict(shape=(1, 2, 2, 100, 120), cfg=AttentionConfig(128, 64, 2, 256), dtype="bfloat16",
+         kw=dict(window=(70, 10), softcap=5.0, alibi=True)),
+], ids=["causal-gqa", "2-warpgroups-window-softcap-alibi-bf16"])
+def test_hopper_path_matches_float64(case):
+    """The warp-specialized sm_90a kernel on the emulator: TMA loads of the strided K and V, the wgmma pair
+    (P from registers), the persistent walk over (query block, head, batch)."""
+    B, Hq, Hkv, Sq, Sk = case["shape"]
+    kw, dtype, dim = case["kw"], case.get("dtype", "float16"), 64
+    window = kw.get("window", (-1, -1))
+    lk = lower(_program(dim, dtype, cfg=case["cfg"], causal=kw.get("causal", False), local=window != (-1, -1),
+                        softcap=kw.get("softcap", 0) > 0, alibi=kw.get("alibi", False)), "sm_90a")
+    assert set(lk.meta.tensormaps) == {"K_tmap", "V_tmap"} and lk.meta.persistent_tiles
+    slopes = torch.rand(Hq) * 0.3 if kw.get("alibi") else None
+    out, lse, (q, k, v), ran = run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype, slopes, softcap=kw.get("softcap", 0.0),
+                                            window=window)
+    ref_out, ref_lse = reference(q, k, v, causal=kw.get("causal", False), window_size=window,
+                                 softcap=kw.get("softcap", 0.0), alibi_slopes=slopes)
+    check(out, lse, ref_out, ref_lse, 8e-3 if dtype == "bfloat16" else 2e-3)
+    el = "bf16" if dtype == "bfloat16" else "f16"
+    assert ran["tma.load.4d.swizzle128"] and ran[f"wgmma.m64n64k16.{el}"] and ran[f"wgmma.m64n64k16.{el}.rs.trans-b"]
 
 
 @needs_nvcc

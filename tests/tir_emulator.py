@@ -247,19 +247,39 @@ def _wgmma_d_regs(d, n: int):
     return np.asarray(d).reshape(4, 2, 8, n // 8, 4, 2).transpose(0, 2, 4, 3, 1, 5).reshape(128, n // 2)
 
 
+def _wgmma_a(words, ab: str):
+    """A warpgroup's 64 x 16 A operand from registers (the "rs" form; PTX ISA, "Matrix Fragments for
+    wgmma.mma_async.m64nNk16", figure "A in registers"): thread t = 32w + l holds four b32 registers a0..a3
+    of two elements each, A[16w + l/4 + 8(i%2), 2(l%4) + 8(i/2) + e]: each warp's 16 rows as an mma.sync
+    m16n8k16 A fragment.  (128, 4) words -> (64, 16)."""
+    h = _halves(np.asarray(words, np.uint32).reshape(128, 4), ab).reshape(4, 8, 4, 2, 2, 2)  # w, l/4, l%4, i/2, i%2, e
+    return h.transpose(0, 4, 1, 3, 2, 5).reshape(64, 16)
+
+
 def _wgmma(smem, key, regs):
     """``wgmma.mma_async.sync.aligned.m64nNk16.f32.{ab}.{ab}`` D = (sa A) (sb B) + (scale_d ? D : 0), A 64 x 16
     and B 16 x N read from shared memory ``smem`` through their descriptors (imm-trans 0: K-major, 1: M/N-
-    major), D the warpgroup's accumulator registers ``regs`` ((f32 register array, indices) per thread).
-    Products are exact and summed in float64, then rounded to float32."""
-    (n, ab), desc_a, desc_b, scale_d, scale_a, scale_b, trans_a, trans_b = key
+    major), or A from the threads' registers (the "rs" form: ``regs`` then holds (accumulator, A words) per
+    thread, as they were at the issue), D the warpgroup's accumulator registers ``regs`` ((f32 register array,
+    indices) per thread).  Products are exact and summed in float64, then rounded to float32."""
     words = smem.view(np.uint16)
-    a, b = (_descriptor_addresses(desc, rows, trans) for desc, rows, trans in
-            ((desc_a, 64, trans_a), (desc_b, n, trans_b)))
-    for addr in (a, b):
+    if len(key[0]) == 3:  # rs
+        (n, ab, _), desc_b, scale_d, scale_a, scale_b, trans_b = key
+        A = _wgmma_a([w for _, w in regs], ab)
+        regs = [r for r, _ in regs]
+        b = _descriptor_addresses(desc_b, n, trans_b)
+        addresses = (b,)
+    else:
+        (n, ab), desc_a, desc_b, scale_d, scale_a, scale_b, trans_a, trans_b = key
+        a, b = (_descriptor_addresses(desc, rows, trans) for desc, rows, trans in
+                ((desc_a, 64, trans_a), (desc_b, n, trans_b)))
+        addresses = (a, b)
+    for addr in addresses:
         if addr.min() < 0 or addr.max() + 2 > smem.size or (addr % 2).any():
             raise IndexError(f"emulator: a wgmma operand at shared bytes [{addr.min()}, {addr.max() + 2})")
-    A, B = (_elements(words[x // 2], ab) for x in (a, b))  # (64, 16), (N, 16)
+    if len(addresses) == 2:
+        A = _elements(words[a // 2], ab)  # (64, 16)
+    B = _elements(words[b // 2], ab)  # (N, 16)
     D = _wgmma_d(np.stack([arr[idx] for arr, idx in regs]), n).astype(np.float64)
     D = scale_a * scale_b * (A @ B.T) + (D if scale_d else 0)
     for (arr, idx), v in zip(regs, _wgmma_d_regs(D.astype(np.float32), n)):
@@ -938,9 +958,16 @@ class Emulator:
         wg_kind = "wgmma." + mods[0]
         if mods[0] == "mma_async":
             ab, n = mods[5], int(mods[3].split("n")[1].split("k")[0])
-            if _op(call) not in ("tirx.ptx.wgmma_f16_ss", "tirx.ptx.wgmma_bf16_ss") or mods[4] != "f32" or \
-                    mods[3] != f"m64n{n}k16" or len(exprs) != n // 2 + 7:
+            rs = _op(call) in ("tirx.ptx.wgmma_f16_rs", "tirx.ptx.wgmma_bf16_rs")
+            if _op(call) not in ("tirx.ptx.wgmma_f16_ss", "tirx.ptx.wgmma_bf16_ss") and not rs or \
+                    mods[4] != "f32" or mods[3] != f"m64n{n}k16" or len(exprs) != n // 2 + (9 if rs else 7):
                 raise NotImplementedError(f"emulator: {_op(call)} wgmma.{'.'.join(mods)}")
+            if rs:  # A: this thread's four b32 registers, read at the issue; then B's descriptor, scale-d, immediates
+                uniform = [int(self._eval(x, env)) for x in exprs[n // 2 + 4:]]
+                self.ran[f"wgmma.m64n{n}k16.{ab}.rs" + ".trans-b" * uniform[4]] += 1
+                words = [int(self._eval(x, env)) & 0xFFFFFFFF for x in exprs[n // 2:n // 2 + 4]]
+                yield (wg_kind, ((n, ab, "rs"), *uniform), (self._registers(h, exprs[:n // 2], env), words))
+                return
             uniform = [int(self._eval(x, env)) for x in exprs[n // 2:]]
             key = ((n, ab), *uniform)  # descriptors A, B, scale-d, imm-scale-a, -b, imm-trans-a, -b
             self.ran[f"wgmma.m64n{n}k16.{ab}" + ".trans-a" * uniform[5] + ".trans-b" * uniform[6]] += 1
