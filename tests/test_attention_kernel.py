@@ -6,7 +6,6 @@ kernel at several shapes.  The sm_90a path too (warp-specialized: K and V by 4-D
 S = Q K^T and P V as wgmma with P from registers, a persistent tile walk), and its build where nvcc is
 present."""
 
-import math
 
 import numpy as np
 import pytest

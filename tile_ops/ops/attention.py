@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
 
 import torch
 
