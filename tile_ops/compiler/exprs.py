@@ -93,27 +93,25 @@ def divides(n: int, dim) -> bool:
     return known_multiple(dim) % n == 0
 
 
+def _row_major(dims) -> list:
+    """The strides of a row-major tensor of ``dims``: the products of the dims after each."""
+    strides = [1]
+    for d in reversed(dims[1:]):
+        strides.insert(0, strides[0] * d)
+    return strides
+
+
 def strides_of(buf) -> list:
     """A global tensor's strides in elements (ints or expressions of T.dynamic sizes): its declared ones, else
     row-major."""
-    if buf.strides is not None:
-        return list(buf.strides)
-    strides, s = [], 1
-    for d in reversed(buf.shape):
-        strides.append(s)
-        s = s * d
-    return list(reversed(strides))
+    return list(buf.strides) if buf.strides is not None else _row_major(list(buf.shape))
 
 
 def stride_multiples(buf) -> list:
     """What each of a global tensor's strides is known to be a multiple of (``known_multiple``, per stride)."""
     if buf.strides is not None:
         return [known_multiple(s) for s in buf.strides]
-    multiples, m = [], 1
-    for d in reversed(buf.shape):
-        multiples.append(m)
-        m *= known_multiple(d)
-    return list(reversed(multiples))
+    return _row_major([known_multiple(d) for d in buf.shape])
 
 
 def rows_divisible(n: int, buf) -> bool:

@@ -24,7 +24,7 @@ from .cuda import emit_ptx, exp2_approx
 from .exprs import broadcast, cast, divides, nonneg, pad, ramp, rewrite, rows_divisible, to_python
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
-from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta
+from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta, span
 from .ops import Container, present, unit
 from .ops import setup as setup_ops
 from .ops.gemm import is_wgmma
@@ -88,7 +88,7 @@ class Lowering:
                 self.globals = {}
                 for p in self.prog.params:
                     # a strided tensor is its flat storage here, offsets from its strides (global_index)
-                    shape = p.shape if p.strides is None else (1 + sum((n - 1) * s for n, s in zip(p.shape, p.strides)),)
+                    shape = p.shape if p.strides is None else (span(p.shape, p.strides),)
                     self.globals[p] = T.arg(p.name, T.Buffer(shape, p.dtype))
                 for d in self.prog.dims + self.prog.scalars:  # an entry parameter each, after the tensors
                     T.arg(d.name, d)

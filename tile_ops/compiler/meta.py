@@ -11,6 +11,14 @@ WORKSPACE = "tile_ops_workspace"  # the CUDA entry parameter of a kernel's globa
 FLAG_SLOTS = 4096  # int32 flags at the workspace's start, one per CTA at most
 
 
+def span(shape, strides):
+    """The elements a strided view reaches, one past its last element's offset (ints, or expressions of sizes);
+    a view with an empty dimension reaches none."""
+    if any(isinstance(n, int) and n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
 def evaluate(value, dims: dict) -> int:
     """A meta value: an int, or the Python expression (a str) of the kernel's ``T.dynamic`` sizes the compiler
     wrote for it, evaluated with ``dims`` (name -> int)."""

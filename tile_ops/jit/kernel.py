@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..compiler import check_grid
-from ..compiler.meta import FLAG_SLOTS, WORKSPACE, KernelMeta, evaluate
+from ..compiler.meta import FLAG_SLOTS, WORKSPACE, KernelMeta, evaluate, span
 
 _TORCH_DTYPES = {
     "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
@@ -419,12 +419,8 @@ def extent(meta: KernelMeta, pos: int, named: dict) -> int:
     """The elements parameter ``pos`` spans at the sizes ``named``: one past its last element's offset."""
     name, shape, _ = meta.params[pos]
     shape = [evaluate(d, named) for d in shape]
-    if 0 in shape:
-        return 0
     strides = meta.strides.get(name)
-    if strides is None:
-        return math.prod(shape)
-    return 1 + sum((n - 1) * evaluate(s, named) for n, s in zip(shape, strides))
+    return math.prod(shape) if strides is None else span(shape, [evaluate(s, named) for s in strides])
 
 
 class LaunchDims:

@@ -4,6 +4,7 @@ the op's (B, S, H, D) tensors (tile_ops/ops/attention.py)."""
 
 import torch
 
+from tile_ops.compiler.meta import span
 from tile_ops.jit import default_arch
 
 from .attention import flash_attention_forward
@@ -48,16 +49,11 @@ def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window
         kernel.launch_ptrs([t.data_ptr() for t in args], q.device, values)
 
 
-def span(t) -> int:
-    """The elements a tensor's view reaches: one past its last element's offset."""
-    return 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) if t.numel() else 0
-
-
 def batch_parts(tensors, limit: int = 2**31) -> list:
     """[(b0, b1)]: the fewest runs of batch entries over which every tensor (batch first) spans fewer than
     ``limit`` elements; ValueError where one entry alone does."""
     B = tensors[0].shape[0]
-    one = max(span(t[:1]) for t in tensors)
+    one = max(span(t.shape[1:], t.stride()[1:]) for t in tensors)
     if one >= limit:
         raise ValueError(f"tile_ops.flash_attention: one batch entry spans {one:,} elements of a tensor, which "
                          f"the kernel addresses with 32-bit offsets (accepted: below 2^31 per entry); split the "
