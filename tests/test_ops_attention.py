@@ -98,8 +98,7 @@ def test_gradients_are_the_references():
 
 
 def test_varlen_matches_per_sequence_calls():
-    lengths = [3, 0, 5, 1]
-    cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)  # lengths 3, 0 (empty), 5, 1
     q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
     out, lse, _ = tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, return_attn_probs=True)
     assert out.shape == (9, 2, 16) and lse.shape == (2, 9)
@@ -108,7 +107,6 @@ def test_varlen_matches_per_sequence_calls():
             o, l_, _ = tile_ops.flash_attn_func(q[None, s:e], k[None, s:e], v[None, s:e], causal=True,
                                                 return_attn_probs=True)
             assert torch.allclose(out[s:e], o[0]) and torch.allclose(lse[:, s:e], l_[0])
-    assert sum(lengths) == 9
 
 
 @pytest.mark.parametrize("call, match", [
