@@ -25,13 +25,14 @@ from .exprs import broadcast, cast, divides, nonneg, pad, ramp, rewrite, rows_di
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta, span
-from .ops import Container, present, unit
+from .ops import Container, deferred, present, unit
 from .ops import setup as setup_ops
 from .ops.gemm import is_wgmma
 from .schedules.persistent import rasterize
 from .schedules.pingpong import CONSUMERS
 from .schedules.warp_specialized import WarpSpecialized, bind_warpgroup
 from .targets import Target
+from .targets.sm90 import WgmmaGroups
 
 
 class Lowered(NamedTuple):
@@ -56,6 +57,7 @@ class Lowering:
         for loop in walk(self.kernel.body):
             if isinstance(loop, ir.For) and loop.kind == "pipelined":
                 check_pipelined_loads(loop, self.buffers)
+                deferred.check(loop, self.buffers)
         self.memory = Memory(self)
         self.ops = present(self.kernel)  # (op, node), in program order
         self.walks_tiles = any(op.walks_tiles for op, _ in self.ops)
@@ -67,6 +69,7 @@ class Lowering:
         for op, node in self.ops if target.hopper else ():
             op.check_schedule(self, node)
         self.uses_wgmma = any(isinstance(n, ir.Gemm) and is_wgmma(self, n) for n in walk(self.kernel.body))
+        self.wgmma_groups = WgmmaGroups(self)
         self.wgmma_warpgroup = None  # a kernel's consumer warpgroup, bound warp-uniform where there are several
         self.consumer = 0  # the running consumer warpgroup (pingpong)
         self.stage_of_iter = None  # the pipeline stage being computed on, inside a pipelined loop
@@ -290,17 +293,21 @@ class Lowering:
 
     # ------------------------------------------------------------------ statements and barriers
 
-    def body(self, nodes, var_map=None):
+    def body(self, nodes, var_map=None, previous=None):
         """Lower a statement list; a block barrier separates two tile ops that touch shared memory where
         either writes it (their thread mappings differ, so one's writes are another's reads); ops that only
-        read it since the last barrier need none."""
+        read it since the last barrier need none.  A statement waits first for the wgmma groups it needs done
+        (``wgmma_groups``).  ``previous``: (statements, var map, stage) of the previous pipeline step spliced
+        into the list (a T.deferred block run one iteration late)."""
         shared_before = written_before = False
-        with ExitStack() as rest:  # stream-K: what follows the main loop, for the units that run it
-            for node in nodes:
+        late, late_vm, late_stage = previous or ((), None, None)
+        with self.wgmma_groups.scope(), ExitStack() as rest:  # rest (stream-K): what follows the main loop,
+            for node in nodes:  # for the units that run it
+                op = unit(node)
+                self.wgmma_groups.before(op.reads(node, self.buffers), op.writes(node))
                 if self._reads_block_writes(node):  # global memory this block wrote, read back
                     self.sync_global_writes()
                     shared_before = written_before = False  # that ends with a consumer barrier
-                op = unit(node)
                 touches = op.touches_shared(self, node)
                 writes = touches and op.writes_shared(self, node)
                 if shared_before and touches and (writes or written_before) and not op.orders_itself:
@@ -308,13 +315,19 @@ class Lowering:
                     shared_before = written_before = False
                 shared_before = shared_before or touches
                 written_before = written_before or writes
+                step = self.stage_of_iter
+                is_late = any(node is n for n in late)
+                if is_late:
+                    self.stage_of_iter = late_stage
                 try:
-                    op.lower(self, node, var_map or {})
+                    op.lower(self, node, late_vm if is_late else var_map or {})
                     self.written |= set(self.global_writes(node))
                 except TileLangError as e:
                     if getattr(e, "located", False):
                         raise
                     raise error(node.loc, str(e)) from None
+                finally:
+                    self.stage_of_iter = step
                 if self.ws and node is self.ws.loop:
                     self.ws.after_main_loop(rest)
 

@@ -95,22 +95,35 @@ def sass(cubin: bytes, tool: str | None = None) -> str:
 
 
 def wgmma_early_reads(sass_text: str) -> list:
-    """SASS instructions that touch an HGMMA's accumulator registers while it may still be in flight: after
-    the HGMMA, before the ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` that retires every group (or the next HGMMA,
-    which takes the registers over).  The PTX orders such reads after ``wgmma.wait_group 0``; ptxas (CUDA
-    13.0) has hoisted them above it after a partly unrolled loop, losing the last k-step."""
+    """SASS instructions that touch a wgmma's registers while its group may still be in flight: any access to
+    an HGMMA's accumulators, or a write to its A registers, after the HGMMA and before the
+    ``WARPGROUP.DEPBAR.LE gsb0, N`` that retires its group (the N youngest groups run on; an HGMMA carrying
+    ``gsb0`` closes a group; a later HGMMA on the same accumulators chains onto them).  The PTX orders such
+    accesses after their ``wgmma.wait_group``; ptxas (CUDA 13.0) has hoisted reads above it after a partly
+    unrolled loop, losing the last k-step.  A linear scan of the listing: a loop's back edge is not followed."""
     lines = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass_text)]
-    early = []
-    for i, line in enumerate(lines):
-        m = re.match(r"HGMMA\.64x(\d+)x\d+\.F32\S*\s+R(\d+)", line)
-        if not m:
+    groups, open_group, early = [], [], []
+    for line in lines:
+        m = re.match(r"HGMMA\.64x(\d+)x\d+\.F32\S*\s+R(\d+),\s*(R(\d+))?", line)
+        if m:
+            acc = range(int(m.group(2)), int(m.group(2)) + int(m.group(1)) // 2)  # fp32: N/2 registers a thread
+            a = range(int(m.group(4)), int(m.group(4)) + 4) if m.group(4) else range(0)
+            open_group.append((acc, a))
+            if "gsb0" in line:
+                groups.append(open_group)
+                open_group = []
             continue
-        first, last = int(m.group(2)), int(m.group(2)) + int(m.group(1)) // 2 - 1  # fp32: N/2 per thread
-        for later in lines[i + 1:]:
-            if later.startswith("HGMMA") or later.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
+        m = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", line)
+        if m:
+            younger = int(m.group(1), 16)
+            groups = groups[len(groups) - younger:] if younger else []
+            continue
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", line)]
+        dest = re.match(r"(?:@!?U?P\w+\s+)?[A-Z][\w.]*\s+R(\d+)", line)
+        for acc, a in (x for g in groups + [open_group] for x in g):
+            if any(r in acc for r in regs) or (dest and int(dest.group(1)) in a):
+                early.append(line)
                 break
-            if any(first <= int(r) <= last for r in re.findall(r"\bR(\d+)\b", later)):
-                early.append(later)
     return early
 
 

@@ -3,8 +3,9 @@
 A block owns ``block_M`` query rows of one head.  It walks the key/value tiles its rows can see (causal and
 sliding windows skip the rest) in a pipelined loop: S = Q K^T into a float32 fragment, the mask and the score
 transform (scale, softcap, ALiBi) in one pass, the online softmax (running row max ``m`` and sum ``l`` in base
-2, the accumulator rescaled by 2^(m_old - m_new)), then P V with P from registers.  Rows that see no key get
-O = 0 and LSE = -inf.
+2, the accumulator rescaled by 2^(m_old - m_new)), then P V with P from registers.  P V is deferred: the
+compiler may run it during the next iteration, where on sm_90a its wgmmas overlap the next tile's softmax
+(FlashAttention-3's in-warpgroup overlap).  Rows that see no key get O = 0 and LSE = -inf.
 
 Every size is a ``T.dynamic`` one (batch, heads, both lengths and every stride but the last) and every number
 of the mask and the scores a ``T.Scalar`` (scale, softcap, window sizes), so one kernel per (head dim, dtype,
@@ -106,6 +107,8 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 T.copy(K[b, kv_head, k0, 0], K_s)  # keys past Sk load as 0; the mask hides them
                 T.copy(V[b, kv_head, k0, 0], V_s)
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
+                with T.deferred():  # the tile's P V ends the iteration: on sm_90a it runs under the next softmax
+                    T.gemm(P, V_s, acc, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
                     q, k = bx * bM + i, k0 + j
                     S[i, j] = T.where(visible(q, k), score(S[i, j], q, k, scale, cap, slope), -inf)
@@ -122,7 +125,6 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 for i, j in T.Parallel(bM, dim):
                     acc[i, j] = acc[i, j] * rescale[i]
                 T.copy(S, P)  # in S's register layout: the A operand of P V
-                T.gemm(P, V_s, acc, policy="full_row")
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.where(l[i] > 0, acc[i, j] / l[i], 0.0)
             T.copy(acc, O[b, h, bx * bM, 0])

@@ -31,10 +31,12 @@ def shared_memory_bytes(cfg: AttentionConfig, dim: int, esize: int = 2) -> int:
 
 
 def default_config(dim: int, arch: str | None = None) -> AttentionConfig:
-    """A block of 128 query rows (two warpgroups of 64) where its accumulator fits the registers beside the
-    scores; 64 rows from head dim 192 on, and on the mma.sync path."""
+    """On sm_90a three stages: the deferred P V holds the previous tile's stage while the producer fills the
+    next; a block of 128 query rows (two warpgroups of 64) and 128 keys a tile where the accumulator fits the
+    registers beside the scores (FlashAttention-3's tile), 64 x 64 from head dim 192 on.  On the mma.sync
+    path, 64 x 64 and two stages."""
     if (arch or default_arch()) != "sm_90a":
         return AttentionConfig(64, 64, 2, 128)
     if dim <= 128:
-        return AttentionConfig(128, 64, 2, 256)
-    return AttentionConfig(64, 64, 2, 128)
+        return AttentionConfig(128, 128, 3, 256)
+    return AttentionConfig(64, 64, 3, 128)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tvm import tirx
 
 from . import MAX_CLUSTER, MAX_ROW_TILES, ir
-from .ir import (ClusterReduce, Copy, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error,
+from .ir import (ClusterReduce, Copy, Deferred, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error,
                  user_loc)
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "uint8")
@@ -222,11 +222,12 @@ def _loop(kind: str, extent, num_stages: int = 1, name: str = "k"):
     var = tirx.Var(ir.fresh_name(name), "int32")
     node = For(var, extent, kind, num_stages)
     emit(node)
-    ir.tracer().bodies.append(node.body)
+    bodies = ir.tracer().bodies  # (an error that ends the trace closes this generator after the tracer is gone)
+    bodies.append(node.body)
     try:
         yield var
     finally:
-        ir.tracer().bodies.pop()
+        bodies.pop()
 
 
 def Pipelined(extent, num_stages: int = 2):
@@ -234,6 +235,30 @@ def Pipelined(extent, num_stages: int = 2):
     if num_stages < 1:
         raise error(user_loc(), f"num_stages={num_stages}: must be >= 1")
     return _loop("pipelined", extent, num_stages)
+
+
+class deferred:
+    """``with T.deferred():`` inside a ``T.Pipelined`` loop: statements that end each iteration — the loop computes
+    what it computes with the block moved to the end of its body — which the compiler may run one iteration
+    late, at the block's place: iteration t's block during iteration t + 1, after the statements before it
+    (and the last iteration's after the loop).  On sm_90a the block's tensor-core work then runs while what
+    follows it computes: FlashAttention's P V of tile t - 1 under tile t's softmax.  The block must not touch
+    what the statements before it write, nor write what they read (the compiler checks); the tiles the loop
+    loads are those of the block's own iteration."""
+
+    def __enter__(self):
+        t = ir.tracer()
+        owner = t.bodies[-2][-1] if len(t.bodies) >= 2 and t.bodies[-2] else None
+        if not (isinstance(owner, For) and owner.kind == "pipelined" and owner.body is t.bodies[-1]):
+            raise error(user_loc(), "T.deferred() belongs directly in the body of a T.Pipelined loop (it defers "
+                                    "work to the loop's next iteration)")
+        if any(isinstance(n, Deferred) for n in owner.body):
+            raise error(user_loc(), "a T.Pipelined loop has one T.deferred() block; put every deferred statement "
+                                    "in it")
+        t.bodies.append(emit(Deferred()).body)
+
+    def __exit__(self, *exc):
+        ir.tracer().bodies.pop()
 
 
 def serial(extent):
@@ -250,11 +275,12 @@ def Parallel(*extents):
     vars_ = [tirx.Var(ir.fresh_name(n), "int32") for n in "ijkl"[: len(extents)]]
     node = ParallelNode(vars_, extents)
     emit(node)
-    ir.tracer().bodies.append(node.body)
+    bodies = ir.tracer().bodies
+    bodies.append(node.body)
     try:
         yield vars_[0] if len(vars_) == 1 else tuple(vars_)
     finally:
-        ir.tracer().bodies.pop()
+        bodies.pop()
 
 
 # ----------------------------------------------------------------------------- tile ops

@@ -295,6 +295,13 @@ class For(Node):
 
 
 @dataclass
+class Deferred(Node):
+    """``T.deferred()``: the end of a pipelined loop's iteration, which the compiler may run during the next
+    iteration at the block's place (the last iteration's after the loop)."""
+    body: list = field(default_factory=list)
+
+
+@dataclass
 class Parallel(Node):
     vars: list
     extents: list

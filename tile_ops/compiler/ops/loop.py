@@ -1,6 +1,7 @@
 """``T.serial``, ``T.unroll`` and ``T.Pipelined`` loops.  A pipelined loop is the kernel's schedule's to
 lower: the warp-specialized main loop (``schedules/warp_specialized``), or the cp.async pipeline
-(``schedules/cp_async``) where its loads fill multi-buffered tiles; otherwise a plain loop."""
+(``schedules/cp_async``) where its loads fill multi-buffered tiles; otherwise a plain loop.  Those two run a
+``T.deferred()`` block at the end of its iteration (``deferred.in_order``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ...lang.ir import For, walk
 from ..schedules import cp_async
 from . import Container, tile_op, unit
 from .copy import is_async_load
+from .deferred import in_order
 
 
 @tile_op(For)
@@ -29,7 +31,7 @@ class LoopOp(Container):
             IRBuilder.name(node.var.name, v)
             inner = dict(vm)
             inner[node.var] = v
-            lw.body(node.body, inner)
+            lw.body(in_order(node.body), inner)
             if _races_next_iteration(lw, node):
                 lw.sync()
 

@@ -13,12 +13,13 @@ from tvm.tirx.script import builder as T
 
 from ..cuda import emit_ptx
 from ..ops.copy import copy, is_async_load
+from ..ops.deferred import in_order
 
 
 def pipelined(lw, node, vm, n):
     S = node.num_stages
     loads = [s for s in node.body if is_async_load(lw, s)]
-    compute = [s for s in node.body if not is_async_load(lw, s)]
+    compute = [s for s in in_order(node.body) if not is_async_load(lw, s)]
     for s in range(S - 1):
         with T.If(s < n):
             with T.Then():

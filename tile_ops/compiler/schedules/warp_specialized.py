@@ -26,7 +26,7 @@ from ..cuda import emit_ptx, warp_uniform
 from ..exprs import at_most, dtype_bits, reads_memory, stride_multiples, uses
 from ..layout import in_swizzled_panels, shared_layout
 from ..memory import pipelined_loads
-from ..ops import unit
+from ..ops import deferred, unit
 from ..ops import setup as setup_ops
 from ..ops.copy import copy_extents
 from ..ops.gemm import is_wgmma
@@ -427,10 +427,12 @@ class WarpSpecialized:
     def _consumer_steps(self, node: For, vm, n, k0=0):
         """Wait for stage k, compute on it, release it.  With ``deferred_wait`` the gemms of step k stay
         in flight while step k + 1 waits for its data; step k - 1's stage is released once its
-        wgmma group retires."""
+        wgmma group retires.  A loop with a T.deferred block runs it one step late (``_overlapped_steps``)."""
         lw = self.lw
         S, cnt = self.stages, self.consumer_steps
-        compute = [s for s in node.body if s not in self.loads]
+        compute, late = deferred.split([s for s in node.body if s not in self.loads])
+        if late:
+            return self._overlapped_steps(node, vm, n, k0, compute, late)
         if self.deferred_wait:  # the loop writes no register A operand: its wgmma.fences cover the writes before it
             sm90.fence_operands(lw, compute, accumulators=False)
         self._bind_peer_empty()
@@ -438,8 +440,7 @@ class WarpSpecialized:
         # accumulators above the final wgmma.wait_group, losing the last k-step
         with T.serial(0, n, unroll=1) as k:
             IRBuilder.name(node.var.name, k)
-            s = tirx.floormod(cnt[0], S)
-            T.evaluate(TS.cuda.mbarrier_wait(self.full(s), tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
+            s = self._wait_full(cnt)
             lw.stage_of_iter = s
             if self.deferred_wait:
                 emit_ptx("wgmma.fence.sync.aligned")
@@ -462,6 +463,49 @@ class WarpSpecialized:
             with T.If(n > 0):  # release the last step's stage (an enclosing loop refills it)
                 with T.Then():
                     self._release(tirx.floormod(cnt[0] + (S - 1), S))
+
+    def _overlapped_steps(self, node: For, vm, n, k0, body, late):
+        """A main loop whose T.deferred statements (``late``, spliced into ``body``) run one step late: step k
+        runs its own statements and, at the block's place, step k - 1's on that step's stage, which is then
+        released at the end of step k; step 0 runs without them, and the last step's run after the loop.
+        The block's wgmmas so run under the statements that follow it (``WgmmaGroups`` waits where needed)."""
+        lw = self.lw
+        S, cnt = self.stages, self.consumer_steps
+        own = [s for s in body if not any(s is x for x in late)]
+        self._bind_peer_empty()
+
+        def previous(k):  # step k - 1: its stage (the running step's is cnt[0]'s) and var map
+            return tirx.floormod(cnt[0] + (S - 1), S), {**vm, node.var: k0 + k - 1}
+
+        def release_previous():
+            T.evaluate(TS.cuda.warp_sync())  # every lane of the warp is done reading the stage
+            self._release(tirx.floormod(cnt[0] + (S - 1), S))
+
+        with T.If(n > 0):
+            with T.Then():
+                lw.stage_of_iter = self._wait_full(cnt)
+                lw.body(own, {**vm, node.var: k0})
+                T.buffer_store(cnt, cnt[0] + 1, [0])
+        with T.serial(1, n, unroll=1) as k:
+            IRBuilder.name(node.var.name, k)
+            late_stage, late_vm = previous(k)
+            lw.stage_of_iter = self._wait_full(cnt)
+            lw.body(body, {**vm, node.var: k0 + k}, previous=(late, late_vm, late_stage))
+            release_previous()
+            T.buffer_store(cnt, cnt[0] + 1, [0])
+        with T.If(n > 0):
+            with T.Then():
+                lw.stage_of_iter, late_vm = previous(n)
+                lw.body(late, late_vm)
+                release_previous()
+        lw.stage_of_iter = None
+
+    def _wait_full(self, cnt):
+        """Wait until the stage of step cnt[0] has landed; that stage."""
+        S = self.stages
+        s = tirx.floormod(cnt[0], S)
+        T.evaluate(TS.cuda.mbarrier_wait(self.full(s), tirx.floormod(tirx.floordiv(cnt[0], S), 2)))
+        return s
 
 
 def bind_warpgroup(tid, threads, name):

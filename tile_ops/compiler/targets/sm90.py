@@ -4,6 +4,7 @@ the cluster's shared-memory exchange (``mapa``, ``st.async``, cluster-scope mbar
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -137,16 +138,64 @@ def wait_stores(lw, read_only: bool):
 
 
 def wgmma_gemm(lw, g):
-    """A synchronous wgmma gemm (outside a deferred warp-specialized loop)."""
+    """A gemm's wgmmas, issued and committed as one group that runs on while the warpgroup goes on; the wait
+    comes where a later statement needs the group done (``WgmmaGroups``)."""
     if g.clear_accum:
         with T.unroll(0, lw.infer.layouts[g.C].local_size) as r:
             T.buffer_store(lw.frags[g.C], tirx.const(0.0, "float32"), [r])
     fence_operands(lw, [g], accumulators=False)
     emit_ptx("wgmma.fence.sync.aligned")
     issue_wgmma(lw, g)
-    emit_ptx("wgmma.commit_group.sync.aligned")
-    emit_ptx("wgmma.wait_group.sync.aligned", 0)
-    fence_operands(lw, [g])
+    lw.wgmma_groups.commit(g)
+
+
+class WgmmaGroups:
+    """The wgmma groups a warpgroup has committed and not yet waited for, oldest first.  Before each statement
+    the lowering asks ``before``: a statement that reads or writes a pending gemm's accumulator, or writes one
+    of its operands, first waits until that group retires (``wgmma.wait_group n``, n the younger groups, which
+    run on).  A statement list waits for the groups it committed by its end (``scope``), so no group crosses a
+    loop's back edge or a branch, and every wait's count is the same on every path."""
+
+    def __init__(self, lw):
+        self.lw = lw
+        self.pending = []  # (commit number, Gemm)
+        self.commits = 0
+
+    def commit(self, g):
+        emit_ptx("wgmma.commit_group.sync.aligned")
+        self.pending.append((self.commits, g))
+        self.commits += 1
+
+    def before(self, reads: list, writes: list):
+        """Wait for what a statement reading ``reads`` and writing ``writes`` needs done."""
+        last = max((i for i, (_, g) in enumerate(self.pending) if _needs_done(g, reads, writes)), default=None)
+        if last is not None:
+            self.wait(len(self.pending) - 1 - last)
+
+    def wait(self, younger: int):
+        """Wait until at most ``younger`` groups are pending; the retired gemms' registers are then pinned
+        below the wait (``fence_operands``)."""
+        retired = self.pending[:len(self.pending) - younger]
+        emit_ptx("wgmma.wait_group.sync.aligned", younger)
+        self.pending = self.pending[len(self.pending) - younger:]
+        fence_operands(self.lw, [g for _, g in retired])
+
+    @contextmanager
+    def scope(self):
+        """A statement list: on entry the groups pending from outside stay so (its statements wait for them where
+        needed); by its end it has waited for its own.  Afterwards the outer groups count as pending still (the
+        list may not have run: a loop of no iterations), where a second wait costs nothing."""
+        outer, first = list(self.pending), self.commits
+        yield
+        if any(n >= first for n, _ in self.pending):
+            self.wait(0)
+        self.pending = outer
+
+
+def _needs_done(g, reads, writes) -> bool:
+    """Whether a statement reading ``reads`` and writing ``writes`` must wait for gemm ``g``'s group: it reads
+    or writes the accumulator, or writes an operand the wgmmas still read."""
+    return any(b is g.C for b in reads + writes) or any(b is g.A or b is g.B for b in writes)
 
 
 _FENCE_REGISTER = """
