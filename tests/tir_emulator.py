@@ -69,6 +69,7 @@ _PEER_SHIFT = 24  # a mapa address: the peer's rank above its shared offset
 _POLICIES = {p: 0x7E57_0000_0000_0000 + i for i, p in enumerate(("evict_first", "evict_last", "evict_normal",
                                                                    "evict_unchanged"))}
 _POLICY_NAMES = {v: p for p, v in _POLICIES.items()}
+_ATOMIC_ADDS = {"tile_ops_atomic_add", "tile_ops_atomic_add2", "tile_ops_atomic_add4"}
 _NO_OP_HELPERS = {"tile_ops_fence_register"}  # an empty asm that pins a register across wgmma fences
 _HELD = "held"  # (stagger) a thread released whose block skips the scheduler round
 _SHUFFLED = "shuffled"  # env: the answers of the running statement's shuffles
@@ -669,6 +670,17 @@ class Emulator:
                 flags[flag] = flags[done] = 0
         self.ran[name] += 1
 
+    def _atomic_add(self, call, env):
+        """``tile_ops_atomic_add{,2,4}(p, v...)``: float32 adds into consecutive global elements (each statement
+        runs whole here, so atomically)."""
+        ptr, *values = _operands(call)[0]
+        mem, at = self._address(ptr, env, "global")
+        if at % (4 * len(values)):
+            raise ValueError(f"emulator: a {len(values)}-wide float32 atomic add at byte {at}, misaligned")
+        target = mem[at:at + 4 * len(values)].view(np.float32)
+        target += np.array([self._eval(v, env) for v in values], np.float32)
+        self.ran[f"red.add.f32x{len(values)}"] += 1
+
     def _row_factor(self, call, env):
         """``tile_ops_row_factor(ws, at, stride, n, own)``: one row's softmax factor 2^(m_own - max) / sum over
         the n (max, sum) pairs at ws[at + j stride], in the helper's float32 order (an online max and sum)."""
@@ -860,6 +872,9 @@ class Emulator:
             self._remote_arrive(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.warp_sync":
             yield ("syncwarp", None, None)
+        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
+                s.value.args[0].value in _ATOMIC_ADDS:
+            self._atomic_add(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.cuda.func_call" and \
                 s.value.args[0].value in _FLAGS:
             yield from self._flag(s.value, env)

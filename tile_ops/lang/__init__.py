@@ -17,7 +17,7 @@ MAX_CLUSTER = 8  # blocks in a thread-block cluster: the portable maximum (T.Ker
 MAX_ROW_TILES = 16
 
 _FRONTEND = {
-    "Kernel", "Parallel", "Pipelined", "Scalar", "Tensor", "abs", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
+    "Kernel", "Parallel", "Pipelined", "Scalar", "Tensor", "abs", "atomic_add", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
     "ceildiv", "clear", "cluster_allreduce", "copy", "deferred", "dynamic", "exp", "exp2", "fill", "gemm", "if_then_else",
     "infinity", "log", "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial",
     "sqrt", "tanh", "unroll", "use_swizzle", "where",

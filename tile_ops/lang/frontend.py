@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tvm import tirx
 
 from . import MAX_CLUSTER, MAX_ROW_TILES, ir
-from .ir import (ClusterReduce, Copy, Deferred, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error,
+from .ir import (AtomicAdd, ClusterReduce, Copy, Deferred, Fill, For, Gemm, Parallel as ParallelNode, Reduce, Region, TileBuffer, emit, error,
                  user_loc)
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "uint8")
@@ -304,6 +304,20 @@ def copy(src, dst, eviction_policy=None):
             raise error(user_loc(), f"T.copy: eviction_policy applies to a copy from global into shared memory, "
                                     f"got {src.buffer.scope} -> {dst.buffer.scope}")
     emit(Copy(src, dst, eviction_policy))
+
+
+def atomic_add(dst, src):
+    """``dst += src`` for a tile, each element's addition atomic: a float32 fragment or shared tile added into a
+    float32 window of a global tensor (``dst``: a region or a start point, as in ``T.copy``) that other blocks
+    add into too, such as split-K partial sums or FlashAttention's dQ.  Predicated at the tensor's edges."""
+    src, dst = Region.of(src), Region.of(dst)
+    if dst.buffer.scope != "global" or src.buffer.scope not in ("fragment", "shared"):
+        raise error(user_loc(), f"T.atomic_add: adds a fragment or shared tile into a global tensor; got "
+                                f"{src.buffer.name} ({src.buffer.scope}) into {dst.buffer.name} ({dst.buffer.scope})")
+    if dst.buffer.dtype != "float32" or src.buffer.dtype != "float32":
+        raise error(user_loc(), f"T.atomic_add: float32 into float32; got {src.buffer.name} ({src.buffer.dtype}) "
+                                f"into {dst.buffer.name} ({dst.buffer.dtype})")
+    emit(AtomicAdd(src, dst))
 
 
 def gemm(A, B, C, transpose_A=False, transpose_B=False, clear_accum=False, policy="square"):

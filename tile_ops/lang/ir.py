@@ -220,6 +220,14 @@ class Copy(Node):
 
 
 @dataclass
+class AtomicAdd(Node):
+    """``T.atomic_add(dst, src)``: dst += src element by element, each addition atomic (other blocks add into
+    the same global elements)."""
+    src: Region
+    dst: Region
+
+
+@dataclass
 class Gemm(Node):
     A: TileBuffer
     B: TileBuffer

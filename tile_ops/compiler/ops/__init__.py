@@ -153,4 +153,4 @@ def accessed(node, buffers) -> list:
     return op.reads(node, buffers) + op.writes(node)
 
 
-from . import cluster, copy, deferred, fill, gemm, loop, parallel, reduce, row_reduce, store  # noqa: E402,F401  (registration)
+from . import atomic, cluster, copy, deferred, fill, gemm, loop, parallel, reduce, row_reduce, store  # noqa: E402,F401  (registration)
