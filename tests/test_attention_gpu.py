@@ -1,7 +1,8 @@
-"""The FlashAttention forward on the GPU against a float64 reference, fresh random inputs, outputs poisoned with
-NaN first: the features crossed with odd lengths (the LSE too), (B, H, S, D) tensors transposed as transformers
+"""FlashAttention on the GPU against a float64 reference, fresh random inputs, outputs poisoned with NaN first:
+the forward's features crossed with odd lengths (the LSE too), (B, H, S, D) tensors transposed as transformers
 builds them (no copies: the kernel reads their strides), varlen with zero-length sequences, and one kernel per
-(head dim, dtype, mask) whatever the lengths."""
+(head dim, dtype, mask) whatever the lengths; the backward kernels' dQ, dK, dV over the same matrix against
+float64 autograd of the reference."""
 
 import math
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 import tile_ops
-from tile_ops.kernels.attention_launch import attention_problem, build_attention, launch_attention
-from tile_ops.ops.attention import attention_reference
+from tile_ops.kernels.attention_launch import (attention_problem, build_attention, launch_attention,
+                                               launch_attention_backward)
+from tile_ops.ops.attention import BACKWARD_HEAD_DIMS, attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -113,7 +115,7 @@ def test_no_keys_gives_zero_and_minus_infinity():
 
 def test_compiled_fullgraph_dynamic_and_autograd():
     """torch.compile(fullgraph=True, dynamic=True) over the CUDA op at two lengths, and its gradients (the
-    reference's until the backward kernels) against float64 autograd."""
+    backward kernels through autograd) against float64 autograd."""
     f = torch.compile(lambda q, k, v: tile_ops.flash_attn_func(q, k, v, causal=True), fullgraph=True, dynamic=True)
     for i, (Sq, Sk) in enumerate(((100, 130), (257, 257))):
         q, k, v = _inputs(2, 4, 2, Sq, Sk, 64, torch.bfloat16, seed=10 + i)
@@ -125,3 +127,38 @@ def test_compiled_fullgraph_dynamic_and_autograd():
     attention_reference(q64, k64, v64, causal=True).square().sum().backward()
     for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
+
+
+BACKWARD_CASES = [c for c in CASES if c[0][-1] in BACKWARD_HEAD_DIMS] + [
+    ((1, 4, 4, 333, 257, 64), dict(window_size=(50, 10))),
+    ((2, 2, 2, 200, 200, 128), dict(softcap=10.0, causal=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape, kw", BACKWARD_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{'-'.join(k) or 'plain'}" for s, k in BACKWARD_CASES])
+def test_backward_matches_float64(shape, kw, dtype):
+    """dQ, dK, dV (written over NaN) and the LSE's gradient path (grad_lse) against float64 autograd."""
+    B, Hq, Hkv, Sq, Sk, D = shape
+    kw = dict(kw)
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seed=sum(shape) + 1)
+    slopes = torch.rand(Hq, device="cuda") * 0.2 if kw.pop("alibi", False) else None
+    causal, window, softcap = kw.get("causal", False), kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dout = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dtype, generator=gen)
+    glse = torch.randn(B, Hq, Sq, device="cuda", generator=gen)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = attention_reference(q64, k64, v64, return_lse=True, alibi_slopes=slopes, **kw)
+    torch.autograd.backward([ref, ref_lse], [dout.double(), glse.double().masked_fill(ref_lse.isinf(), 0)])
+    out = torch.empty(B, Sq, Hq, D, dtype=dtype, device="cuda")
+    lse = torch.empty(B, Hq, Sq, device="cuda")
+    launch_attention(q, k, v, out, lse, None, causal, window, softcap, slopes)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, None, causal, window, softcap, slopes, glse)
+    torch.cuda.synchronize()
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
+    for name, got, want in (("dq", dq, q64.grad), ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
+        assert not got.isnan().any(), name
+        err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        assert err < tol, (name, err)

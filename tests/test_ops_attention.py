@@ -83,18 +83,61 @@ def test_compiles_fullgraph_dynamic():
         assert torch.allclose(f(q, k, v), tile_ops.flash_attn_func(q, k, v, causal=True), atol=1e-6)
 
 
-def test_gradients_are_the_references():
-    q, k, v = _qkv(dtype=torch.float64)
+GRAD_CASES = [dict(causal=True, softcap=3.0), dict(window=(3, 1)), dict(alibi=True, causal=True),
+              dict(Sq=9, Sk=4, causal=True), dict(Sk=0)]
+
+
+@pytest.mark.parametrize("kw", GRAD_CASES, ids=["causal-softcap", "window", "alibi", "rows-without-keys", "no-keys"])
+def test_gradients_are_the_references(kw):
+    """The backward op's CPU path (written out in torch, as the kernels compute it: P from the forward's LSE,
+    Delta = rowsum(dO O) less the LSE's gradient) against autograd through the reference forward, GQA 4/2."""
+    kw = dict(kw)
+    q, k, v = _qkv(Sq=kw.pop("Sq", 7), Sk=kw.pop("Sk", 11), dtype=torch.float64)
+    slopes = torch.rand(4) if kw.pop("alibi", False) else None
+    window = kw.pop("window", (-1, -1))
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    out, lse, _ = tile_ops.flash_attn_func(q, k, v, causal=True, softcap=3.0, return_attn_probs=True)
-    (out.square().sum() + lse.sum()).backward()
+    out, lse, _ = tile_ops.flash_attn_func(q, k, v, window_size=window, alibi_slopes=slopes, return_attn_probs=True,
+                                           **kw)
+    (out.square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    ref, ref_lse = attention_reference(q, k, v, causal=True, softcap=3.0, return_lse=True)
-    (ref.square().sum() + ref_lse.sum()).backward()
+    ref, ref_lse = attention_reference(q, k, v, window_size=window, alibi_slopes=slopes, return_lse=True, **kw)
+    (ref.square().sum() + ref_lse.masked_fill(ref_lse.isinf(), 0).sum()).backward()
     for g, t in zip(grads, (q, k, v)):
-        assert torch.allclose(g, t.grad, atol=1e-5)
+        assert not g.isnan().any() and torch.allclose(g, t.grad, atol=1e-6)  # (P from the float32 LSE)
+
+
+def test_gradcheck():
+    """Against finite differences of the float64 output (the LSE is float32, too coarse for them: its gradient is
+    checked against autograd above)."""
+    q, k, v = (t[:1, :4, :, :4].clone().requires_grad_() for t in _qkv(dtype=torch.float64))
+    for kw in (dict(causal=True, softcap=2.0), dict(window_size=(2, 1), alibi_slopes=torch.rand(4))):
+        assert torch.autograd.gradcheck(lambda q, k, v: tile_ops.flash_attn_func(q, k, v, **kw), (q, k, v))
+
+
+def test_backward_opcheck():
+    q, k, v = _qkv()
+    out, lse = torch.ops.tile_ops.flash_attention(q, k, v, None, True, -1, -1, 0.0, None)
+    dout, glse = torch.randn_like(out), torch.randn_like(lse)
+    opcheck(torch.ops.tile_ops.flash_attention_backward, (dout, q, k, v, out, lse, glse, None, True, -1, -1, 0.0, None))
+    opcheck(torch.ops.tile_ops.flash_attention_backward, (dout, q, k, v, out, lse, None, 0.3, False, 2, 3, 5.0,
+                                                           torch.rand(4)))
+
+
+def test_training_step_compiles_fullgraph():
+    """torch.compile of a loss over the op and its backward: one graph (AOTAutograd traces the backward op's fake)."""
+    def loss(q, k, v):
+        return tile_ops.flash_attn_func(q, k, v, causal=True).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True)
+    for Sq, Sk in ((7, 11), (5, 13)):
+        q, k, v = (t.requires_grad_() for t in _qkv(Sq=Sq, Sk=Sk))
+        compiled(q, k, v).backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        loss(q, k, v).backward()
+        assert all(torch.allclose(g, t.grad, atol=1e-5) for g, t in zip(grads, (q, k, v)))
 
 
 def test_varlen_matches_per_sequence_calls():

@@ -20,15 +20,7 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-
-def strided(name: str, dims: tuple, dtype: str, vec: int):
-    """A (B, H, S, D) view whose batch, head and row strides are read at launch (multiples of ``vec``)."""
-    strides = tuple(T.dynamic(f"{name}_stride_{axis}", multiple_of=vec) for axis in "bhs")
-    return T.Tensor(dims, dtype, strides=strides + (1,))
+from .attention_mask import LN2, Window, score_log2, strided
 
 
 @tile_ops.jit(out_idx=[])
@@ -44,45 +36,13 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
     B, Hq, Hkv, Sq, Sk = T.dynamic("B"), T.dynamic("Hq"), T.dynamic("Hkv"), T.dynamic("Sq"), T.dynamic("Sk")
     inf = T.infinity("float32")
 
-    def mask(left, right):
-        """(visible(q, k), key_tiles(bx)) for keys in [diagonal - left, diagonal + right]; a bound is None (none),
-        a constant, or a launch-time scalar where -1 means none."""
-        right = 0 if causal else right if local else None
-        left = left if local else None
-
-        def bounded(bound, within, otherwise):
-            """``within(bound)`` where ``bound`` bounds the window, else ``otherwise``."""
-            return otherwise if bound is None else within(bound) if isinstance(bound, int) else \
-                T.where(bound >= 0, within(bound), otherwise)
-
-        def visible(q, k):
-            """Whether query ``q`` sees key ``k``: inside the keys, and the window around its diagonal."""
-            diagonal = q + (Sk - Sq)
-            return ((k < Sk) & bounded(right, lambda r: k <= diagonal + r, True)
-                    & bounded(left, lambda w: k >= diagonal - w, True))
-
-        def key_tiles(bx):
-            """(first, count) of the key tiles block ``bx``'s rows see."""
-            end = bounded(right, lambda r: T.min(Sk, (bx + 1) * bM + (Sk - Sq) + r), Sk)
-            first = bounded(left, lambda w: T.max(bx * bM + (Sk - Sq) - w, 0), 0) // bN
-            return first, T.max(T.ceildiv(end, bN) - first, 0)
-
-        return visible, key_tiles
-
-    def score(s, q, k, scale, cap, slope):
-        """The score of query ``q`` and key ``k`` in log2 units, from the raw product ``s``."""
-        x = T.tanh(s * scale / cap) * (cap * LOG2E) if softcap else s * (scale * LOG2E)
-        if alibi:
-            x = x - slope * LOG2E * T.cast(T.abs(q + (Sk - Sq) - k), "float32")
-        return x
-
     q_type, o_type = strided("Q", (B, Hq, Sq, dim), dtype, vec), strided("O", (B, Hq, Sq, dim), dtype, vec)
     k_type, v_type = strided("K", (B, Hkv, Sk, dim), dtype, vec), strided("V", (B, Hkv, Sk, dim), dtype, vec)
     lse_type = T.Tensor((B, Hq, Sq), "float32")
     f32, i32 = T.Scalar("float32"), T.Scalar("int32")
 
     def attention(Q, K, V, O, LSE, scale, cap, left, right, Slopes=None):
-        visible, key_tiles = mask(left, right)
+        window = Window(Sq, Sk, causal, local, left, right)
         with T.Kernel(T.ceildiv(Sq, bM), Hq, B, threads=cfg.threads) as (bx, h, b):
             kv_head = h // (Hq // Hkv)  # GQA/MQA: a group of query heads reads one K/V head
             slope = Slopes[b, h] if alibi else 0.0
@@ -101,7 +61,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
             T.clear(acc)
             T.clear(l)
             T.fill(m, -inf)
-            first, count = key_tiles(bx)
+            first, count = window.key_tiles(bx * bM, bM, bN)
             for t in T.Pipelined(count, num_stages=cfg.num_stages):
                 k0 = (first + t) * bN
                 T.copy(K[b, kv_head, k0, 0], K_s)  # keys past Sk load as 0; the mask hides them
@@ -111,7 +71,8 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                     T.gemm(P, V_s, acc, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
                     q, k = bx * bM + i, k0 + j
-                    S[i, j] = T.where(visible(q, k), score(S[i, j], q, k, scale, cap, slope), -inf)
+                    S[i, j] = T.where(window.visible(q, k),
+                                      score_log2(S[i, j], q, k, Sq, Sk, scale, cap, slope, softcap, alibi), -inf)
                 T.copy(m, rescale)
                 T.reduce_max(S, m, dim=1, clear=False)
                 for i in T.Parallel(bM):

@@ -40,3 +40,8 @@ def default_config(dim: int, arch: str | None = None) -> AttentionConfig:
     if dim <= 128:
         return AttentionConfig(128, 128, 3, 256)
     return AttentionConfig(64, 64, 3, 128)
+
+
+def backward_config(dim: int, arch: str | None = None) -> AttentionConfig:
+    """The backward's: 64 keys a block (their dK and dV stay in registers), 64 queries a step, one warpgroup."""
+    return AttentionConfig(64, 64, 2, 128)

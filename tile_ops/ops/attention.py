@@ -19,7 +19,9 @@ Implementations:
   each has a contiguous last dimension and 16-byte-aligned rows (e.g. (B, H, S, D) tensors transposed).
 * CPU: the reference in plain torch (float32; float64 for float64 inputs).
 * Fake: shapes and dtypes, for ``torch.compile``.
-* Autograd: the gradients of the reference, recomputed in float32 (the backward kernels are issue 43's).
+* Autograd: ``tile_ops::flash_attention_backward(dout, q, k, v, out, lse, grad_lse, ...same options) -> (dq, dk,
+  dv)``, itself a custom op: on CUDA ``tile_ops.kernels.attention_backward`` (head dims 64-128; larger ones the
+  reference's gradients in float32 for now), on the CPU the reference's gradients.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from . import checks, record
 
 OP = "tile_ops.flash_attention"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # the CUDA kernel's (any head dim on the CPU)
+BACKWARD_HEAD_DIMS = (64, 96, 128)  # the backward kernel's registers hold dK and dV up to 128 (beyond: float32 torch)
 
 
 # --------------------------------------------------------------------------- checks
@@ -111,20 +114,16 @@ def _check_cuda_layout(q, k, v):
 # --------------------------------------------------------------------------- CPU reference and fake
 
 
-def attention_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                        alibi_slopes=None, return_lse=False):
-    """Plain-torch attention on (B, S, H, D) tensors, in float32 (float64 for float64 inputs): ``out`` in q's
-    dtype, with ``return_lse`` also the (B, Hq, Sq) log-sum-exp."""
+def _scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """(scores (B, Hq, Sq, Sk) with -inf where a query does not see a key, the scaled products before the
+    softcap, the visible mask, the compute dtype) of (B, S, H, D) inputs; K repeated over each query group."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
-    group = Hq // Hkv if Hkv else 1
-    qh = q.to(cdt).transpose(1, 2)
-    kh, vh = (t.to(cdt).transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
-    s = qh @ kh.transpose(-1, -2) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
+    kh = k.to(cdt).transpose(1, 2).repeat_interleave(Hq // Hkv if Hkv else 1, dim=1)
+    raw = q.to(cdt).transpose(1, 2) @ kh.transpose(-1, -2) * scale
+    s = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
     i = torch.arange(Sq, device=q.device).view(-1, 1)
     j = torch.arange(Sk, device=q.device).view(1, -1)
     diagonal = i + Sk - Sq
@@ -137,11 +136,52 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, window_size=(
         visible &= j <= diagonal + right
     if left >= 0:
         visible &= j >= diagonal - left
-    s = s.masked_fill(~visible, -math.inf)
+    return s.masked_fill(~visible, -math.inf), raw, visible, cdt
+
+
+def _grouped(t, group):
+    """(B, Hkv, S, D) -> (B, Hq, S, D): each K/V head for its group of query heads."""
+    return t.transpose(1, 2).repeat_interleave(group, dim=1)
+
+
+def attention_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, return_lse=False):
+    """Plain-torch attention on (B, S, H, D) tensors, in float32 (float64 for float64 inputs): ``out`` in q's
+    dtype, with ``return_lse`` also the (B, Hq, Sq) log-sum-exp."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    s, _, _, cdt = _scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
     lse = torch.logsumexp(s, dim=-1) if Sk else s.new_full((B, Hq, Sq), -math.inf)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # a row that sees no key: -inf - -inf
-    out = (p @ vh).transpose(1, 2).to(q.dtype)
+    out = (p @ _grouped(v.to(cdt), Hq // Hkv if Hkv else 1)).transpose(1, 2).to(q.dtype)
     return (out, lse.to(cdt)) if return_lse else out
+
+
+def attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
+                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """(dq, dk, dv) in plain torch, from the forward's ``out`` and ``lse`` as the kernels take them: P = exp(s - lse),
+    dV = P^T dO, dS = P (dP - Delta) with dP = dO V^T and Delta = rowsum(dO out) - grad_lse, through the softcap's
+    tanh and the scale; dQ = dS K, dK = dS^T Q; dK and dV summed over each query group."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv if Hkv else 1
+    s, raw, visible, cdt = _scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    p = torch.exp(s - lse.to(cdt).unsqueeze(-1)).masked_fill(~visible, 0.0).nan_to_num(0.0)
+    do, qh = dout.to(cdt).transpose(1, 2), q.to(cdt).transpose(1, 2)
+    delta = (do * out.to(cdt).transpose(1, 2)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(cdt).masked_fill(lse.isinf(), 0.0)
+    ds = p * (do @ _grouped(v.to(cdt), group).transpose(-1, -2) - delta.unsqueeze(-1)) * scale
+    if softcap > 0:
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+    dq = ds @ _grouped(k.to(cdt), group)
+
+    def summed(x):  # (B, Hq, Sk, D) -> (B, Sk, Hkv, D)
+        return x.reshape(B, Hkv, group, Sk, D).sum(2).transpose(1, 2)
+
+    dk, dv = summed(ds.transpose(-1, -2) @ qh), summed(p.transpose(-1, -2) @ do)
+    return tuple(g.to(t.dtype).contiguous() for g, t in ((dq.transpose(1, 2), q), (dk, k), (dv, v)))
 
 
 def _note(q, softmax_scale, causal, window, softcap, alibi_slopes):
@@ -194,25 +234,49 @@ def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left
 
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes = inputs
-    ctx.save_for_backward(q, k, v)
-    ctx.options = dict(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                       softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.options = (softmax_scale, causal, window_left, window_right, softcap)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    """The reference's gradients, recomputed in float32 (issue 43 brings the backward kernels)."""
-    q, k, v = ctx.saved_tensors
-    with torch.enable_grad():
-        inputs = [t.detach().float().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
-        out, lse = attention_reference(*inputs, return_lse=True, **ctx.options)
-        outputs, grads = [out], [grad_out.float()]
-        if grad_lse is not None:
-            outputs.append(lse)
-            grads.append(grad_lse.float().masked_fill(lse.isinf(), 0.0))
-        wanted = [t for t in inputs if t.requires_grad]
-        got = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True)) if wanted else iter(())
-    dq, dk, dv = (next(got).to(t.dtype) if need else None for t, need in zip((q, k, v), ctx.needs_input_grad[:3]))
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.tile_ops.flash_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.options,
+                                                             alibi_slopes)
+    needs = ctx.needs_input_grad[:3]
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            None, None, None, None, None, None)
+
+
+def _flash_attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
+                                        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    return attention_backward_reference(dout, q, k, v, out, lse, grad_lse, softmax_scale, causal,
+                                        (window_left, window_right), softcap, alibi_slopes)
+
+
+def _flash_attention_backward_fake(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
+                                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
+                                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if q.shape[-1] not in BACKWARD_HEAD_DIMS:  # (no kernel yet: the reference's gradients, in float32)
+        return _flash_attention_backward_reference(dout, q, k, v, out, lse, grad_lse, softmax_scale, causal,
+                                                   window_left, window_right, softcap, alibi_slopes)
+    if q.numel() == 0 or k.numel() == 0:  # no query or no key: no gradient flows
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    from ..kernels.attention_launch import launch_attention_backward
+
+    if dout.stride(-1) != 1 or dout.data_ptr() % checks.POINTER_ALIGNMENT or \
+            any(s * dout.element_size() % checks.POINTER_ALIGNMENT for s in dout.stride()[:3]):
+        dout = dout.contiguous()  # (what autograd hands over: an expanded or sliced gradient)
+    launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, (window_left, window_right),
+                              softcap, alibi_slopes, grad_lse)
+    return dq, dk, dv
 
 
 _op = torch.library.custom_op(
@@ -222,6 +286,14 @@ _op = torch.library.custom_op(
 _op.register_kernel("cuda", _flash_attention_cuda)
 _op.register_fake(_flash_attention_fake)
 _op.register_autograd(_backward, setup_context=_setup_context)
+
+_backward_op = torch.library.custom_op(
+    "tile_ops::flash_attention_backward", _flash_attention_backward_reference, mutates_args=(), device_types="cpu",
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse=None, "
+           "float? softmax_scale=None, bool causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, "
+           "Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)")
+_backward_op.register_kernel("cuda", _flash_attention_backward_cuda)
+_backward_op.register_fake(_flash_attention_backward_fake)
 
 
 # --------------------------------------------------------------------------- flash-attn's API
