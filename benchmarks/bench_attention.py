@@ -1,7 +1,7 @@
-"""FlashAttention forward: ours beside SDPA's cuDNN and flash backends, TFLOP/s, one process.
+"""FlashAttention: ours beside SDPA's cuDNN and flash backends, TFLOP/s, one process.
 
     python benchmarks/bench_attention.py [--dtypes bf16,fp16] [--shapes NAME,...] [--configs C,...]
-                                         [--rep-ms 300] [--json out.json]
+                                         [--backward] [--rep-ms 300] [--json out.json]
 
 TFLOP/s count 4 * B * Hq * Sq * Sk * D, halved for causal (the work above the diagonal is skipped).  Each row
 times ours (``tile_ops.flash_attn_func`` on (B, S, H, D) tensors) and the anchors (SDPA on (B, H, S, D)
@@ -10,6 +10,11 @@ ours against SDPA's math in float32 (``err``: max |diff| / max |ref|).  ``--conf
 stages / threads, e.g. 128x128/2/256) times those configs of our kernel too, the fastest reported.
 The varlen row: 64 sequences of 128-4096 tokens (seeded), ours packed against cuDNN on the same tokens padded
 to the longest.
+
+``--backward``: the backward instead, TFLOP/s counting 2.5x the forward's FLOPs: ours (Delta, the key-block
+kernel, dQ's cast; ``det``: deterministic, dQ from its own kernel) against the anchors' backward kernels
+(``torch.autograd.grad`` through SDPA with the graph kept), each checked first against SDPA's math in float32;
+``step`` is forward + backward together, ours against cuDNN's.
 """
 
 import argparse
@@ -109,6 +114,49 @@ def bench_shape(name, shape, dtype, causal, configs, rep_ms):
                 vs_cudnn=f"{ms['cudnn'] / ms[best]:.3f}" if "cudnn" in ms else "-")
 
 
+def bench_backward(name, shape, dtype, causal, rep_ms):
+    B, Hq, Hkv, S, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype, generator=gen)
+    gqa = Hq != Hkv
+    ours_out = {det: tile_ops.flash_attn_func(q, k, v, causal=causal, deterministic=det) for det in (False, True)}
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), is_causal=causal,
+                                                             enable_gqa=gqa), (qt, kt, vt), dout.transpose(1, 2))
+    got = torch.autograd.grad(ours_out[False], (q, k, v), dout, retain_graph=True)
+    err = max(((g.transpose(1, 2).float() - r.float()).abs().max() / r.float().abs().max()).item()
+              for g, r in zip(got, ref))
+    fns = {"ours": lambda: torch.autograd.grad(ours_out[False], (q, k, v), dout, retain_graph=True),
+           "ours det": lambda: torch.autograd.grad(ours_out[True], (q, k, v), dout, retain_graph=True),
+           "ours step": lambda: torch.autograd.grad(tile_ops.flash_attn_func(q, k, v, causal=causal), (q, k, v),
+                                                    dout)}
+    for label, backend in BACKENDS.items():
+        try:
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+                torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+        except RuntimeError as e:
+            print(f"  {backend.name} refused: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+            continue
+        fns[label] = lambda o=o: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+        if label == "cudnn":
+            def step():
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+                return torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2))
+            fns["cudnn step"] = step
+    ms = paired_medians(fns, rep_ms=rep_ms)
+    flops = 2.5 * 4 * B * Hq * S * S * D / (2 if causal else 1)
+    tf = {n: flops / ms[n] / 1e9 for n in ms}
+    get = lambda n: f"{tf[n]:.0f}" if n in tf else "-"  # noqa: E731
+    ratio = lambda a, b: f"{ms[a] / ms[b]:.3f}" if a in ms else "-"  # noqa: E731
+    return dict(shape=name, dtype=str(dtype)[6:], causal=causal, err=f"{err:.1e}", ours=get("ours"),
+                det=get("ours det"), cudnn=get("cudnn"), flash=get("flash"), vs_cudnn=ratio("cudnn", "ours"),
+                step_vs_cudnn=ratio("cudnn step", "ours step"))
+
+
 def bench_varlen(dtype, rep_ms, n=64, H=32, D=128):
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(128, 4097, (n,), generator=gen).tolist()
@@ -133,6 +181,7 @@ def main():
     p.add_argument("--shapes", default=None, help="names (default: all): " + ", ".join(SHAPES))
     p.add_argument("--configs", default="", help="also time these configs of our kernel, e.g. 128x128/2/256")
     p.add_argument("--no-varlen", action="store_true")
+    p.add_argument("--backward", action="store_true", help="time the backward (and forward + backward)")
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -140,6 +189,15 @@ def main():
     names = args.shapes.split(",") if args.shapes else list(SHAPES)
     configs = [c for c in args.configs.split(",") if c]
     rows = []
+    if args.backward:
+        for dtype in dtypes:
+            for name in names:
+                for causal in (False, True):
+                    rows.append(bench_backward(name, SHAPES[name], dtype, causal, args.rep_ms))
+                    print(rows[-1], file=sys.stderr)
+        print_table(rows, ["shape", "dtype", "causal", "err", "ours", "det", "cudnn", "flash", "vs_cudnn",
+                           "step_vs_cudnn"], f"FlashAttention backward, TFLOP/s on {torch.cuda.get_device_name()}")
+        return save(rows, args.json)
     for dtype in dtypes:
         for name in names:
             for causal in (False, True):

@@ -10,7 +10,7 @@ import torch
 from test_attention_kernel import _bits
 from tile_ops.compiler.lower import lower
 from tile_ops.compiler.meta import evaluate
-from tile_ops.kernels.attention_backward import attention_delta, flash_attention_backward
+from tile_ops.kernels.attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
 from tile_ops.kernels.attention_config import AttentionConfig
 from tile_ops.ops.attention import attention_reference
 from tir_emulator import Emulator
@@ -43,9 +43,10 @@ def _run(lk, arrays, sizes, grid_or_ctas):
 
 
 def backward_emulated(arch, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", cfg=SMALL, seed=0, causal=False,
-                      window=(-1, -1), softcap=0.0, alibi=False, scale=None):
+                      window=(-1, -1), softcap=0.0, alibi=False, scale=None, deterministic=False):
     """(dQ, dK, dV) from the emulated kernels and from float64 autograd of the reference, for (B, S, H, D)
-    inputs; the forward's O and LSE from the reference; outputs poisoned with NaN."""
+    inputs; the forward's O and LSE from the reference; outputs poisoned with NaN.  ``deterministic``: dQ from
+    its own kernel instead of atomic adds."""
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
     q, k, v = (torch.randn(B, s, h, dim, generator=gen).to(dt) for s, h in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
@@ -65,20 +66,26 @@ def backward_emulated(arch, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", cfg=SMALL,
     assert (delta.double() - ref_delta).abs().max() < 1e-3 * ref_delta.abs().max()
 
     local = window[0] >= 0 or (window[1] >= 0 and not causal)
-    lk = lower(flash_attention_backward.fn(dim, dtype, causal=causal, local=local, softcap=softcap > 0, alibi=alibi,
-                                           cfg=cfg), arch)
-    dq = torch.zeros(B, Hq, Sq, dim)
+    options = dict(causal=causal, local=local, softcap=softcap > 0, alibi=alibi, cfg=cfg)
+    lk = lower(flash_attention_backward.fn(dim, dtype, atomic_dq=not deterministic, **options), arch)
+    dq_acc = torch.zeros(B, Hq, Sq, dim)
+    dq = torch.full((B, Sq, Hq, dim), float("nan"), dtype=dt)
     dk, dv = (torch.full((B, Sk, Hkv, dim), float("nan"), dtype=dt) for _ in range(2))
     arrays = {"Q": _bits(q), "K": _bits(k), "V": _bits(v), "dO": _bits(dout), "LSE": lse64.detach().float().numpy(),
-              "Delta": delta.numpy(), "dQ_acc": dq.numpy(), "dK": _bits(dk), "dV": _bits(dv),
+              "Delta": delta.numpy(), "dK": _bits(dk), "dV": _bits(dv),
               "scale": dim ** -0.5 if scale is None else scale, "softcap": softcap, "window_left": window[0],
               "window_right": window[1]}
-    sizes = _views({"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "Sk": Sk}, Q=q, K=k, V=v, dO=dout, dK=dk, dV=dv)
+    sizes = _views({"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": Sq, "Sk": Sk}, Q=q, K=k, V=v, dO=dout, dK=dk, dV=dv, dQ=dq)
     if alibi:
         arrays["Slopes"] = slopes.expand(B, Hq).contiguous().reshape(-1).numpy()
         sizes["slopes_stride_b"] = Hq
-    ran = _run(lk, arrays, sizes, 2)
-    ours = (dq.transpose(1, 2).double(), dk.double(), dv.double())
+    if deterministic:
+        ran = _run(lower(flash_attention_backward_dq.fn(dim, dtype, **options), arch), {**arrays, "dQ": _bits(dq)},
+                   sizes, 2)
+    else:
+        arrays["dQ_acc"] = dq_acc.numpy()
+    ran = _run(lk, arrays, sizes, 2) if not deterministic else {**ran, **_run(lk, arrays, sizes, 2)}
+    ours = (dq.double() if deterministic else dq_acc.transpose(1, 2).double(), dk.double(), dv.double())
     return ours, (q64.grad, k64.grad, v64.grad), ran
 
 
@@ -104,6 +111,16 @@ def test_backward_matches_float64_on_sm80(case):
     ours, refs, ran = backward_emulated("sm_80", *case["shape"], 32, case.get("dtype", "float16"), **case.get("kw", {}))
     check(ours, refs, 2e-2 if case.get("dtype") == "bfloat16" else 5e-3)
     assert ran.get("red.add.f32x1", 0) > 0
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
+def test_deterministic_backward_matches_float64(case, arch):
+    """dQ from its own kernel (query blocks walking their key tiles) and dK, dV without the atomic dQ: no atomics."""
+    ours, refs, ran = backward_emulated(arch, *case["shape"], 32 if arch == "sm_80" else 64,
+                                        case.get("dtype", "float16"), deterministic=True, **case.get("kw", {}))
+    check(ours, refs, 5e-3)
+    assert not any(k.startswith("red.add") for k in ran), ran
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=[IDS[1], IDS[4]])

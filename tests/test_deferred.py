@@ -198,6 +198,7 @@ def test_the_attention_kernel_defers_its_p_v():
     from tile_ops.kernels.attention import flash_attention_forward
     from tile_ops.kernels.attention_config import default_config
 
-    src = compile_program(flash_attention_forward.fn(128, "bfloat16", cfg=default_config(128, "sm_90a")), "sm_90a").source
+    program = flash_attention_forward.fn(128, "bfloat16", cfg=default_config(128, "sm_90a"))
+    src = compile_program(program, "sm_90a").source
     loop = _main_loop(src)
     assert loop.count("wgmma_commit_group") == 2 and "wait_group_sync_aligned_1()" in loop

@@ -82,32 +82,51 @@ class Job:
 
 @dataclasses.dataclass
 class AttentionJob:
-    """A FlashAttention forward kernel: its problem (``attention_launch.attention_problem``: head dim, dtype, mask
-    kind; never a size, scale or window) and the target arch."""
+    """A FlashAttention kernel: its problem (``attention_launch.attention_problem``: head dim, dtype, mask kind;
+    never a size, scale or window), the target arch, and which of the op's kernels: the forward, or the
+    backward's Delta and key-block kernels."""
 
     problem: dict
     arch: str
+    part: str = "forward"  # "forward" | "delta" | "backward"
     op = "flash_attention"
 
     @property
     def label(self) -> str:
         p = self.problem
         kind = [name for name in ("causal", "local", "softcap", "alibi") if p[name]]
-        return " ".join([f"flash_attention d{p['dim']} {p['dtype']}", *kind])
+        name = {"forward": "flash_attention", "delta": "flash_attention delta", "backward": "flash_attention bwd"}
+        return " ".join([f"{name[self.part]} d{p['dim']} {p['dtype']}", *kind])
 
     def key_and_builder(self):
         from .kernels.attention import flash_attention_forward
-        from .kernels.attention_config import default_config
-        from .kernels.attention_launch import build_attention
+        from .kernels.attention_backward import attention_delta, flash_attention_backward
+        from .kernels.attention_config import backward_config, default_config
+        from .kernels.attention_launch import build_attention, build_attention_backward
 
-        problem = self.problem
-        cfg = default_config(problem["dim"], self.arch)
-        return (flash_attention_forward.key((), dict(problem, cfg=cfg), self.arch),
-                lambda: build_attention(problem, cfg, self.arch))
+        problem, arch = self.problem, self.arch
+        if self.part == "delta":
+            args = dict(dim=problem["dim"], dtype=problem["dtype"])
+            return attention_delta.key((), args, arch), lambda: attention_delta(**args, target=arch)
+        if self.part == "backward":
+            cfg = backward_config(problem["dim"], arch)
+            return (flash_attention_backward.key((), dict(problem, cfg=cfg), arch),
+                    lambda: build_attention_backward(problem, cfg, arch)[0])
+        cfg = default_config(problem["dim"], arch)
+        return (flash_attention_forward.key((), dict(problem, cfg=cfg), arch),
+                lambda: build_attention(problem, cfg, arch))
 
     @staticmethod
-    def plain(dim: int, dtype: str, causal: bool, arch: str) -> "AttentionJob":
-        return AttentionJob(dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False), arch)
+    def training(dim: int, dtype: str, causal: bool, arch: str) -> list:
+        """The kernels a training step launches for plain (or causal) attention: the forward, and where the head
+        dim has backward kernels, Delta and the key-block kernel."""
+        from .ops.attention import BACKWARD_HEAD_DIMS
+
+        problem = dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False)
+        if dim not in BACKWARD_HEAD_DIMS:
+            return [AttentionJob(problem, arch)]
+        delta = AttentionJob(dict(problem, causal=False), arch, "delta")  # (one per head dim and dtype)
+        return [AttentionJob(problem, arch), delta, AttentionJob(problem, arch, "backward")]
 
 
 @dataclasses.dataclass
@@ -320,8 +339,8 @@ def cmd_precompile(args) -> int:
         asked = {op: target.precompile for op, target in targets.TARGETS.items()}
     jobs = [Job(op, s, dt, args.arch, sc) for op, target in targets.TARGETS.items() for s in asked[op] or []
             for dt in args.dtype for sc in (args.scale if target.scaled else [1.0])]
-    jobs += [AttentionJob.plain(d, dt, causal, args.arch) for d in args.attention or [] for dt in args.dtype
-             for causal in (False, True)]
+    jobs += [job for d in args.attention or [] for dt in args.dtype for causal in (False, True)
+             for job in AttentionJob.training(d, dt, causal, args.arch)]
     jobs = _distinct(jobs + recorded)
     if args.all_m:
         jobs = _distinct([j for job in jobs for j in every_m(job, args.all_m)])
@@ -420,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"{op} shapes (default, when no op's shapes are given: "
                         + " ".join("x".join(map(str, s)) for s in target.precompile) + ")")
     pc.add_argument("--attention", nargs="+", type=int, choices=(64, 96, 128, 192, 256), metavar="HEAD_DIM",
-                    help="FlashAttention forward kernels of these head dims, causal and not (every length and batch)")
+                    help="FlashAttention kernels of these head dims, causal and not (every length and batch): the "
+                         "forward, and the backward's where the head dim has them")
     pc.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     pc.add_argument("--scale", nargs="+", type=parse_scale, default=PRECOMPILE_SCALES,
                     help=f"scales of {', '.join(op for op, t in targets.TARGETS.items() if t.scaled)} "

@@ -19,7 +19,7 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig
-from .attention_mask import LOG2E, Window, score_log2, strided
+from .attention_mask import LOG2E, Window, kernel_function, score_log2, strided
 
 
 @tile_ops.jit(out_idx=[])
@@ -46,24 +46,54 @@ def attention_delta(dim: int, dtype: str = "float16", block_M: int = 64):
     return delta
 
 
+def _signature(B, Hq, alibi, tensors: dict):
+    """The parameters of a backward kernel: ``tensors`` (name -> T.Tensor), ALiBi's (B, Hq) slopes, the scalars."""
+    params = dict(tensors)
+    if alibi:
+        params["Slopes"] = T.Tensor((B, Hq), "float32", strides=(T.dynamic("slopes_stride_b"), 1))
+    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
+    return {**params, "scale": f32, "softcap": f32, "window_left": i32, "window_right": i32}
+
+
+def _types(dim, dtype):
+    """(B, H, S, D) views of the query side and the key side, the (B, Hq, Sq) rows."""
+    B, Hq, Hkv, Sq, Sk = T.dynamic("B"), T.dynamic("Hq"), T.dynamic("Hkv"), T.dynamic("Sq"), T.dynamic("Sk")
+    q_side = lambda n: strided(n, (B, Hq, Sq, dim), dtype, 8)  # noqa: E731
+    k_side = lambda n: strided(n, (B, Hkv, Sk, dim), dtype, 8)  # noqa: E731
+    return q_side, k_side, T.Tensor((B, Hq, Sq), "float32"), (B, Hq, Hkv, Sq, Sk)
+
+
+def _ds(S, dP, q, k, window, Sq, Sk, lse, delta, scale, cap, slope, softcap, alibi):
+    """Statements of a T.Parallel over one (query q, key k) element: S (the raw product) becomes P, dP (dO V^T)
+    becomes dS = P (dP - Delta) dscore/ds, from the row's natural ``lse`` and its ``delta``."""
+    x = score_log2(S, q, k, Sq, Sk, scale, cap, slope, softcap, alibi)
+    if softcap:  # d score / d s through the cap's tanh: scale (1 - tanh^2), from the raw S
+        t = T.tanh(S * scale / cap)
+        ds = (dP - delta) * (scale - scale * t * t)
+    else:
+        ds = (dP - delta) * scale
+    p = T.where(window.visible(q, k) & (q < Sq), T.exp2(x - lse * LOG2E), 0.0)
+    return p, ds
+
+
 @tile_ops.jit(out_idx=[])
 def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = False, local: bool = False,
-                             softcap: bool = False, alibi: bool = False,
+                             softcap: bool = False, alibi: bool = False, atomic_dq: bool = True,
                              cfg: AttentionConfig = AttentionConfig(64, 64, 2, 128)):
-    """dK, dV (B, Hkv, Sk, D views) and dQ_acc += dQ (float32, (B, Hq, Sq, D), zeroed by the caller) for the
-    forward of the same mask kind and scalars; LSE (natural log) from the forward, Delta from attention_delta.
-    ``cfg``: block_M queries per step, block_N keys per block."""
+    """dK, dV (B, Hkv, Sk, D views) for the forward of the same mask kind and scalars, from its LSE (natural log)
+    and Delta (attention_delta's); with ``atomic_dq`` also dQ_acc += dQ (float32 (B, Hq, Sq, D), zeroed by the
+    caller), else dQ is flash_attention_backward_dq's.  ``cfg``: block_M queries a step, block_N keys a block."""
     bM, bN = cfg.block_M, cfg.block_N
-    vec = 16 // 2
-    B, Hq, Hkv, Sq, Sk = T.dynamic("B"), T.dynamic("Hq"), T.dynamic("Hkv"), T.dynamic("Sq"), T.dynamic("Sk")
-    q_types = {n: strided(n, (B, Hq, Sq, dim), dtype, vec) for n in ("Q", "dO")}
-    kv_types = {n: strided(n, (B, Hkv, Sk, dim), dtype, vec) for n in ("K", "V", "dK", "dV")}
-    rows = T.Tensor((B, Hq, Sq), "float32")
-    dq_type = T.Tensor((B, Hq, Sq, dim), "float32")
-    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
+    capped = softcap  # (the kernel's parameter ``softcap`` is the cap's value)
+    q_side, k_side, rows, (B, Hq, Hkv, Sq, Sk) = _types(dim, dtype)
+    tensors = {"Q": q_side("Q"), "K": k_side("K"), "V": k_side("V"), "dO": q_side("dO"), "LSE": rows, "Delta": rows}
+    if atomic_dq:
+        tensors["dQ_acc"] = T.Tensor((B, Hq, Sq, dim), "float32")
+    tensors.update(dK=k_side("dK"), dV=k_side("dV"))
 
-    def backward(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, scale, cap, left, right, Slopes=None):
-        window = Window(Sq, Sk, causal, local, left, right)
+    def backward(Q, K, V, dO, LSE, Delta, dK, dV, scale, softcap, window_left, window_right, dQ_acc=None,
+                 Slopes=None):
+        window = Window(Sq, Sk, causal, local, window_left, window_right)
         with T.Kernel(T.ceildiv(Sk, bN), Hkv, B, threads=cfg.threads) as (bx, kv_head, b):
             group = Hq // Hkv  # the query heads that read this K/V head
             k0 = bx * bN
@@ -71,14 +101,15 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
             V_s = T.alloc_shared((bN, dim), dtype)
             Q_s = T.alloc_shared((bM, dim), dtype)
             dO_s = T.alloc_shared((bM, dim), dtype)
-            dS_s = T.alloc_shared((bN, bM), dtype)
             ST = T.alloc_fragment((bN, bM), "float32")  # S^T, then P^T
             dPT = T.alloc_fragment((bN, bM), "float32")  # dP^T, then dS^T
             PT = T.alloc_fragment((bN, bM), dtype)
             dST = T.alloc_fragment((bN, bM), dtype)
-            dQ = T.alloc_fragment((bM, dim), "float32")
             dK_f = T.alloc_fragment((bN, dim), "float32")
             dV_f = T.alloc_fragment((bN, dim), "float32")
+            if atomic_dq:
+                dS_s = T.alloc_shared((bN, bM), dtype)
+                dQ = T.alloc_fragment((bM, dim), "float32")
             T.copy(K[b, kv_head, k0, 0], K_s)
             T.copy(V[b, kv_head, k0, 0], V_s)
             T.clear(dK_f)
@@ -92,40 +123,74 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                 T.gemm(K_s, Q_s, ST, transpose_B=True, clear_accum=True, policy="full_row")
                 T.gemm(V_s, dO_s, dPT, transpose_B=True, clear_accum=True, policy="full_row")
                 for j, i in T.Parallel(bN, bM):
-                    q, k = q0 + i, k0 + j
-                    row = T.min(q, Sq - 1)
-                    slope = Slopes[b, h] if alibi else 0.0
-                    x = score_log2(ST[j, i], q, k, Sq, Sk, scale, cap, slope, softcap, alibi)
-                    if softcap:  # d score / d s through the cap's tanh: scale (1 - tanh^2), from the raw S
-                        dPT[j, i] = (dPT[j, i] - Delta[b, h, row]) * (scale - scale * T.tanh(ST[j, i] * scale / cap)
-                                                                       * T.tanh(ST[j, i] * scale / cap))
-                    else:
-                        dPT[j, i] = (dPT[j, i] - Delta[b, h, row]) * scale
-                    ST[j, i] = T.where(window.visible(q, k) & (q < Sq), T.exp2(x - LSE[b, h, row] * LOG2E), 0.0)
+                    q, row = q0 + i, T.min(q0 + i, Sq - 1)
+                    p, ds = _ds(ST[j, i], dPT[j, i], q, k0 + j, window, Sq, Sk, LSE[b, h, row], Delta[b, h, row],
+                                scale, softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
+                    dPT[j, i] = ds
+                    ST[j, i] = p
                     dPT[j, i] = dPT[j, i] * ST[j, i]
                 T.copy(ST, PT)
                 T.gemm(PT, dO_s, dV_f, policy="full_row")
                 T.copy(dPT, dST)
                 T.gemm(dST, Q_s, dK_f, policy="full_row")
-                T.copy(dST, dS_s)
-                T.gemm(dS_s, K_s, dQ, transpose_A=True, clear_accum=True)
-                T.atomic_add(dQ_acc[b, h, q0, 0], dQ)
+                if atomic_dq:
+                    T.copy(dST, dS_s)
+                    T.gemm(dS_s, K_s, dQ, transpose_A=True, clear_accum=True)
+                    T.atomic_add(dQ_acc[b, h, q0, 0], dQ)
             T.copy(dK_f, dK[b, kv_head, k0, 0])
             T.copy(dV_f, dV[b, kv_head, k0, 0])
 
-    Q_t, dO_t = q_types["Q"], q_types["dO"]
-    K_t, V_t, dK_t, dV_t = (kv_types[n] for n in ("K", "V", "dK", "dV"))
-    if alibi:
-        @T.prim_func
-        def flash_attention_bwd(Q: Q_t, K: K_t, V: V_t, dO: dO_t, LSE: rows, Delta: rows, dQ_acc: dq_type,
-                                dK: dK_t, dV: dV_t,
-                                Slopes: T.Tensor((B, Hq), "float32", strides=(T.dynamic("slopes_stride_b"), 1)),
-                                scale: f32, softcap: f32, window_left: i32, window_right: i32):
-            backward(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, scale, softcap, window_left, window_right, Slopes)
-    else:
-        @T.prim_func
-        def flash_attention_bwd(Q: Q_t, K: K_t, V: V_t, dO: dO_t, LSE: rows, Delta: rows, dQ_acc: dq_type,
-                                dK: dK_t, dV: dV_t, scale: f32, softcap: f32, window_left: i32, window_right: i32):
-            backward(Q, K, V, dO, LSE, Delta, dQ_acc, dK, dV, scale, softcap, window_left, window_right)
+    return T.prim_func(kernel_function("flash_attention_bwd", _signature(B, Hq, alibi, tensors), backward))
 
-    return flash_attention_bwd
+
+@tile_ops.jit(out_idx=[])
+def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool = False, local: bool = False,
+                                softcap: bool = False, alibi: bool = False,
+                                cfg: AttentionConfig = AttentionConfig(64, 64, 2, 128)):
+    """dQ (a (B, Hq, Sq, D) view, written) without atomics: a block owns ``block_M`` query rows and walks the key
+    tiles they see, as the forward does, recomputing P and dP: dQ += dS K with dS from registers.  With the
+    key-block kernel's dK and dV (``atomic_dq=False``) the deterministic backward."""
+    bM, bN = cfg.block_M, cfg.block_N
+    capped = softcap  # (the kernel's parameter ``softcap`` is the cap's value)
+    q_side, k_side, rows, (B, Hq, Hkv, Sq, Sk) = _types(dim, dtype)
+    tensors = {"Q": q_side("Q"), "K": k_side("K"), "V": k_side("V"), "dO": q_side("dO"), "LSE": rows, "Delta": rows,
+               "dQ": q_side("dQ")}
+
+    def backward_dq(Q, K, V, dO, LSE, Delta, dQ, scale, softcap, window_left, window_right, Slopes=None):
+        window = Window(Sq, Sk, causal, local, window_left, window_right)
+        with T.Kernel(T.ceildiv(Sq, bM), Hq, B, threads=cfg.threads) as (bx, h, b):
+            kv_head = h // (Hq // Hkv)
+            q0 = bx * bM
+            Q_s = T.alloc_shared((bM, dim), dtype)
+            dO_s = T.alloc_shared((bM, dim), dtype)
+            K_s = T.alloc_shared((bN, dim), dtype)
+            V_s = T.alloc_shared((bN, dim), dtype)
+            S = T.alloc_fragment((bM, bN), "float32")  # S, then P
+            dP = T.alloc_fragment((bM, bN), "float32")  # dP, then dS
+            dS = T.alloc_fragment((bM, bN), dtype)
+            dQ_f = T.alloc_fragment((bM, dim), "float32")
+            lse = T.alloc_fragment((bM,), "float32")
+            delta = T.alloc_fragment((bM,), "float32")
+            T.copy(Q[b, h, q0, 0], Q_s)
+            T.copy(dO[b, h, q0, 0], dO_s)
+            T.copy(LSE[b, h, q0], lse)
+            T.copy(Delta[b, h, q0], delta)
+            T.clear(dQ_f)
+            first, count = window.key_tiles(q0, bM, bN)
+            for t in T.Pipelined(count, num_stages=cfg.num_stages):
+                k0 = (first + t) * bN
+                T.copy(K[b, kv_head, k0, 0], K_s)
+                T.copy(V[b, kv_head, k0, 0], V_s)
+                T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
+                T.gemm(dO_s, V_s, dP, transpose_B=True, clear_accum=True, policy="full_row")
+                for i, j in T.Parallel(bM, bN):
+                    p, ds = _ds(S[i, j], dP[i, j], q0 + i, k0 + j, window, Sq, Sk, lse[i], delta[i], scale, softcap,
+                                Slopes[b, h] if alibi else 0.0, capped, alibi)
+                    dP[i, j] = ds
+                    S[i, j] = p
+                    dP[i, j] = dP[i, j] * S[i, j]
+                T.copy(dP, dS)
+                T.gemm(dS, K_s, dQ_f, policy="full_row")
+            T.copy(dQ_f, dQ[b, h, q0, 0])
+
+    return T.prim_func(kernel_function("flash_attention_bwd_dq", _signature(B, Hq, alibi, tensors), backward_dq))

@@ -8,7 +8,7 @@ from tile_ops.compiler.meta import span
 from tile_ops.jit import default_arch
 
 from .attention import flash_attention_forward
-from .attention_backward import attention_delta, flash_attention_backward
+from .attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
 from .attention_config import backward_config, default_config
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -55,41 +55,50 @@ def slopes_view(alibi_slopes, B, Hq):
     return slopes.expand(B, Hq)
 
 
-def build_attention_backward(problem: dict, cfg=None, arch=None):
-    """The backward kernel for ``problem`` (``attention_problem``'s) with ``cfg`` (default: the head dim's)."""
+def build_attention_backward(problem: dict, cfg=None, arch=None, deterministic=False):
+    """(the key-block kernel, the dQ kernel or None) for ``problem`` (``attention_problem``'s) with ``cfg``
+    (default: the head dim's): dQ by atomic adds in the first, or (``deterministic``) by the second."""
     arch = arch or default_arch()
-    return flash_attention_backward(**problem, cfg=cfg or backward_config(problem["dim"], arch), target=arch)
+    cfg = cfg or backward_config(problem["dim"], arch)
+    main = flash_attention_backward(**problem, atomic_dq=not deterministic, cfg=cfg, target=arch)
+    return main, flash_attention_backward_dq(**problem, cfg=cfg, target=arch) if deterministic else None
 
 
 def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causal=False, window=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, grad_lse=None, arch=None):
+                              softcap=0.0, alibi_slopes=None, grad_lse=None, deterministic=False, arch=None):
     """dq, dk, dv (B, S, H, D, written) of the checked forward inputs, its ``out`` and ``lse``, and the output's
     gradient ``dout`` (and the LSE's, ``grad_lse``, or None), on the current stream: Delta = rowsum(dout * out)
-    (less grad_lse), then the backward kernel adding dQ into a zeroed float32 buffer, cast into ``dq``."""
+    (less grad_lse), then the key-block kernel (dK, dV), whose atomic adds into a zeroed float32 buffer give dQ,
+    or (``deterministic``) the query-block dQ kernel: no atomics, the same bits every run."""
     arch = arch or default_arch(q.device)
     problem = attention_problem(q, causal, window, softcap, alibi_slopes is not None)
-    kernel, delta_kernel = build_attention_backward(problem, arch=arch), attention_delta(q.shape[-1], _DT[q.dtype],
-                                                                                           target=arch)
+    kernel, dq_kernel = build_attention_backward(problem, arch=arch, deterministic=deterministic)
+    delta_kernel = attention_delta(q.shape[-1], _DT[q.dtype], target=arch)
     B, Sq, Hq, D = q.shape
     delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    dq_acc = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
-    tensors = [q, k, v, dout, out, lse, delta, dq_acc, dk, dv]
+    dq_acc = None if deterministic else torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
+    tensors = [q, k, v, dout, out, lse, delta, dq if deterministic else dq_acc, dk, dv]
     if alibi_slopes is not None:
         tensors.append(slopes_view(alibi_slopes, B, Hq))
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    scalars = dict(scale=float(scale), softcap=float(softcap), window_left=int(window[0]), window_right=int(window[1]))
     for b0, b1 in batch_parts(tensors):
         part = [t[b0:b1] for t in tensors]
-        q_, k_, v_, dout_, out_, lse_, delta_, dq_acc_, dk_, dv_ = part[:10]
-        args = [out_.transpose(1, 2), dout_.transpose(1, 2), delta_]
-        delta_kernel.launch_ptrs([t.data_ptr() for t in args], q.device, delta_kernel.values(delta_kernel.dims.read(args)))
+        q_, k_, v_, dout_, out_, lse_, delta_, dq_, dk_, dv_ = part[:10]
+        _launch(delta_kernel, [out_.transpose(1, 2), dout_.transpose(1, 2), delta_], q.device, {})
         if grad_lse is not None:
             delta_.sub_(grad_lse[b0:b1].masked_fill(lse_.isinf(), 0.0))
-        args = [t.transpose(1, 2) for t in (q_, k_, v_, dout_)] + [lse_, delta_, dq_acc_] + \
-            [t.transpose(1, 2) for t in (dk_, dv_)] + part[10:]
-        values = kernel.values(kernel.dims.read(args), scale=float(scale), softcap=float(softcap),
-                               window_left=int(window[0]), window_right=int(window[1]))
-        kernel.launch_ptrs([t.data_ptr() for t in args], q.device, values)
-    dq.copy_(dq_acc.transpose(1, 2))
+        inputs = [t.transpose(1, 2) for t in (q_, k_, v_, dout_)] + [lse_, delta_]
+        dkv = [t.transpose(1, 2) for t in (dk_, dv_)]
+        _launch(kernel, inputs + ([] if deterministic else [dq_]) + dkv + part[10:], q.device, scalars)
+        if deterministic:
+            _launch(dq_kernel, inputs + [dq_.transpose(1, 2)] + part[10:], q.device, scalars)
+    if not deterministic:
+        dq.copy_(dq_acc.transpose(1, 2))
+
+
+def _launch(kernel, args, device, scalars):
+    kernel.launch_ptrs([t.data_ptr() for t in args], device, kernel.values(kernel.dims.read(args), **scalars))
 
 
 def batch_parts(tensors, limit: int = 2**31) -> list:

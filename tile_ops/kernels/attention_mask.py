@@ -2,6 +2,8 @@
 sliding windows), the tiles a block walks because of it, and the score of a (query, key) pair.  Traced inside a
 kernel: sizes and bounds are the kernel's launch-time values."""
 
+import inspect
+
 import tile_ops.lang as T
 
 LOG2E = 1.4426950408889634
@@ -57,3 +59,15 @@ def score_log2(s, q, k, Sq, Sk, scale, cap, slope, softcap: bool, alibi: bool):
     if alibi:
         x = x - slope * LOG2E * T.cast(T.abs(q + (Sk - Sq) - k), "float32")
     return x
+
+
+def kernel_function(name: str, params: dict, body):
+    """``body(**arguments)`` as a function whose signature is ``params`` (name -> T.Tensor or T.Scalar), for
+    ``T.prim_func``: a kernel whose parameter list depends on its compile-time options (ALiBi's slopes)."""
+    def fn(*args):
+        return body(**dict(zip(params, args)))
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=a)
+                                          for n, a in params.items()])
+    return fn

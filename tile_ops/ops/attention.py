@@ -4,7 +4,7 @@ Schema::
 
     tile_ops::flash_attention(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False,
                               int window_left=-1, int window_right=-1, float softcap=0.0,
-                              Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)
+                              Tensor? alibi_slopes=None, bool deterministic=False) -> (Tensor out, Tensor lse)
 
 On (B, S, H, D) tensors, as flash-attn: ``out`` (B, Sq, Hq, D) in q's dtype, ``lse`` (B, Hq, Sq) float32, the
 natural log-sum-exp of each row's scores (-inf, with out 0, for a row that sees no key).  Scores are
@@ -193,7 +193,7 @@ def _note(q, softmax_scale, causal, window, softcap, alibi_slopes):
 
 
 def _flash_attention_reference(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
-                               softcap=0.0, alibi_slopes=None):
+                               softcap=0.0, alibi_slopes=None, deterministic=False):
     check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
     out, lse = attention_reference(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
@@ -202,7 +202,7 @@ def _flash_attention_reference(q, k, v, softmax_scale=None, causal=False, window
 
 
 def _flash_attention_fake(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-                          alibi_slopes=None):
+                          alibi_slopes=None, deterministic=False):
     check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     B, Sq, Hq, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
@@ -212,7 +212,7 @@ def _flash_attention_fake(q, k, v, softmax_scale=None, causal=False, window_left
 
 
 def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-                          alibi_slopes=None):
+                          alibi_slopes=None, deterministic=False):
     check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     _check_cuda_layout(q, k, v)
     _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
@@ -233,10 +233,11 @@ def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.options = (softmax_scale, causal, window_left, window_right, softcap)
+    ctx.deterministic = deterministic
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -244,25 +245,28 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.tile_ops.flash_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.options,
-                                                             alibi_slopes)
+                                                             alibi_slopes, ctx.deterministic)
     needs = ctx.needs_input_grad[:3]
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 def _flash_attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
-                                        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                                        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                                        deterministic=False):
     return attention_backward_reference(dout, q, k, v, out, lse, grad_lse, softmax_scale, causal,
                                         (window_left, window_right), softcap, alibi_slopes)
 
 
 def _flash_attention_backward_fake(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
-                                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                                   deterministic=False):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
-                                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                                   deterministic=False):
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if q.shape[-1] not in BACKWARD_HEAD_DIMS:  # (no kernel yet: the reference's gradients, in float32)
         return _flash_attention_backward_reference(dout, q, k, v, out, lse, grad_lse, softmax_scale, causal,
@@ -275,14 +279,15 @@ def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softm
             any(s * dout.element_size() % checks.POINTER_ALIGNMENT for s in dout.stride()[:3]):
         dout = dout.contiguous()  # (what autograd hands over: an expanded or sliced gradient)
     launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, (window_left, window_right),
-                              softcap, alibi_slopes, grad_lse)
+                              softcap, alibi_slopes, grad_lse, deterministic)
     return dq, dk, dv
 
 
 _op = torch.library.custom_op(
     "tile_ops::flash_attention", _flash_attention_reference, mutates_args=(), device_types="cpu",
     schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, int window_left=-1, "
-           "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor, Tensor)")
+           "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, bool deterministic=False) -> "
+           "(Tensor, Tensor)")
 _op.register_kernel("cuda", _flash_attention_cuda)
 _op.register_fake(_flash_attention_fake)
 _op.register_autograd(_backward, setup_context=_setup_context)
@@ -291,7 +296,7 @@ _backward_op = torch.library.custom_op(
     "tile_ops::flash_attention_backward", _flash_attention_backward_reference, mutates_args=(), device_types="cpu",
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse=None, "
            "float? softmax_scale=None, bool causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, "
-           "Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)")
+           "Tensor? alibi_slopes=None, bool deterministic=False) -> (Tensor, Tensor, Tensor)")
 _backward_op.register_kernel("cuda", _flash_attention_backward_cuda)
 _backward_op.register_fake(_flash_attention_backward_fake)
 
@@ -319,11 +324,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn 2's ``flash_attn_func`` on (batch, seqlen, nheads, headdim) tensors: ``out``, with
     ``return_attn_probs`` ``(out, softmax_lse, None)`` (lse (batch, nheads, seqlen_q), float32; the probabilities
-    themselves are never formed).  ``deterministic`` is accepted: the forward is deterministic."""
+    themselves are never formed).  ``deterministic``: bit-identical gradients run to run (dQ from its own kernel
+    rather than atomic adds; the forward is deterministic either way)."""
     _refuse(dropout_p)
     left, right = _window(window_size)
     out, lse = torch.ops.tile_ops.flash_attention(q, k, v, softmax_scale, bool(causal), left, right, float(softcap),
-                                                  alibi_slopes)
+                                                  alibi_slopes, bool(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -364,7 +370,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         o, lse = torch.ops.tile_ops.flash_attention(
             q[cq[i]:cq[i + 1]].unsqueeze(0), k[ck[i]:ck[i + 1]].unsqueeze(0), v[ck[i]:ck[i + 1]].unsqueeze(0),
-            softmax_scale, bool(causal), left, right, float(softcap), slopes)
+            softmax_scale, bool(causal), left, right, float(softcap), slopes, bool(deterministic))
         outs.append(o[0])
         lses.append(lse[0])
     tail = q.shape[0] - cq[-1]  # rows past the last sequence belong to none: zeros, as flash-attn leaves them

@@ -39,7 +39,8 @@ def split(body: list) -> tuple:
 
 def check(loop, buffers: dict) -> None:
     """Running the block one iteration late must compute what running it at the end of its iteration does: it
-    holds the previous iteration's tiles while the loop loads the next (two stages at least), and commutes with the statements before it (the loop's loads, whose tiles are the next stage's, aside)."""
+    holds the previous iteration's tiles while the loop loads the next (two stages at least), and commutes with
+    the statements before it (the loop's loads, whose tiles are the next stage's, aside)."""
     block = block_of(loop)
     if block is None:
         return
