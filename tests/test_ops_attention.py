@@ -140,6 +140,24 @@ def test_training_step_compiles_fullgraph():
         assert all(torch.allclose(g, t.grad, atol=1e-5) for g, t in zip(grads, (q, k, v)))
 
 
+def test_varlen_gradients_match_the_reference_per_sequence():
+    """Autograd through flash_attn_varlen_func (zero-length sequences and rows past the last one included) gives
+    each sequence's reference gradients, and zeros where no sequence is."""
+    cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(10, 4, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, deterministic=True)
+    (out * torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape).cos()).sum().backward()
+    w = torch.arange(out.numel(), dtype=torch.float64).reshape(out.shape).cos()
+    for s, e in zip(cu.tolist(), cu.tolist()[1:]):
+        if e == s:
+            continue
+        qs, ks, vs = (t.detach()[None, s:e].clone().requires_grad_() for t in (q, k, v))
+        (attention_reference(qs, ks, vs, causal=True) * w[None, s:e]).sum().backward()
+        for got, ref in ((q.grad[s:e], qs.grad[0]), (k.grad[s:e], ks.grad[0]), (v.grad[s:e], vs.grad[0])):
+            assert torch.allclose(got, ref, atol=1e-6)
+    assert torch.equal(q.grad[9:], torch.zeros_like(q.grad[9:]))
+
+
 def test_varlen_matches_per_sequence_calls():
     cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)  # lengths 3, 0 (empty), 5, 1
     q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
