@@ -23,7 +23,7 @@ from ..lang.ir import TileLangError, error, walk
 from .cuda import emit_ptx, exp2_approx
 from .exprs import broadcast, cast, divides, nonneg, pad, ramp, rewrite, rows_divisible, to_python
 from .infer import LayoutInference
-from .memory import Memory, check_pipelined_loads, check_staged_uses, stage_counts
+from .memory import Memory, check_pipelined_loads, check_staged_uses, pipelined_loads, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta, span
 from .ops import Container, deferred, present, unit
 from .ops import setup as setup_ops
@@ -57,7 +57,7 @@ class Lowering:
         for loop in walk(self.kernel.body):
             if isinstance(loop, ir.For) and loop.kind == "pipelined":
                 check_pipelined_loads(loop, self.buffers)
-                deferred.check(loop, self.buffers)
+                deferred.check(loop, self.buffers, pipelined_loads(loop))
         self.memory = Memory(self)
         self.ops = present(self.kernel)  # (op, node), in program order
         self.walks_tiles = any(op.walks_tiles for op, _ in self.ops)

@@ -7,7 +7,6 @@ the statements before it write, nor writes what they read (``check``)."""
 from __future__ import annotations
 
 from ...lang.ir import Deferred, error
-from ..memory import pipelined_loads
 from . import Container, tile_op, unit
 
 
@@ -37,10 +36,10 @@ def split(body: list) -> tuple:
     return body[:at] + block.body + body[at + 1:], block.body
 
 
-def check(loop, buffers: dict) -> None:
+def check(loop, buffers: dict, loads: list) -> None:
     """Running the block one iteration late must compute what running it at the end of its iteration does: it
     holds the previous iteration's tiles while the loop loads the next (two stages at least), and commutes with
-    the statements before it (the loop's loads, whose tiles are the next stage's, aside)."""
+    the statements before it (the loop's ``loads``, whose tiles are the next stage's, aside)."""
     block = block_of(loop)
     if block is None:
         return
@@ -48,7 +47,6 @@ def check(loop, buffers: dict) -> None:
         raise error(block.loc, f"T.deferred(): the loop has num_stages={loop.num_stages}; a block run one iteration "
                                f"late still reads its iteration's tiles while the next iteration's load, so the "
                                f"loop needs num_stages >= 2")
-    loads = pipelined_loads(loop)
     reads = {id(b) for n in block.body for b in unit(n).reads(n, buffers)}
     writes = {id(b): b for n in block.body for b in unit(n).writes(n)}
     for node in loop.body[:loop.body.index(block)]:
