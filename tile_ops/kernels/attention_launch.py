@@ -39,13 +39,11 @@ def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window
     tensors = [q, k, v, out, lse]
     if alibi_slopes is not None:
         tensors.append(slopes_view(alibi_slopes, q.shape[0], q.shape[2]))
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    scalars = _scalars(q.shape[-1], softmax_scale, softcap, window)
     for b0, b1 in batch_parts(tensors):
-        args = [t[b0:b1].transpose(1, 2) for t in tensors[:4]] + [t[b0:b1] for t in tensors[4:]]
         # the op checked dtypes, shapes and alignment; the sizes and strides come from these very tensors
-        values = kernel.values(kernel.dims.read(args), scale=float(scale), softcap=float(softcap),
-                               window_left=int(window[0]), window_right=int(window[1]))
-        kernel.launch_ptrs([t.data_ptr() for t in args], q.device, values)
+        _launch(kernel, [t[b0:b1].transpose(1, 2) for t in tensors[:4]] + [t[b0:b1] for t in tensors[4:]], q.device,
+                scalars)
 
 
 def slopes_view(alibi_slopes, B, Hq):
@@ -80,8 +78,7 @@ def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale
     tensors = [q, k, v, dout, out, lse, delta, dq if deterministic else dq_acc, dk, dv]
     if alibi_slopes is not None:
         tensors.append(slopes_view(alibi_slopes, B, Hq))
-    scale = D ** -0.5 if softmax_scale is None else softmax_scale
-    scalars = dict(scale=float(scale), softcap=float(softcap), window_left=int(window[0]), window_right=int(window[1]))
+    scalars = _scalars(D, softmax_scale, softcap, window)
     for b0, b1 in batch_parts(tensors):
         part = [t[b0:b1] for t in tensors]
         q_, k_, v_, dout_, out_, lse_, delta_, dq_, dk_, dv_ = part[:10]
@@ -95,6 +92,12 @@ def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale
             _launch(dq_kernel, inputs + [dq_.transpose(1, 2)] + part[10:], q.device, scalars)
     if not deterministic:
         dq.copy_(dq_acc.transpose(1, 2))
+
+
+def _scalars(dim, softmax_scale, softcap, window) -> dict:
+    """The kernels' launch-time scalars: the scale (1/sqrt(dim) by default), the softcap, the window's bounds."""
+    scale = dim ** -0.5 if softmax_scale is None else softmax_scale
+    return dict(scale=float(scale), softcap=float(softcap), window_left=int(window[0]), window_right=int(window[1]))
 
 
 def _launch(kernel, args, device, scalars):

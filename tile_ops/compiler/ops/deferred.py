@@ -16,20 +16,20 @@ class DeferredOp(Container):
         raise error(node.loc, "internal: a T.deferred() block reached the lowering unspliced by its loop")
 
 
-def block_of(loop):
-    """The loop's T.deferred() node, or None."""
-    return next((n for n in loop.body if isinstance(n, Deferred)), None)
+def block_of(body: list):
+    """The T.deferred() node of a loop body, or None."""
+    return next((n for n in body if isinstance(n, Deferred)), None)
 
 
 def in_order(body: list) -> list:
     """The loop body with its deferred block's statements at its end (what the loop computes)."""
-    block = next((n for n in body if isinstance(n, Deferred)), None)
+    block = block_of(body)
     return body if block is None else [n for n in body if n is not block] + block.body
 
 
 def split(body: list) -> tuple:
     """(the body with the deferred block's statements spliced in at its place, those statements)."""
-    block = next((n for n in body if isinstance(n, Deferred)), None)
+    block = block_of(body)
     if block is None:
         return body, []
     at = body.index(block)
@@ -40,7 +40,7 @@ def check(loop, buffers: dict, loads: list) -> None:
     """Running the block one iteration late must compute what running it at the end of its iteration does: it
     holds the previous iteration's tiles while the loop loads the next (two stages at least), and commutes with
     the statements before it (the loop's ``loads``, whose tiles are the next stage's, aside)."""
-    block = block_of(loop)
+    block = block_of(loop.body)
     if block is None:
         return
     if loop.num_stages < 2:
