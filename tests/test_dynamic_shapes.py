@@ -12,6 +12,7 @@ import pytest
 
 import tile_ops
 import tile_ops.lang as T
+from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
 from tile_ops.compiler.meta import KernelMeta, evaluate
 from tile_ops.jit.kernel import DIM, PLAN_VALUE, EntryArgs, Kernel, LaunchDims, Sized
@@ -205,6 +206,41 @@ def test_one_sm90_kernel_at_several_m_matches_float64(M, kw):
     assert "tma.load.2d.swizzle128" in _emulate("sm_90a", M, **SM90_TILES, **kw)
 
 
+def _rescale_rows(N=64, block_M=32):
+    """Out[rows of the block, :] *= 2 through a T.Parallel over the global tile (the fused softmax's rescale)."""
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def main(Out: T.Tensor((M, N), "float32")):
+        with T.Kernel(T.ceildiv(M, block_M), threads=64) as bx:
+            for r, c in T.Parallel(block_M, N):
+                Out[bx * block_M + r, c] = Out[bx * block_M + r, c] * 2.0
+
+    return main
+
+
+@pytest.mark.parametrize("M", [5, 64, 100])
+def test_parallel_over_a_global_tile_tests_the_tile_once(M):
+    """An interior tile (every row below M) runs the T.Parallel without a predicate per element, under one
+    test of its last row; a ragged last tile takes the predicated copy: both right on the emulator."""
+    lk = lower(_rescale_rows(), "sm_80")
+    source = compile_program(_rescale_rows(), "sm_80").source.replace("((int)blockIdx.x)", "bx")
+    assert "if (((bx * 32) + 31) < M)" in source and source.count("< M") == 1 + 32 * 64 // (64 * 4)  # float4s
+    x = np.random.default_rng(M).standard_normal((M, 64)).astype(np.float32)
+    out = x.copy()
+    Emulator(lk.func, {"Out": out, "M": M}).run((-(-M // 32), 1, 1))
+    np.testing.assert_array_equal(out, 2 * x)
+
+
+def test_tile_indices_of_a_runtime_grid_are_computed_once_per_tile():
+    """The persistent walk's tile coordinates divide by M's tile count: bound once per tile, the k-loop uses
+    the variables (nvcc left the divisions in the loop, where the producer's TMA issue fell behind)."""
+    source = compile_program(matmul_any_m.fn(256, 256, **SM90_TILES), "sm_90a").source
+    k_loop = source[source.index("for (int k = 0;"):]
+    k_loop = k_loop[:k_loop.index("\n    }")]
+    assert "tile_ops_once(" in source and "tile_y" in k_loop and "(M + 63)" not in k_loop
+
+
 # ----------------------------------------------------------------------------- the library gemm
 
 
@@ -251,3 +287,4 @@ def test_random_token_counts_build_one_kernel_per_config(monkeypatch):
             calls.add(repr((cfg.split_k, reduce_tile(M, 4096))))
         build_gemm(M, 4096, 4096, cfg=cfg, target="sm_90a")
     assert len(set(built)) == len(calls) < 20
+

@@ -69,11 +69,15 @@ def test_gemm_softmax_at_random_m_matches_float64(fresh_cache):
     assert _kernels_in_cache() <= 3
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_a_dynamic_program_launches_at_several_m(arch, fresh_cache):
-    """One kernel of tests/programs.py, called at M smaller than a tile, ragged, and over many waves."""
-    if arch == "sm_90a" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("sm_90a needs a Hopper GPU")
+@pytest.mark.parametrize("path", ["cp.async", "tma"])
+def test_a_dynamic_program_launches_at_several_m(path, fresh_cache):
+    """One kernel of tests/programs.py, called at M smaller than a tile, ragged, and over many waves, on both
+    paths: cp.async + mma.sync built for this GPU's major arch (an sm_80 cubin does not load on Hopper), and
+    TMA + wgmma."""
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if path == "tma" and not hopper:
+        pytest.skip("the TMA path needs a Hopper GPU")
+    arch = "sm_90a" if path == "tma" else "sm_90" if hopper else "sm_80"
     kernel = matmul_any_m(192, 256, block_M=128, block_N=64, block_K=64, target=arch)
     b = torch.randn(256, 192, device="cuda", dtype=torch.float16)
     for M in (1, 77, 1000, 33000):

@@ -1105,6 +1105,8 @@ class Emulator:
             return self._row_factor(e, env)
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_warp_uniform":  # __shfl_sync(v, 0)
             return self._eval(e.args[1], env)  # of a value uniform over the warp by construction: the value
+        if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_once":  # the identity
+            return self._eval(e.args[1], env)
         if isinstance(e, px.Select):  # both sides evaluated, as a SEL instruction's operands are
             with np.errstate(invalid="ignore", over="ignore"):
                 t, f = self._eval(e.true_value, env), self._eval(e.false_value, env)

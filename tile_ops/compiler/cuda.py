@@ -26,6 +26,9 @@ __forceinline__ __device__ int tile_ops_grid_x() { return gridDim.x; }
 _WARP_UNIFORM = """
 __forceinline__ __device__ int tile_ops_warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 """
+_ONCE = """
+__forceinline__ __device__ int tile_ops_once(int v) { return v; }
+"""
 _EXP2 = """
 __forceinline__ __device__ float tile_ops_exp2(float x) {
   float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
@@ -41,6 +44,12 @@ def grid_x():
 def warp_uniform(v):
     """``v`` as lane 0 holds it (``__shfl_sync``, all threads converged), so nvcc knows it is warp-uniform."""
     return helper("tile_ops_warp_uniform", _WARP_UNIFORM, v, return_type="int32")
+
+
+def once(v):
+    """``v`` as a call TVM's simplifier does not see through: bound to a variable (``T.Bind``), it is computed
+    there once instead of being inlined into every use (TVM inlines pure integer bindings)."""
+    return helper("tile_ops_once", _ONCE, v, return_type="int32")
 
 
 def exp2_approx(x):

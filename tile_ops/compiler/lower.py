@@ -8,7 +8,7 @@ barriers between them.  TVM's CUDA code generator then turns the PrimFunc into C
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
 from tvm import tirx
@@ -28,7 +28,7 @@ from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta, span
 from .ops import Container, deferred, present, unit
 from .ops import setup as setup_ops
 from .ops.gemm import is_wgmma
-from .schedules.persistent import rasterize
+from .schedules.persistent import tile_indices
 from .schedules.pingpong import CONSUMERS
 from .schedules.warp_specialized import WarpSpecialized, bind_warpgroup
 from .targets import Target
@@ -52,6 +52,7 @@ class Lowering:
                                          f"target, this kernel is compiled for {target.arch}")
         self.infer = LayoutInference(self.kernel, self.buffers, wgmma=target.hopper).run()
         self.ana = Analyzer()
+        self.inside_bounds = False  # bounds_known
         self.stages = stage_counts(self.kernel)
         check_staged_uses(self.kernel.body, self.stages, self.buffers)
         for loop in walk(self.kernel.body):
@@ -111,7 +112,7 @@ class Lowering:
                     ids = [T.cta_id([grid[0]])]  # the tile walk sets the block vars
                 else:
                     ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
-                    self.block_vars = dict(zip(k.block_vars, rasterize(k, list(ids))))
+                    self.block_vars = dict(zip(k.block_vars, tile_indices(self, list(ids))))
                 block = ws.block_threads() if ws else self.threads
                 self.tid = T.thread_id([block])
                 if self.target.hopper:  # a programmatic launch (Kernel.dependent) may start while the stream's
@@ -223,11 +224,20 @@ class Lowering:
             with T.Then():
                 self.store(buf, idx, value, frag_index, stage, vec)
 
+    @contextmanager
+    def bounds_known(self):
+        """Lowering under a test that every global element it touches is inside its tensor: no predicates."""
+        self.inside_bounds = True
+        try:
+            yield
+        finally:
+            self.inside_bounds = False
+
     def in_bounds(self, buf, start, idx):
         """The predicate of ``start + idx`` lying inside a global tensor (None: it does, or not global)."""
         idx = pad(idx, start)
         conds = []
-        if buf.scope != "global":
+        if buf.scope != "global" or self.inside_bounds:
             return None
         for s, i, dim in zip(start, idx, buf.shape):
             if not nonneg(s + i):  # a window or stencil may start before the tensor

@@ -38,29 +38,41 @@ class ParallelOp(Container):
 
     def lower(self, lw, node, vm):
         _check_inside(lw, node)
-        anchor = lw.infer.parallel.get(id(node))
-        if anchor is None:  # no fragment: spread the iteration space over the threads, vec columns each
-            vec = _vector_width(lw, node)
+        whole = _whole_tile_inside(lw, node, vm)
+        if whole is None:
+            return _lower(lw, node, vm)
+        with T.If(whole):  # an interior tile, the common case, runs without a predicate per element
+            with T.Then():
+                with lw.bounds_known():
+                    _lower(lw, node, vm)
+            with T.Else():
+                _lower(lw, node, vm)
 
-            def run(idx):
-                inner = {**vm, **dict(zip(node.vars, idx))}
-                for st in node.body:
-                    _store(lw, st, inner, None, node, vec)
-            return lw.flat_loop(node.extents, run, vec)
-        with T.unroll(0, anchor.local_size) as r:
-            coords = anchor.coords(lw.tid, r)
-            inner = {**vm, **dict(zip(node.vars, coords))}
 
-            def frag_index(buf, idx, _r=r):
-                lay = lw.infer.layouts[buf]
-                if lay == anchor:
-                    return _r
-                if isinstance(lay, MmaRowLayout) and isinstance(anchor, MmaAccumLayout):  # checked in inference
-                    return lay.row_of_accum_local(_r, anchor)
-                raise TileLangError(f"fragment {buf.name} does not share the loop's layout")
+def _lower(lw, node, vm):
+    anchor = lw.infer.parallel.get(id(node))
+    if anchor is None:  # no fragment: spread the iteration space over the threads, vec columns each
+        vec = _vector_width(lw, node)
 
+        def run(idx):
+            inner = {**vm, **dict(zip(node.vars, idx))}
             for st in node.body:
-                _store(lw, st, inner, frag_index, node)
+                _store(lw, st, inner, None, node, vec)
+        return lw.flat_loop(node.extents, run, vec)
+    with T.unroll(0, anchor.local_size) as r:
+        coords = anchor.coords(lw.tid, r)
+        inner = {**vm, **dict(zip(node.vars, coords))}
+
+        def frag_index(buf, idx, _r=r):
+            lay = lw.infer.layouts[buf]
+            if lay == anchor:
+                return _r
+            if isinstance(lay, MmaRowLayout) and isinstance(anchor, MmaAccumLayout):  # checked in inference
+                return lay.row_of_accum_local(_r, anchor)
+            raise TileLangError(f"fragment {buf.name} does not share the loop's layout")
+
+        for st in node.body:
+            _store(lw, st, inner, frag_index, node)
 
 
 # ---------------------------------------------------------------------- layouts
@@ -159,6 +171,34 @@ def _check_inside(lw, node: Parallel):
                                         f"dim {d} from {lw.ana.simplify(first)} to {lw.ana.simplify(last)}, "
                                         f"outside 0..{dim - 1} (shared and local tiles are not predicated, only "
                                         f"global tensors are)")
+
+
+def _whole_tile_inside(lw, node, vm):
+    """The condition that every global element the T.Parallel touches lies inside its tensor, where the
+    per-element predicates hang on a runtime size (``T.dynamic``): one test per tile, so an interior tile's
+    loads are all in flight at once (predicated one by one, each row waited for its load).  Each index
+    must grow with every loop variable, so its first and last iterations bound it; None otherwise."""
+    first = {v: 0 for v in node.vars}
+    last = {v: e - 1 for v, e in zip(node.vars, node.extents)}
+    conds = []
+    for st in (n for n in walk(node.body) if isinstance(n, Store)):
+        for buf, idx in [(st.buffer, st.indices)] + [(lw.buffers.get(b), i) for b, i in collect_loads(st.value)]:
+            if buf is None or buf.scope != "global":
+                continue
+            for i, dim in zip(idx, buf.shape):
+                if isinstance(i, int):
+                    continue
+                if not all(lw.ana.can_prove(rewrite(i, {v: v + 1}) - i >= 0) for v in node.vars):
+                    return None
+                lo, hi = (lw.ana.simplify(lw.expr(rewrite(i, at), vm)) for at in (first, last))
+                conds += [c for c in (lo >= 0, hi < dim) if not lw.ana.can_prove(c)]
+    conds = list({str(c): c for c in conds}.values())  # a tensor read and written at the same index
+    if not conds or not any(uses(c, d) for c in conds for d in lw.prog.dims):
+        return None
+    whole = conds[0]
+    for c in conds[1:]:
+        whole = tirx.And(whole, c)
+    return whole
 
 
 def _store(lw, st: Store, vm, frag_index, node, vec=1):

@@ -8,12 +8,30 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
+import tvm
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ..cuda import grid_x
-from ..exprs import at_most, smin
+from ..cuda import grid_x, once
+from ..exprs import at_most, smin, uses
+
+
+def tile_indices(lw, ids):
+    """The program's block indices of the tile at ``ids``: ``rasterize``d, each one that depends on a runtime
+    size (its raster divides by a ``T.dynamic`` tile count) bound once to a variable in the grid's range, so
+    its divisions run once per tile rather than at every use (nvcc left them in the k-loop, where the
+    producer's TMA issue fell behind)."""
+    indices = rasterize(lw.kernel, ids)
+    return [_bound_once(lw, e, f"tile_{'xyz'[i]}", extent) if any(uses(e, d) for d in lw.prog.dims) else e
+            for i, (e, extent) in enumerate(zip(indices, lw.kernel.grid))]
+
+
+def _bound_once(lw, e, name, extent):
+    var = T.Var(name, "int32")
+    T.Bind(once(e), var=var)
+    lw.ana.bind(var, tvm.ir.Range.from_min_extent(0, extent))
+    return var
 
 
 def rasterize(kernel, ids):
@@ -97,4 +115,4 @@ class TileWalk:
         c, r, ccx, ccy = tirx.floordiv(t, n), tirx.floormod(t, n), gx // cx, gy // cy
         ids = [tirx.floormod(c, ccx) * cx + tirx.floormod(r, cx),
                tirx.floormod(tirx.floordiv(c, ccx), ccy) * cy + tirx.floordiv(r, cx), tirx.floordiv(c, ccx * ccy)]
-        lw.block_vars = dict(zip(lw.kernel.block_vars, rasterize(lw.kernel, ids[: len(lw.kernel.grid)])))
+        lw.block_vars = dict(zip(lw.kernel.block_vars, tile_indices(lw, ids[: len(lw.kernel.grid)])))
