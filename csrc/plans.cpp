@@ -12,6 +12,7 @@
 //   plans_configure(plain_types: tuple[type, ...], stream_getter: callable | None)
 //   plans_record(op, tensors, flags, outputs, program) -> bool
 //   plans_call(op, tensors, flags, check_dispatch) -> Tensor | tuple[Tensor, ...] | None
+//   plans_record_family(op, tensors, flags, var, sizes, strides, ranges, outputs, program) -> bool
 //   plans_clear(); plans_size() -> int
 // where `tensors` is a tuple of the op's tensor operands (None for an omitted optional one), `flags`
 // a tuple of its scalar arguments (None, bool, int, float or torch.dtype), `outputs` a list of
@@ -20,6 +21,13 @@
 // buffers: the tensor operands, then the outputs, then the scratch buffers -- or a callable
 // launch(*pointers), the pointers of those buffers in that order, for a launch that runs host code.  An
 // argument (-1, int) is a 32-bit integer kernel parameter (a T.dynamic size) instead of a buffer.
+//
+// A family is one plan for every value m of a runtime size (a token count) in `ranges` [(lo, hi)]: m is read
+// from tensor var = (index, dim) of a call; its tensors must have the `sizes` and `strides` given (per tensor,
+// per dim); and every integer of its outputs, scratch, grids, value arguments and tensor-map dims and strides
+// may be an expression of m: an int, or a tuple of (opcode, operand) pairs in postfix order (Expr below;
+// tile_ops/ops/fastpath.py writes them).  A host launch of a family is called launch(*pointers, m).  A call
+// with no plan of its own takes the first family that matches it: an unseen m stays on this path.
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +42,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <memory>
@@ -54,6 +63,70 @@ constexpr int kDescriptorsPerMap = 4;  // TMA descriptors kept per tensor map (p
 constexpr uint64_t kPointerAlignment = 16;
 constexpr size_t kMaxArgs = 64;      // kernel arguments per step
 
+// An integer of a plan: a constant, or an expression of a family's m in postfix order.
+enum Opcode : int64_t { kConst, kVar, kAdd, kSub, kMul, kFloorDiv, kMod, kMin, kMax };
+constexpr int kMaxExprDepth = 64;
+
+struct Expr {
+  std::vector<int64_t> code{kConst, 0};  // (opcode, operand) pairs
+
+  // The value at m; false where it has none (a division by zero).
+  bool eval(int64_t m, int64_t& out) const {
+    int64_t stack[kMaxExprDepth];
+    int n = 0;
+    for (size_t i = 0; i < code.size(); i += 2) {
+      const int64_t op = code[i];
+      if (op == kConst || op == kVar) {
+        stack[n++] = op == kConst ? code[i + 1] : m;
+        continue;
+      }
+      const int64_t b = stack[--n], a = stack[n - 1];
+      if (op == kFloorDiv || op == kMod) {
+        if (b == 0) return false;
+        const int64_t q = a / b - ((a % b != 0) && ((a < 0) != (b < 0)));  // Python's floor division
+        stack[n - 1] = op == kFloorDiv ? q : a - q * b;
+      } else {
+        stack[n - 1] = op == kAdd ? a + b : op == kSub ? a - b : op == kMul ? a * b : op == kMin ? std::min(a, b)
+                                                                                               : std::max(a, b);
+      }
+    }
+    out = stack[0];
+    return true;
+  }
+
+  int64_t value(int64_t m) const {  // of a checked plan's expression at a matched m
+    int64_t v = 0;
+    if (!eval(m, v)) throw std::runtime_error("tile_ops: plans: an expression of a family divides by zero");
+    return v;
+  }
+};
+
+// An int, or a tuple of (opcode, operand) pairs that evaluates with a stack of at most kMaxExprDepth.
+Expr expr_of(py::handle h) {
+  Expr e;
+  if (!PyTuple_Check(h.ptr())) {
+    e.code = {kConst, h.cast<int64_t>()};
+    return e;
+  }
+  e.code = h.cast<std::vector<int64_t>>();
+  int depth = 0;
+  bool ok = !e.code.empty() && e.code.size() % 2 == 0;
+  for (size_t i = 0; ok && i < e.code.size(); i += 2) {
+    const int64_t op = e.code[i];
+    ok = op >= kConst && op <= kMax;
+    depth += op == kConst || op == kVar ? 1 : -1;
+    ok = ok && depth >= 1 && depth <= kMaxExprDepth;
+  }
+  if (!ok || depth != 1) throw py::value_error("tile_ops: plans: a malformed expression of m");
+  return e;
+}
+
+std::vector<Expr> exprs_of(py::handle seq) {
+  std::vector<Expr> out;
+  for (py::handle h : seq) out.push_back(expr_of(h));
+  return out;
+}
+
 // The signature of a call: every field of it that the op's checks and layout decisions read.
 struct Key {
   std::array<int64_t, 3 + kMaxTensors * (3 + 2 * kMaxRank) + 2 * kMaxFlags> words{};
@@ -71,8 +144,10 @@ struct KeyHash {
 };
 
 struct TensorMapSlot {
-  TensorMapArgs spec;  // the address is per call
+  TensorMapArgs spec;  // the address is per call; dims and strides per m
+  std::vector<Expr> dims, strides;
   std::array<uint64_t, kDescriptorsPerMap> address{};
+  std::array<int64_t, kDescriptorsPerMap> m{};
   std::array<CUtensorMap, kDescriptorsPerMap> descriptor{};
   int filled = 0, next = 0;
 };
@@ -80,7 +155,7 @@ struct TensorMapSlot {
 struct Arg {
   int buffer;     // or kValue: `value` itself
   int tensormap;  // index into Plan::tensormaps, or -1: the buffer's pointer
-  int64_t value = 0;
+  Expr value;
 };
 
 constexpr int kValue = -1;  // an argument (kValue, int): a 32-bit integer (a kernel's T.dynamic size), no buffer
@@ -88,13 +163,14 @@ constexpr int kValue = -1;  // an argument (kValue, int): a 32-bit integer (a ke
 struct Step {
   CUfunction function;
   uint64_t generation;  // of `function` when recorded: a reloaded kernel may get the same address
-  unsigned grid[3], block[3], smem;
+  Expr grid[3];
+  unsigned block[3], smem;
   std::string name;
   std::vector<Arg> args;
 };
 
 struct Buffer {
-  std::vector<int64_t> shape;
+  std::vector<Expr> shape;
   at::ScalarType dtype;
 };
 
@@ -112,8 +188,18 @@ struct Plan {
 // one runs Python (its host launch's finalizer) that may come back into the table.
 using Plans = std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash>;
 
+struct Family {
+  int var_tensor, var_dim;
+  std::vector<std::vector<Expr>> sizes, strides;  // per tensor operand (empty: an omitted one)
+  std::vector<std::array<int64_t, 2>> ranges;     // of m, sorted, disjoint
+  std::shared_ptr<Plan> plan;
+};
+using Families = std::unordered_map<Key, std::vector<Family>, KeyHash>;  // by the signature without sizes
+constexpr size_t kMaxFamilies = 1024;
+
 struct State {
   Plans plans;
+  Families families;
   std::vector<py::object> plain_types;  // torch.Tensor, torch.nn.Parameter: not subclasses (held: compared by identity)
   py::object stream_getter;                // stream_getter(device_index) -> raw cudaStream_t
 };
@@ -178,7 +264,8 @@ bool add_flag(PyObject* flag, Key& key) {
 }
 
 // Fills `key`; false when the call cannot have a plan (an odd flag, a rank or a count the plans do not take).
-bool make_key(int64_t op, const at::Tensor* const tensors[], int n, PyObject* flags, Key& key) {
+// Without `sizes`: a family's key, whose sizes and strides the family itself checks.
+bool make_key(int64_t op, const at::Tensor* const tensors[], int n, PyObject* flags, Key& key, bool sizes = true) {
   const Py_ssize_t n_flags = PyTuple_GET_SIZE(flags);
   if (n_flags > kMaxFlags) return false;
   key.add(op);
@@ -194,8 +281,8 @@ bool make_key(int64_t op, const at::Tensor* const tensors[], int n, PyObject* fl
     key.add(rank);
     key.add(static_cast<int64_t>(t->scalar_type()));
     key.add((static_cast<int64_t>(t->device().type()) << 16) | static_cast<uint16_t>(t->device().index()));
-    for (int64_t d = 0; d < rank; ++d) key.add(t->size(d));
-    for (int64_t d = 0; d < rank; ++d) key.add(t->stride(d));
+    for (int64_t d = 0; sizes && d < rank; ++d) key.add(t->size(d));
+    for (int64_t d = 0; sizes && d < rank; ++d) key.add(t->stride(d));
   }
   key.add(n_flags);
   for (Py_ssize_t i = 0; i < n_flags; ++i)
@@ -228,25 +315,37 @@ at::ScalarType scalar_type_of(py::handle dtype) {
 }
 
 Buffer buffer_of(py::handle shape, py::handle dtype) {
-  return Buffer{shape.cast<std::vector<int64_t>>(), scalar_type_of(dtype)};
+  return Buffer{exprs_of(shape), scalar_type_of(dtype)};
 }
 
-TensorMapArgs tensormap_of(py::dict spec) {
-  TensorMapArgs a{tensor_map_dtype(spec["dtype"].cast<std::string>()),
+// A spec's dims and strides at m.
+TensorMapArgs at_m(const TensorMapSlot& slot, int64_t m) {
+  TensorMapArgs a = slot.spec;
+  for (size_t i = 0; i < slot.dims.size(); ++i) a.dims[i] = slot.dims[i].value(m);
+  for (size_t i = 0; i < slot.strides.size(); ++i) a.strides[i] = slot.strides[i].value(m);
+  return a;
+}
+
+// The slot of a spec whose dims and strides may be expressions of m (validated at `m0`, the recording call's).
+TensorMapSlot tensormap_of(py::dict spec, int64_t m0) {
+  TensorMapSlot slot;
+  slot.dims = exprs_of(spec["dims"]);
+  slot.strides = exprs_of(spec["strides"]);
+  slot.spec = TensorMapArgs{tensor_map_dtype(spec["dtype"].cast<std::string>()),
                   0,
-                  spec["dims"].cast<std::vector<int64_t>>(),
-                  spec["strides"].cast<std::vector<int64_t>>(),
+                  std::vector<int64_t>(slot.dims.size()),
+                  std::vector<int64_t>(slot.strides.size()),
                   spec["box"].cast<std::vector<int64_t>>(),
                   spec["element_strides"].cast<std::vector<int64_t>>(),
                   spec["swizzle"].cast<int>(),
                   0,
                   spec["l2_promotion"].cast<int>(),
                   spec["oob_fill"].cast<int>()};
-  validate(a);
-  return a;
+  validate(at_m(slot, m0));
+  return slot;
 }
 
-void read_program(py::handle program, Plan& plan) {
+void read_program(py::handle program, Plan& plan, int64_t m0 = 0) {
   if (PyCallable_Check(program.ptr())) {
     plan.host_launch = py::reinterpret_borrow<py::object>(program);
     return;
@@ -262,16 +361,19 @@ void read_program(py::handle program, Plan& plan) {
     if (t.size() != 6) throw py::value_error("tile_ops: plans: a step is (function, grid, block, smem, name, args)");
     Step step{reinterpret_cast<CUfunction>(t[0].cast<uint64_t>()), 0, {}, {}, t[3].cast<unsigned>(),
               t[4].cast<std::string>(), {}};
-    auto grid = t[1].cast<std::array<unsigned, 3>>(), block = t[2].cast<std::array<unsigned, 3>>();
+    std::vector<Expr> grid = exprs_of(t[1]);
+    if (grid.size() != 3) throw py::value_error("tile_ops: plans: a step's grid has 3 extents");
     std::copy(grid.begin(), grid.end(), step.grid);
+    auto block = t[2].cast<std::array<unsigned, 3>>();
     std::copy(block.begin(), block.end(), step.block);
     for (py::handle arg : t[5].cast<py::list>()) {
       auto [buffer, spec] = arg.cast<std::pair<int, py::object>>();
       if (buffer == kValue) {
-        const int64_t value = spec.cast<int64_t>();
-        if (value < INT32_MIN || value > INT32_MAX)
+        Expr value = expr_of(spec);
+        const int64_t v = value.value(m0);
+        if (v < INT32_MIN || v > INT32_MAX)
           throw py::value_error("tile_ops: plans: a value argument of kernel '" + step.name + "' is not a 32-bit int");
-        step.args.push_back(Arg{kValue, -1, value});
+        step.args.push_back(Arg{kValue, -1, std::move(value)});
         continue;
       }
       if (buffer < 0 || buffer >= buffers)
@@ -280,9 +382,9 @@ void read_program(py::handle program, Plan& plan) {
       int tensormap = -1;
       if (!spec.is_none()) {
         tensormap = static_cast<int>(plan.tensormaps.size());
-        plan.tensormaps.push_back(TensorMapSlot{tensormap_of(spec.cast<py::dict>())});
+        plan.tensormaps.push_back(tensormap_of(spec.cast<py::dict>(), m0));
       }
-      step.args.push_back(Arg{buffer, tensormap});
+      step.args.push_back(Arg{buffer, tensormap, {}});
     }
     if (step.args.size() > kMaxArgs)
       throw py::value_error("tile_ops: plans: kernel '" + step.name + "' has more than " +
@@ -298,13 +400,15 @@ void read_program(py::handle program, Plan& plan) {
   }
 }
 
-const CUtensorMap* descriptor_locked(TensorMapSlot& slot, uint64_t address, std::optional<int> device) {
+const CUtensorMap* descriptor_locked(TensorMapSlot& slot, uint64_t address, int64_t m, std::optional<int> device) {
   for (int i = 0; i < slot.filled; ++i)
-    if (slot.address[i] == address) return &slot.descriptor[i];
+    if (slot.address[i] == address && slot.m[i] == m) return &slot.descriptor[i];
   const int i = slot.next;
-  slot.spec.address = address;
-  slot.descriptor[i] = encode_tensor_map_locked(slot.spec, device);
+  TensorMapArgs spec = at_m(slot, m);
+  spec.address = address;
+  slot.descriptor[i] = encode_tensor_map_locked(spec, device);
   slot.address[i] = address;
+  slot.m[i] = m;
   slot.next = (i + 1) % kDescriptorsPerMap;
   slot.filled = std::max(slot.filled, i + 1);
   return &slot.descriptor[i];
@@ -316,8 +420,8 @@ uint64_t current_stream(int device) {
   return s.stream_getter(device).cast<uint64_t>();
 }
 
-// The plan's launches on `pointers` (buffer -> address); false when a kernel's module was unloaded.
-bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device) {
+// The plan's launches on `pointers` (buffer -> address) at m; false when a kernel's module was unloaded.
+bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device, int64_t m) {
   const uint64_t stream = current_stream(device);
   std::lock_guard<std::mutex> lock(driver_mutex());
   require_driver_locked();
@@ -329,29 +433,40 @@ bool run_steps(Plan& plan, const std::vector<uint64_t>& pointers, int device) {
     uint64_t values[kMaxArgs];  // at most kMaxArgs: checked when the plan was recorded
     for (size_t i = 0; i < step.args.size(); ++i) {
       const Arg& arg = step.args[i];
-      values[i] = arg.buffer == kValue ? static_cast<uint64_t>(static_cast<uint32_t>(arg.value)) : pointers[arg.buffer];
-      params[i] = arg.tensormap < 0
-                      ? static_cast<void*>(&values[i])
-                      : const_cast<CUtensorMap*>(descriptor_locked(plan.tensormaps[arg.tensormap], values[i], context));
+      values[i] = arg.buffer == kValue ? static_cast<uint64_t>(static_cast<uint32_t>(arg.value.value(m)))
+                                       : pointers[arg.buffer];
+      params[i] = arg.tensormap < 0 ? static_cast<void*>(&values[i])
+                                    : const_cast<CUtensorMap*>(
+                                          descriptor_locked(plan.tensormaps[arg.tensormap], values[i], m, context));
     }
-    launch_locked(step.function, step.grid, step.block, step.smem, reinterpret_cast<CUstream>(stream), params,
+    unsigned grid[3];
+    for (int d = 0; d < 3; ++d) grid[d] = static_cast<unsigned>(step.grid[d].value(m));
+    if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) continue;  // a size of 0: nothing to launch
+    launch_locked(step.function, grid, step.block, step.smem, reinterpret_cast<CUstream>(stream), params,
                   step.name.c_str());
   }
   return true;
 }
 
-at::Tensor allocate(const Buffer& buffer, const at::Device& device) {
-  return at::empty(buffer.shape, at::TensorOptions().dtype(buffer.dtype).device(device));
+at::Tensor allocate(const Buffer& buffer, const at::Device& device, int64_t m) {
+  std::vector<int64_t> shape(buffer.shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) shape[i] = buffer.shape[i].value(m);
+  return at::empty(shape, at::TensorOptions().dtype(buffer.dtype).device(device));
 }
 
-// launch(*pointers), with no list or tuple in between.
-void call_host_launch(const py::object& launch, const std::vector<uint64_t>& pointers) {
+// launch(*pointers), or a family's launch(*pointers, m), with no list or tuple in between.
+void call_host_launch(const py::object& launch, const std::vector<uint64_t>& pointers, const int64_t* m) {
   std::vector<py::object> ints;
   std::vector<PyObject*> args;
-  ints.reserve(pointers.size());
-  args.reserve(pointers.size());
+  ints.reserve(pointers.size() + 1);
+  args.reserve(pointers.size() + 1);
   for (uint64_t p : pointers) {
     ints.push_back(py::reinterpret_steal<py::object>(PyLong_FromUnsignedLongLong(p)));
+    if (!ints.back()) throw py::error_already_set();
+    args.push_back(ints.back().ptr());
+  }
+  if (m != nullptr) {
+    ints.push_back(py::reinterpret_steal<py::object>(PyLong_FromLongLong(*m)));
     if (!ints.back()) throw py::error_already_set();
     args.push_back(ints.back().ptr());
   }
@@ -367,6 +482,52 @@ PyObject* result(std::vector<at::Tensor>& outputs) {
   for (size_t i = 0; i < outputs.size(); ++i)
     all[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[i])));
   return all.release().ptr();
+}
+
+// Whether the call's tensors have the family's sizes and strides at m.
+bool matches(const Family& f, const at::Tensor* const tensors[], int n, int64_t m) {
+  for (int i = 0; i < n; ++i) {
+    const at::Tensor* t = tensors[i];
+    if (t == nullptr) continue;  // (the family's key has the omitted ones)
+    for (int64_t d = 0; d < t->dim(); ++d) {
+      int64_t size = 0, stride = 0;
+      if (!f.sizes[i][d].eval(m, size) || size != t->size(d) || !f.strides[i][d].eval(m, stride) ||
+          stride != t->stride(d))
+        return false;
+    }
+  }
+  return true;
+}
+
+// The plan of the first family that takes the call, and its m; null when none does.
+std::shared_ptr<Plan> family_plan(int64_t op, const at::Tensor* const tensors[], int n, PyObject* flags, int64_t& m) {
+  State& s = state();
+  Key key;
+  if (s.families.empty() || !make_key(op, tensors, n, flags, key, false)) return nullptr;
+  auto it = s.families.find(key);
+  if (it == s.families.end()) return nullptr;
+  for (const Family& f : it->second) {
+    m = tensors[f.var_tensor]->size(f.var_dim);
+    auto r = std::upper_bound(f.ranges.begin(), f.ranges.end(), m,
+                              [](int64_t x, const std::array<int64_t, 2>& range) { return x < range[0]; });
+    if (r != f.ranges.begin() && m <= (r - 1)->at(1) && matches(f, tensors, n, m)) return f.plan;
+  }
+  return nullptr;
+}
+
+void forget(const std::shared_ptr<Plan>& plan) {  // a plan whose kernel was unloaded, exact or a family's
+  State& s = state();
+  for (auto it = s.plans.begin(); it != s.plans.end(); ++it)
+    if (it->second == plan) {
+      s.plans.erase(it);
+      return;
+    }
+  for (auto& [key, families] : s.families)
+    for (auto f = families.begin(); f != families.end(); ++f)
+      if (f->plan == plan) {
+        families.erase(f);
+        return;
+      }
 }
 
 // plans_call(op, tensors, flags, check_dispatch): the op's result, or None (no plan).
@@ -392,8 +553,11 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!make_key(op, tensors, n, args[2], key)) Py_RETURN_NONE;
   State& s = state();
   auto it = s.plans.find(key);
-  if (it == s.plans.end()) Py_RETURN_NONE;
-  const std::shared_ptr<Plan> held = it->second;  // the iterator dies with the first Python call below
+  int64_t m = 0;
+  // held: the table may change in the first Python call below
+  const std::shared_ptr<Plan> held = it != s.plans.end() ? it->second : family_plan(op, tensors, n, args[2], m);
+  if (!held) Py_RETURN_NONE;
+  const bool family = it == s.plans.end();
   Plan& plan = *held;
 
   std::vector<uint64_t> pointers(n + plan.outputs.size() + plan.scratch.size(), 0);
@@ -411,20 +575,19 @@ PyObject* plans_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<at::Tensor> outputs;
   outputs.reserve(plan.outputs.size());
   for (const Buffer& b : plan.outputs) {
-    outputs.push_back(allocate(b, device));
+    outputs.push_back(allocate(b, device, m));
     pointers[next++] = reinterpret_cast<uint64_t>(outputs.back().data_ptr());
   }
   std::vector<at::Tensor> scratch;  // freed on return: stream-ordered, like the checked path's workspace
   for (const Buffer& b : plan.scratch) {
-    scratch.push_back(allocate(b, device));
+    scratch.push_back(allocate(b, device, m));
     pointers[next++] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
   }
   if (plan.host_launch) {
     py::object launch = plan.host_launch;  // owned: the callback may clear the plans
-    call_host_launch(launch, pointers);
-  } else if (!run_steps(plan, pointers, device.index())) {
-    auto again = s.plans.find(key);  // a kernel was unloaded: the checked path loads it again and records anew
-    if (again != s.plans.end() && again->second == held) s.plans.erase(again);
+    call_host_launch(launch, pointers, family ? &m : nullptr);
+  } else if (!run_steps(plan, pointers, device.index(), m)) {
+    forget(held);  // a kernel was unloaded: the checked path loads it again and records anew
     Py_RETURN_NONE;
   }
   return result(outputs);
@@ -452,6 +615,60 @@ bool plans_record(int64_t op, py::tuple tensor_args, py::tuple flags, py::list o
   return true;
 }
 
+bool plans_record_family(int64_t op, py::tuple tensor_args, py::tuple flags, std::pair<int, int> var, py::list sizes,
+                         py::list strides, std::vector<std::array<int64_t, 2>> ranges, py::list outputs,
+                         py::handle program) {
+  const at::Tensor* tensors[kMaxTensors];
+  int n = 0;
+  Key key;
+  if (!unpack(tensor_args.ptr(), tensors, n) || !make_key(op, tensors, n, flags.ptr(), key, false)) return false;
+  Family f{var.first, var.second, {}, {}, {}, std::make_shared<Plan>()};
+  if (f.var_tensor < 0 || f.var_tensor >= n || tensors[f.var_tensor] == nullptr || f.var_dim < 0 ||
+      f.var_dim >= tensors[f.var_tensor]->dim())
+    throw py::value_error("tile_ops: plans: a family's var is (tensor, dim) of one of its tensors");
+  if (static_cast<int>(sizes.size()) != n || static_cast<int>(strides.size()) != n)
+    throw py::value_error("tile_ops: plans: a family gives sizes and strides for each tensor (None for an omitted one)");
+  for (int i = 0; i < n; ++i) {
+    f.sizes.push_back(tensors[i] ? exprs_of(sizes[i]) : std::vector<Expr>());
+    f.strides.push_back(tensors[i] ? exprs_of(strides[i]) : std::vector<Expr>());
+    if (tensors[i] && (f.sizes[i].size() != static_cast<size_t>(tensors[i]->dim()) || f.strides[i].size() != f.sizes[i].size()))
+      throw py::value_error("tile_ops: plans: a family gives one size and one stride per dim of each tensor");
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (ranges[i][0] > ranges[i][1] || (i > 0 && ranges[i][0] <= ranges[i - 1][1]))
+      throw py::value_error("tile_ops: plans: a family's ranges of m are (lo, hi), lo <= hi, and disjoint");
+  f.ranges = std::move(ranges);
+  const int64_t m0 = tensors[f.var_tensor]->size(f.var_dim);
+  auto r = std::upper_bound(f.ranges.begin(), f.ranges.end(), m0,
+                            [](int64_t x, const std::array<int64_t, 2>& range) { return x < range[0]; });
+  if (r == f.ranges.begin() || m0 > (r - 1)->at(1) || !matches(f, tensors, n, m0))
+    throw py::value_error("tile_ops: plans: a family must take the call that records it");
+  f.plan->tensors = n;
+  for (py::handle o : outputs) {
+    auto [shape, dtype] = o.cast<std::pair<py::object, py::object>>();
+    f.plan->outputs.push_back(buffer_of(shape, dtype));
+  }
+  if (f.plan->outputs.empty()) throw py::value_error("tile_ops: plans: an op's plan makes at least one output");
+  read_program(program, *f.plan, m0);
+  State& s = state();
+  Families dropped;  // destroyed on return, once the table is whole again
+  size_t count = 0;
+  for (const auto& [k, v] : s.families) count += v.size();
+  if (count >= kMaxFamilies) dropped.swap(s.families);
+  auto& families = s.families[key];
+  families.insert(families.begin(), std::move(f));  // the newest first
+  return true;
+}
+
+// Whether a family takes the call (its recording is then done once, not at every call of the checked path).
+bool plans_in_family(int64_t op, py::tuple tensor_args, py::tuple flags) {
+  const at::Tensor* tensors[kMaxTensors];
+  int n = 0;
+  int64_t m = 0;
+  return unpack(tensor_args.ptr(), tensors, n) && family_plan(op, tensors, n, flags.ptr(), m) != nullptr;
+}
+
 void plans_configure(py::tuple plain_types, py::object stream_getter) {
   State& s = state();
   std::vector<py::object> types;
@@ -477,11 +694,23 @@ void register_plans(py::module_& m) {
         "The tensor types a plan may take (not subclasses) and the current-stream getter.");
   m.def("plans_record", &plans_record, py::arg("op"), py::arg("tensors"), py::arg("flags"), py::arg("outputs"),
         py::arg("program"), "Record the plan of a call's signature; False when it cannot have one.");
+  m.def("plans_record_family", &plans_record_family, py::arg("op"), py::arg("tensors"), py::arg("flags"),
+        py::arg("var"), py::arg("sizes"), py::arg("strides"), py::arg("ranges"), py::arg("outputs"),
+        py::arg("program"), "Record one plan for the calls at every m of ranges; False when it cannot have one.");
+  m.def("plans_in_family", &plans_in_family, py::arg("op"), py::arg("tensors"), py::arg("flags"),
+        "Whether a recorded family takes this call.");
   m.def("plans_clear", []() {
     Plans dropped;  // destroyed on return, after the table is empty
+    Families dropped_families;
     dropped.swap(state().plans);
+    dropped_families.swap(state().families);
   });
   m.def("plans_size", []() { return state().plans.size(); });
+  m.def("plans_families", []() {
+    size_t count = 0;
+    for (const auto& [key, families] : state().families) count += families.size();
+    return count;
+  });
   m.add_object("plans_call",  // (the module's name: what __module__ and pickle read)
                py::reinterpret_steal<py::object>(PyCFunction_NewEx(&kPlansCall, nullptr, m.attr("__name__").ptr())));
 }

@@ -4,6 +4,7 @@ dims as expressions of M in the kernel's meta); the launch-time binding (LaunchD
 emulator running one kernel at several M, smaller than a tile and not a multiple of 8, against float64;
 and the library gemm: M absent from the cache key, one kernel per config chosen."""
 
+import importlib
 import os
 import random
 
@@ -14,7 +15,7 @@ import tile_ops
 import tile_ops.lang as T
 from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
-from tile_ops.compiler.meta import KernelMeta, evaluate
+from tile_ops.compiler.meta import KernelMeta, PlanExpr, evaluate
 from tile_ops.jit.kernel import DIM, PLAN_VALUE, EntryArgs, Kernel, LaunchDims, Sized
 from tile_ops.lang import TileLangError
 from programs import matmul_any_m
@@ -167,6 +168,34 @@ def test_plan_of_a_runtime_m_kernel_takes_m_as_a_value(monkeypatch):
     assert kernel.plan("cuda:0", [0, 1], dims=(0,)) == ([], [])  # M = 0: nothing to launch
 
 
+def test_a_plan_family_program_is_the_plan_at_every_m(monkeypatch):
+    """With M a PlanExpr of m (a batch of 8 folded into M), the program's grid, M argument and tensor-map dims
+    are expressions that give, at each m, what the plan at that M has; a persistent grid is min(CTAs, tiles)."""
+    spec = dict(tensor="A", dtype="float16", dims=[128, "M"], strides=[256], box=[64, 64], element_strides=[1, 1],
+                swizzle=3, l2_promotion=3, oob_fill=0)
+    for meta in (_meta(kept=["A_tmap", "C", "M"], tensormaps={"A_tmap": spec}),
+                 _meta(grid=(132, 1, 1), persistent_tiles="(((M + 63) // 64) * 2)")):
+        kernel = Kernel(meta, "", b"")
+
+        class Fn:
+            smem_bytes, name = 0, "k"
+
+            def bind(self, index):
+                return None, 0xF00
+
+        monkeypatch.setattr(kernel, "_fn", lambda: Fn())
+        monkeypatch.setattr(importlib.import_module("tile_ops.jit.kernel"), "_sm_count", lambda index: 132)
+        _, [family] = kernel.plan("cuda:0", [0, 1], dims=(PlanExpr.m() * 8,))
+        at = lambda x, m: x.value(m) if isinstance(x, PlanExpr) else x  # noqa: E731
+        for m in (1, 13, 400, 5000):
+            _, [step] = kernel.plan("cuda:0", [0, 1], dims=(8 * m,))
+            assert tuple(at(g, m) for g in family[1]) == step[1]
+            for (buf, spec_f), (buf_s, spec_s) in zip(family[5], step[5]):
+                assert at(spec_f, m) == spec_s if buf == PLAN_VALUE else (buf, spec_f is None) == (buf_s, spec_s is None)
+                if isinstance(spec_f, dict):
+                    assert [at(d, m) for d in spec_f["dims"]] == spec_s["dims"]
+
+
 # ----------------------------------------------------------------------------- the emulator
 
 
@@ -288,3 +317,19 @@ def test_random_token_counts_build_one_kernel_per_config(monkeypatch):
         build_gemm(M, 4096, 4096, cfg=cfg, target="sm_90a")
     assert len(set(built)) == len(calls) < 20
 
+
+@pytest.mark.parametrize("M, trans_A, fold", [(4096, False, 1), (1000, True, 1), (77, False, 1), (3000, False, 3)])
+def test_a_plan_family_covers_the_token_counts_that_launch_the_same_kernels(M, trans_A, fold):
+    """family_ranges: runs of m around the call's in its bucket, each m launching exactly what the call's M does
+    (A^T stored M-contiguous: every 8th M shares the kernel of a multiple of 8), the call's own m among them."""
+    from tile_ops.kernels.gemm_launch import family_ranges, launch_identity
+
+    p = dict(M=M, N=4096, K=4096, batch=1, batch_a=1, batch_b=1, trans_A=trans_A, trans_B=False, has_bias=False,
+             dtype="float16", out_dtype="float16", bias_dtype=None)
+    ranges = family_ranges(p, fold, arch="sm_90a", reach=256)
+    inside = {m for lo, hi in ranges for m in range(lo, hi + 1)}
+    want = launch_identity(p, arch="sm_90a")
+    assert M // fold in inside and all(launch_identity({**p, "M": fold * m}, arch="sm_90a") == want for m in inside)
+    assert all(b[0] > a[1] + 1 for a, b in zip(ranges, ranges[1:]))  # runs, not touching
+    if trans_A:
+        assert all((fold * m) % 8 == 0 for m in inside) and len(ranges) > 1

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tile_ops
 import tile_ops.nn
+from tile_ops.compiler.meta import PlanExpr
 from tile_ops.ops import fastpath
 
 GEMM = importlib.import_module("tile_ops.ops.gemm").GEMM  # the op's OpSpec (tile_ops.ops.gemm is the function)
@@ -503,4 +504,96 @@ def test_a_plan_takes_any_tensor_operands_outputs_and_flags():
     assert lib.plans_call(7, (ys[0], ys[1], ys[1], ys[2], ys[3]), flags, True) is None  # the left-out one counts
     assert not lib.plans_record(8, (xs[0],), ("a string",), outputs, lambda *p: None)  # no flag of that type
     assert not lib.plans_record(8, tuple(rnd(2) for _ in range(9)), (), outputs, lambda *p: None)  # > 8 tensors
+    lib.plans_clear()
+
+
+# --------------------------------------------------------------------------- plan families (a runtime size m)
+
+
+def _family(lib, op, x, ranges, launch, var=(0, 0), outputs=None):
+    m = PlanExpr.m()
+    return fastpath.record_family(op, (x,), (None,), var, ranges, outputs or [([m, 3], F32)], launch)
+
+
+def test_a_family_serves_an_unseen_m_from_its_expressions():
+    """One family for m in 2..9 and 20..30: a call at any such m, its other sizes and its layout as recorded,
+    runs the plan with outputs sized by m and m passed to the launch; another m, K, dtype or layout does not."""
+    lib = _plans_lib()
+    lib.plans_clear()
+    seen = []
+    assert _family(lib, 41, rnd(5, 8), [(20, 30), (2, 9)], lambda *args: seen.append(args))
+    assert lib.plans_families() == 1 and lib.plans_size() == 0
+    for m in (2, 7, 9, 20, 30):
+        x = rnd(m, 8)
+        out = lib.plans_call(41, (x,), (None,), False)
+        assert out.shape == (m, 3) and out.dtype == F32
+        assert seen[-1] == (x.data_ptr(), out.data_ptr(), m)
+    for x in (rnd(1, 8), rnd(10, 8), rnd(31, 8), rnd(7, 9), rnd(7, 8, dtype=BF16), rnd(8, 7).t(), rnd(7, 16)[:, :8]):
+        assert lib.plans_call(41, (x,), (None,), False) is None, (x.shape, x.stride(), x.dtype)
+    lib.plans_clear()
+    assert lib.plans_families() == 0
+
+
+def test_a_family_of_a_layout_whose_strides_follow_m():
+    """A^T stored M-contiguous: its strides are expressions of m too; a batch of row-major (B, m, K) likewise."""
+    lib = _plans_lib()
+    lib.plans_clear()
+    assert _family(lib, 42, rnd(8, 6).t(), [(2, 64)], lambda *args: None)
+    assert lib.plans_call(42, (rnd(8, 40).t(),), (None,), False).shape == (40, 3)
+    assert lib.plans_call(42, (rnd(40, 8),), (None,), False) is None  # row-major: another family
+    assert _family(lib, 43, rnd(3, 6, 8), [(2, 64)], lambda *args: None, var=(0, 1),
+                   outputs=[([3, PlanExpr.m(), 5], F16)])
+    assert lib.plans_call(43, (rnd(3, 33, 8),), (None,), False).shape == (3, 33, 5)
+    assert lib.plans_call(43, (rnd(3, 40, 8)[:, :33],), (None,), False) is None  # the batch stride is not 33 * 8
+    lib.plans_clear()
+
+
+def test_a_family_is_checked_when_recorded():
+    lib = _plans_lib()
+    lib.plans_clear()
+    x, launch = rnd(5, 8), lambda *args: None
+    with pytest.raises(ValueError, match="must take the call that records it"):
+        _family(lib, 44, x, [(6, 9)], launch)
+    with pytest.raises(ValueError, match="disjoint"):
+        _family(lib, 44, x, [(2, 9), (9, 12)], launch)
+    with pytest.raises(ValueError, match="var is"):
+        _family(lib, 44, x, [(2, 9)], launch, var=(0, 2))
+    with pytest.raises(ValueError, match="malformed expression"):
+        _family(lib, 44, x, [(2, 9)], launch, outputs=[([(1, 0, 2, 0), 3], F32)])  # m + (nothing)
+    assert not _family(lib, 44, rnd(5, 16)[:, :8], [(2, 9)], launch)  # not dense: no family
+    assert lib.plans_families() == 0
+
+
+def test_dense_layouts_as_expressions_of_m():
+    for t, var, sizes, strides in [
+        (torch.empty(5, 7, 9), 1, lambda m: [5, m, 9], lambda m: [m * 9, 9, 1]),
+        (torch.empty(5, 9, 7).mT, 1, lambda m: [5, m, 9], lambda m: [9 * m, 1, m]),
+        (torch.empty(7, 9).expand(5, 7, 9), 1, lambda m: [5, m, 9], lambda m: [0, 9, 1]),
+        (torch.empty(9), None, lambda m: [9], lambda m: [1]),
+    ]:
+        got = fastpath.dense_layout(t, var)
+        for m in (1, 7, 100):
+            assert [evaluate_at(e, m) for e in got[0]] == sizes(m)
+            assert [evaluate_at(e, m) for e in got[1]] == strides(m)
+    assert fastpath.dense_layout(torch.empty(5, 7, 9)[:, :, :4], 1) is None
+
+
+def evaluate_at(e, m):
+    return e.value(m) if isinstance(e, PlanExpr) else e
+
+
+def test_plan_expressions_evaluate_as_python_does():
+    """A meta expression evaluated with m as a PlanExpr, then at m, is the expression evaluated at m; the
+    extension's arithmetic is Python's (floor division and modulo of negatives too)."""
+    from tile_ops.compiler.meta import evaluate
+
+    text = "min(132, ((M + 127) // 128) * 16) + max(M % 7, 3) - (5 - M) // 4"
+    e = evaluate(text, {"M": PlanExpr.m() * 3})
+    assert all(e.value(m) == evaluate(text, {"M": 3 * m}) for m in range(0, 300, 7))
+    lib = _plans_lib()
+    lib.plans_clear()
+    assert _family(lib, 45, rnd(5, 8), [(1, 400)], lambda *args: None, outputs=[([e, 1], F32)])
+    for m in (1, 50, 399):
+        out = lib.plans_call(45, (rnd(m, 8),), (None,), False)
+        assert out.shape == (evaluate(text, {"M": 3 * m}), 1)
     lib.plans_clear()

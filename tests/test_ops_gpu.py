@@ -307,6 +307,56 @@ def test_fast_path_on_fresh_buffers(op_calls, M, N, K):
         assert rel_err(out, ref_gemm(a, b)) < TOL[F16]
 
 
+def _family_members(ranges, m0, count=4):
+    """Token counts of a plan family's runs other than the recording call's, nearest first."""
+    inside = sorted((m for lo, hi in ranges for m in range(lo, hi + 1) if m != m0), key=lambda m: abs(m - m0))
+    return inside[:count]
+
+
+@pytest.mark.parametrize("layout", ["row", "a_t", "batched"])
+def test_an_unseen_token_count_stays_on_the_fast_path(op_calls, layout):
+    """Issue 41: after one call records its plan family, calls at token counts never seen that launch the same
+    kernels take no checked path, allocate their outputs by m and are right against float64."""
+    from tile_ops.kernels import gemm_launch
+    from tile_ops.ops import fastpath
+
+    fastpath.clear()
+    K, N, m0 = 256, 384, 1000
+
+    def a_of(m):
+        return rnd(m, K) if layout == "row" else rnd(K, m).t() if layout == "a_t" else rnd(3, m, K)
+
+    b = rnd(K, N)
+    tile_ops.gemm(a_of(m0), b)
+    a3 = a_of(m0).reshape(1, -1, K) if layout == "batched" else a_of(m0)[None]
+    problem = gemm_launch.gemm_problem(a3, b[None], torch.empty(1, a3.shape[1], N, device="cuda", dtype=F16))[0]
+    members = _family_members(gemm_launch.family_ranges(problem, 3 if layout == "batched" else 1), m0)
+    assert len(members) == 4
+    for m in members:
+        a = a_of(m)
+        poison()
+        out = tile_ops.gemm(a, b)
+        assert out.shape == (*a.shape[:-1], N) and rel_err(out, a.double() @ b.double()) < TOL[F16], m
+    assert op_calls["gemm"] == 1
+
+
+def test_an_unseen_token_count_stays_on_the_fast_path_of_gemm_softmax(op_calls):
+    from tile_ops.kernels import gemm_softmax_launch
+    from tile_ops.ops import fastpath
+
+    fastpath.clear()
+    b, m0 = rnd(128, 1024), 2000
+    tile_ops.gemm_softmax(rnd(m0, 128), b, 0.125)
+    problem = dict(M=m0, N=1024, K=128, scale=0.125, dtype="float16", out_dtype="float16")
+    for m in _family_members(gemm_softmax_launch.family_ranges(problem, 1), m0):
+        a = rnd(m, 128)
+        poison()
+        out = tile_ops.gemm_softmax(a, b, 0.125)
+        ref = torch.softmax((a.double() @ b.double()) * 0.125, -1)
+        assert out.shape == (m, 1024) and rel_err(out, ref) < TOL[F16], m
+    assert op_calls["gemm_softmax"] == 1
+
+
 def test_fast_path_under_cuda_graph_capture(op_calls):
     a, b = rnd(64, 64), rnd(64, 64)
     tile_ops.gemm(a, b)

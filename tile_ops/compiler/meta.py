@@ -21,10 +21,71 @@ def span(shape, strides):
 
 def evaluate(value, dims: dict) -> int:
     """A meta value: an int, or the Python expression (a str) of the kernel's ``T.dynamic`` sizes the compiler
-    wrote for it, evaluated with ``dims`` (name -> int)."""
+    wrote for it, evaluated with ``dims`` (name -> int, or a PlanExpr: then the value is one too)."""
     if isinstance(value, int):
         return value
-    return eval(_code(value), {"__builtins__": {}, "min": min, "max": max}, dims)  # noqa: S307 - the compiler's
+    return eval(_code(value), {"__builtins__": {}, "min": _min, "max": _max}, dims)  # noqa: S307 - the compiler's
+
+
+class PlanExpr:
+    """An integer of a plan family as an expression of its runtime size m (csrc/plans.cpp's Expr): postfix
+    (opcode, operand) pairs, built by arithmetic on ``PlanExpr.m()`` and ints (``evaluate`` with it among the
+    sizes builds a meta value's).  Arithmetic on ints alone stays int."""
+
+    OPCODES = {"const": 0, "m": 1, "+": 2, "-": 3, "*": 4, "//": 5, "%": 6, "min": 7, "max": 8}
+
+    def __init__(self, code: tuple):
+        self.code = tuple(code)
+
+    @staticmethod
+    def m() -> "PlanExpr":
+        return PlanExpr((PlanExpr.OPCODES["m"], 0))
+
+    @staticmethod
+    def apply(op: str, a, b):
+        """``a op b`` (+ - * // % min max) of ints and PlanExprs."""
+        if not isinstance(a, PlanExpr) and not isinstance(b, PlanExpr):
+            return _INT_OPS[op](a, b)
+        code = lambda x: x.code if isinstance(x, PlanExpr) else (0, int(x))  # noqa: E731
+        return PlanExpr(code(a) + code(b) + (PlanExpr.OPCODES[op], 0))
+
+    def value(self, m: int) -> int:
+        """The expression at m (what the extension computes)."""
+        stack = []
+        for op, operand in zip(self.code[::2], self.code[1::2]):
+            if op < 2:
+                stack.append(operand if op == 0 else m)
+            else:
+                b = stack.pop()
+                stack.append(_INT_OPS[_OPNAMES[op]](stack.pop(), b))
+        return stack[0]
+
+    def __repr__(self) -> str:
+        return f"PlanExpr{self.code}"
+
+    __add__ = lambda self, o: PlanExpr.apply("+", self, o)  # noqa: E731
+    __radd__ = lambda self, o: PlanExpr.apply("+", o, self)  # noqa: E731
+    __sub__ = lambda self, o: PlanExpr.apply("-", self, o)  # noqa: E731
+    __rsub__ = lambda self, o: PlanExpr.apply("-", o, self)  # noqa: E731
+    __mul__ = lambda self, o: PlanExpr.apply("*", self, o)  # noqa: E731
+    __rmul__ = lambda self, o: PlanExpr.apply("*", o, self)  # noqa: E731
+    __floordiv__ = lambda self, o: PlanExpr.apply("//", self, o)  # noqa: E731
+    __rfloordiv__ = lambda self, o: PlanExpr.apply("//", o, self)  # noqa: E731
+    __mod__ = lambda self, o: PlanExpr.apply("%", self, o)  # noqa: E731
+    __rmod__ = lambda self, o: PlanExpr.apply("%", o, self)  # noqa: E731
+
+
+_INT_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "//": lambda a, b: a // b,
+            "%": lambda a, b: a % b, "min": min, "max": max}
+_OPNAMES = {v: k for k, v in PlanExpr.OPCODES.items()}
+
+
+def _min(a, b):
+    return PlanExpr.apply("min", a, b)
+
+
+def _max(a, b):
+    return PlanExpr.apply("max", a, b)
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,10 +102,7 @@ def _stable(v, name: str = "the value"):
     if isinstance(v, JITFunction):
         v = v.fn
     if inspect.isfunction(v):
-        try:
-            return f"{v.__module__}.{v.__qualname__}:{hashlib.sha256(inspect.getsource(v).encode()).hexdigest()}"
-        except (OSError, TypeError):
-            return f"{v.__module__}.{v.__qualname__}"
+        return _function_identity(v)
     if isinstance(v, functools.partial):
         return ["functools.partial", _stable(v.func, name), _stable(v.args, name), _stable(v.keywords, name)]
     if isinstance(v, (list, tuple)):
@@ -123,6 +120,15 @@ def _stable(v, name: str = "the value"):
                         f"qualified name and source), functools.partial of those, and objects whose repr says what "
                         f"they are: give its class a __repr__, or pass what the factory needs from it)")
     return text
+
+
+@functools.lru_cache(maxsize=4096)
+def _function_identity(v) -> str:
+    """A function's name and source hash (read once a process: inspect.getsource took ms of every key)."""
+    try:
+        return f"{v.__module__}.{v.__qualname__}:{hashlib.sha256(inspect.getsource(v).encode()).hexdigest()}"
+    except (OSError, TypeError):
+        return f"{v.__module__}.{v.__qualname__}"
 
 
 _EMPTY = object()  # a closure cell not assigned yet

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..compiler import check_grid
-from ..compiler.meta import FLAG_SLOTS, WORKSPACE, KernelMeta, evaluate, span
+from ..compiler.meta import FLAG_SLOTS, WORKSPACE, KernelMeta, PlanExpr, evaluate, span
 
 _TORCH_DTYPES = {
     "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
@@ -255,24 +255,28 @@ class Kernel:
 
     def _grid(self, index: int, named: dict) -> tuple:
         m = self.meta
-        if not m.persistent_tiles:
-            grid = tuple(evaluate(g, named) for g in m.grid)
-        else:
-            resident = None
-            if m.cluster > 1:
-                clusters = self._fn().max_active_clusters(index, m.cluster, m.block[0])
-                resident = clusters * m.cluster if clusters > 0 else None
-            else:
-                sms = _sm_count(index)
-                resident = sms * m.ctas_per_sm if sms else None
-            tiles = evaluate(m.persistent_tiles, named)
-            ctas = evaluate(m.grid[0], named) if resident is None else min(resident, tiles)
-            assert ctas % m.cluster == 0, (ctas, m.cluster)  # whole clusters walk the same tiles in lockstep
-            grid = (ctas, 1, 1)
+        grid = self.grid_of(index, named)
+        if m.persistent_tiles:
+            assert grid[0] % m.cluster == 0, (grid, m.cluster)  # whole clusters walk the same tiles in lockstep
         if m.dims:
             self.dims.check(tuple(named.values()))
             check_grid(m.name, grid, m.arch)
         return grid
+
+    def grid_of(self, index: int, named: dict) -> tuple:
+        """The launch grid for the T.dynamic sizes ``named`` (ints, or PlanExprs: then a plan family's grid)."""
+        m = self.meta
+        if not m.persistent_tiles:
+            return tuple(evaluate(g, named) for g in m.grid)
+        resident = None
+        if m.cluster > 1:
+            clusters = self._fn().max_active_clusters(index, m.cluster, m.block[0])
+            resident = clusters * m.cluster if clusters > 0 else None
+        else:
+            sms = _sm_count(index)
+            resident = sms * m.ctas_per_sm if sms else None
+        tiles = evaluate(m.persistent_tiles, named)
+        return (evaluate(m.grid[0], named) if resident is None else PlanExpr.apply("min", resident, tiles), 1, 1)
 
     def launch_ptrs(self, ptrs, device, dims: tuple = ()):
         """Fast path for callers that validated their tensors: one pointer per parameter, in order, and the
@@ -344,7 +348,8 @@ class Kernel:
         ``buffers[i]`` is the plan buffer holding program parameter i and each entry argument is
         ``(buffer, tensor map spec or None)``.  ``scratch`` (the first free buffer) is unused: a
         single kernel needs none.  A stream-K kernel's plan is its launcher (``launch(a, b, out, c)``
-        over the plan buffers a=0, b=1, c=2, out=3): its workspace is per stream."""
+        over the plan buffers a=0, b=1, c=2, out=3): its workspace is per stream.  ``dims`` may be PlanExprs of
+        a plan family's m: the program's grid, values and tensor maps then are too."""
         fn, m = self._fn(), self.meta
         if m.needs_workspace:
             run = self.launcher(device)
@@ -356,8 +361,9 @@ class Kernel:
             return launch
         index = _device_index(device)
         _, handle = fn.bind(index)
-        grid = self.grid_on(index, dims)
-        if 0 in grid:  # a size of 0: nothing to launch
+        symbolic = any(isinstance(d, PlanExpr) for d in dims)
+        grid = self.grid_of(index, self.dims.named(dims)) if symbolic else self.grid_on(index, dims)
+        if any(g == 0 for g in grid if isinstance(g, int)):  # a size of 0: nothing to launch
             return [], []
         entry = self._entry_args
         args = [(PLAN_VALUE, dims[tmap]) if pos is DIM else (buffers[pos], None if tmap is None else entry.spec(tmap, dims))
@@ -505,4 +511,5 @@ class Sized:
         return lambda ptrs, _dims=(): run(ptrs, dims)
 
     def plan(self, device, buffers, scratch=None, dims: tuple = ()):
-        return self.launchable.plan(device, buffers, scratch, self.dims)
+        """The launch's plan program at its sizes, or at ``dims`` where given (PlanExprs: a plan family's)."""
+        return self.launchable.plan(device, buffers, scratch, dims or self.dims)

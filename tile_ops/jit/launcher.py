@@ -19,7 +19,7 @@ from .cache import cache_dir
 __all__ = ["get_launcher", "launcher_sources", "CudaFunction"]
 
 # Must match kApiVersion in csrc/launcher.cpp; an extension reporting another version is stale.
-API_VERSION = 7
+API_VERSION = 8
 SOURCES = ("launcher.cpp", "plans.cpp")
 
 _launcher: ModuleType | None = None

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from tile_ops.autotune import config_for
+from tile_ops.autotune.table import shape_bucket
 from tile_ops.compiler.meta import evaluate
 from tile_ops.jit import default_arch
 from tile_ops.jit.kernel import Sized
@@ -268,14 +269,47 @@ def gemm_launcher(kernel, device):
     return launch
 
 
-def gemm_plan(kernel, device, a, b, out, bias=None, scratch=None):
+def gemm_plan(kernel, device, a, b, out, bias=None, scratch=None, dims=()):
     """``gemm_launcher``'s launch as a plan program (``launch_plan``) over plan buffer indices a, b, out and
     bias (None: no bias); workspaces (a split-K gemm's partials, a PaddedGemm's padded operands) are the
-    buffers from ``scratch`` on."""
-    return launch_plan(kernel, device, _gemm_params(a, b, out, bias), scratch)
+    buffers from ``scratch`` on.  ``dims``: M as a PlanExpr, for a plan family."""
+    return launch_plan(kernel, device, _gemm_params(a, b, out, bias), scratch, dims)
 
 
-def launch_plan(kernel, device, buffers, scratch=None):
+def launch_identity(problem: dict, device=None, arch=None) -> tuple:
+    """What ``build_problem`` launches for ``problem``, without building it: equal at two M exactly when the op
+    launches the same kernels there (the M range of a plan family)."""
+    p = problem
+    cfg = launch_config(p["M"], p["N"], p["K"], p["dtype"], p["batch"], p["trans_A"], device, arch)
+    args, kwargs = gemm_call(**p, cfg=cfg, target=arch)
+    return args, tuple(sorted(kwargs.items())), reduce_tile(p["M"], p["N"]) if cfg.split_k > 1 else None
+
+
+def family_ranges(problem: dict, fold: int, device=None, arch=None, reach: int = 1024) -> list:
+    """[(lo, hi)]: the runs of token counts m near the problem's (its M being ``fold`` * m) at which the op
+    launches what it launches at the problem's M (``token_runs``)."""
+    return token_runs(problem, fold, lambda p: launch_identity(p, device, arch), reach)
+
+
+def token_runs(problem: dict, fold: int, identity, reach: int = 1024) -> list:
+    """[(lo, hi)]: the runs of m, at most ``reach`` either way of the problem's (M = ``fold`` * m) and within M's
+    autotune bucket (the tuner's table changes its config per bucket), whose problem has the same
+    ``identity(problem)`` as the problem's and operands under 2^31 elements (the kernels' 32-bit offsets)."""
+    m0, top = problem["M"] // fold, shape_bucket(problem["M"])
+    widest = max(problem["K"], problem["N"]) * problem.get("batch", 1) * fold
+    lo, hi = max(-(-(top // 2 + 1) // fold), m0 - reach), min(top // fold, (2 ** 31 - 1) // widest, m0 + reach)
+    want, runs = identity(problem), []
+    for m in range(lo, hi + 1):
+        if identity({**problem, "M": fold * m}) != want:
+            continue
+        if runs and runs[-1][1] == m - 1:
+            runs[-1][1] = m
+        else:
+            runs.append([m, m])
+    return [tuple(r) for r in runs]
+
+
+def launch_plan(kernel, device, buffers, scratch=None, dims=()):
     """``kernel.plan(device, buffers, scratch)``: the launch as a plan program for the ops' fast path
     (ops/fastpath.py), ``buffers[i]`` the plan buffer of the kernel's parameter i.  A launch keeping a workspace
     per stream (stream-K), which a recorded plan cannot hold, is planned as host code instead: a callable
@@ -283,7 +317,7 @@ def launch_plan(kernel, device, buffers, scratch=None):
     if kernel.meta.needs_workspace:
         run = kernel.launcher(device)
         return lambda *pointers: run([pointers[i] for i in buffers])
-    return kernel.plan(device, buffers, scratch)
+    return kernel.plan(device, buffers, scratch, dims)
 
 
 def _gemm_params(a, b, out, bias):

@@ -10,7 +10,7 @@ from tile_ops.autotune import config_for
 from tile_ops.jit.kernel import Sized
 from tile_ops.lang import SharedMemoryError
 
-from .gemm_launch import _DT, launch_plan
+from .gemm_launch import _DT, launch_plan, token_runs
 from .gemm_softmax import gemm_softmax
 from .gemm_softmax_config import _output_tile_fits, _widest_split, one_wave_of_rows, shared_memory_bytes
 
@@ -94,9 +94,21 @@ def gemm_softmax_launcher(kernel, device):
     return launch
 
 
-def gemm_softmax_plan(kernel, device, a, b, out):
-    """``gemm_softmax_launcher``'s launch as a plan program (``launch_plan``) over plan buffer indices."""
-    return launch_plan(kernel, device, [a, b, out])
+def gemm_softmax_plan(kernel, device, a, b, out, dims=()):
+    """``gemm_softmax_launcher``'s launch as a plan program (``launch_plan``) over plan buffer indices; ``dims``:
+    M as a PlanExpr, for a plan family."""
+    return launch_plan(kernel, device, [a, b, out], dims=dims)
+
+
+def launch_identity(problem: dict, device=None, arch=None) -> tuple:
+    """What ``build_problem`` launches for ``problem``, without building it (``gemm_launch.launch_identity``)."""
+    M, N, K, scale, dtype, out_dtype = problem_args(problem)
+    return gemm_softmax_call(M, N, K, scale, dtype, out_dtype, problem_config(problem, device, arch))
+
+
+def family_ranges(problem: dict, fold: int, device=None, arch=None, reach: int = 1024) -> list:
+    """``gemm_launch.family_ranges`` for the fused kernel."""
+    return token_runs(problem, fold, lambda p: launch_identity(p, device, arch), reach)
 
 
 def launch_gemm_softmax(a, b, out, scale=1.0, cfg=None):

@@ -24,11 +24,18 @@ checked path's own.
 A plan's buffers, which its kernel arguments name by index: the op's tensor
 operands in the order of its signature (``OpSpec.signature``), then its
 outputs, then its scratch buffers.
+
+A *family* (:func:`record_family`) is one plan for a range of a runtime size m
+(a token count): its tensors' sizes and strides, its outputs, grids and kernel
+arguments are expressions of m (:func:`expr`), so a call with an unseen m is
+served from C++ as well, without compiling or planning anything.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..compiler.meta import PlanExpr
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not subclasses: DTensor, FakeTensor, ...
 
@@ -81,3 +88,64 @@ def count() -> int:
 def launched_in_place(kernel_operands, caller_tensors) -> bool:
     """Whether the checked path launched on the caller's own tensors (same data pointers: no copies)."""
     return all(k.data_ptr() == t.data_ptr() for k, t in zip(kernel_operands, caller_tensors))
+
+
+def record_family(op: int, tensors: tuple, flags: tuple, var: tuple, ranges, outputs, program) -> bool:
+    """Record ``program`` as the plan of every call like this one at each m in ``ranges`` [(lo, hi)], m being
+    tensor ``var[0]``'s dim ``var[1]``.  The tensors must be dense (``dense_layout``): their sizes and strides
+    then are expressions of m.  ``outputs``: [(shape, dtype)]; ``program`` as for :func:`record`; in both, an
+    integer that depends on m is a ``PlanExpr``.  False when a tensor is not dense."""
+    global call
+    t, d = var
+    if not (0 <= t < len(tensors) and tensors[t] is not None and 0 <= d < tensors[t].dim()):
+        raise ValueError(f"tile_ops: plans: a family's var is (tensor, dim) of one of its tensors, got {var}")
+    layouts = [None if x is None else dense_layout(x, d if i == t else None) for i, x in enumerate(tensors)]
+    if any(t is not None and lay is None for t, lay in zip(tensors, layouts)):
+        return False
+    from ..jit.launcher import get_launcher
+
+    lib = get_launcher()
+    if call is _no_plans:
+        lib.plans_configure(_PLAIN_TENSORS, getattr(torch._C, "_cuda_getCurrentRawStream", None))
+    sizes = [None if lay is None else _codes(lay[0]) for lay in layouts]
+    strides = [None if lay is None else _codes(lay[1]) for lay in layouts]
+    recorded = lib.plans_record_family(op, tensors, flags, var, sizes, strides, list(ranges),
+                                       _codes([(list(shape), dtype) for shape, dtype in outputs]), _codes(program))
+    call = lib.plans_call
+    return recorded
+
+
+def in_family(op: int, tensors: tuple, flags: tuple) -> bool:
+    """Whether a recorded family takes this call (then there is nothing to record for it)."""
+    if call is _no_plans:
+        return False
+    from ..jit.launcher import get_launcher
+
+    return get_launcher().plans_in_family(op, tensors, flags)
+
+
+def dense_layout(t: torch.Tensor, var_dim: int | None):
+    """(sizes, strides) of ``t`` with m = ``t.shape[var_dim]`` a ``PlanExpr`` (None: no dim is m): a dense
+    tensor's strides are the products of the sizes of the dims inside them (in stride order; a broadcast dim's
+    is 0, a size-1 dim's whatever it is), m's among them.  None when ``t`` is not laid out that way."""
+    m = t.shape[var_dim] if var_dim is not None else 0
+    sizes = [PlanExpr.m() if d == var_dim else n for d, n in enumerate(t.shape)]
+    strides, inner = list(t.stride()), 1
+    for d in sorted((d for d in range(t.dim()) if t.stride(d) != 0), key=lambda d: (t.stride(d), t.shape[d])):
+        if t.shape[d] == 1 and d != var_dim:
+            continue
+        if t.stride(d) != (inner.value(m) if isinstance(inner, PlanExpr) else inner):
+            return None
+        strides[d], inner = inner, inner * sizes[d]
+    return sizes, strides
+
+
+def _codes(x):
+    """``x`` with each PlanExpr in it as its code (a tuple of ints: what the extension reads)."""
+    if isinstance(x, PlanExpr):
+        return x.code
+    if isinstance(x, dict):
+        return {k: _codes(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_codes(v) for v in x)
+    return x
