@@ -7,7 +7,8 @@ empty temporary TILE_OPS_CACHE_DIR:
 
   cold  a fresh Python process imports the compiler (TVM; timed apart, a user's first compile pays it
         too), then calls the factory on the empty cache: trace + lower + nvcc + cache store.
-        trace_s / lower_s / nvcc_s / check_s (the SASS read for accumulator order) come from the cache
+        trace_s / lower_s (codegen_s of it: TVM's passes and CUDA generator) / nvcc_s / check_s (the SASS read
+        for accumulator order) come from the cache
         entry's meta; "other" is the rest (the key, the cache store).
   warm  another fresh process with the same cache dir imports tile_ops, calls the factory (a disk
         hit) and, with a GPU, launches the kernel once and synchronizes.  Reported: process start
@@ -104,7 +105,8 @@ def child(mode, name, arch):
 
         entry = DiskCache().load(key)
         meta = entry.meta if entry is not None else {}
-        res.update(trace_s=meta.get("trace_s"), lower_s=meta.get("lower_s"), nvcc_s=meta.get("nvcc_s"),
+        res.update(trace_s=meta.get("trace_s"), lower_s=meta.get("lower_s"), codegen_s=meta.get("codegen_s"),
+                   nvcc_s=meta.get("nvcc_s"),
                    check_s=meta.get("check_s"),
                    nvcc=meta.get("nvcc"),
                    registers=kernel.meta.resources.get("registers"))
@@ -156,7 +158,8 @@ def main():
         rows.append({
             "kernel": name, "shape": f"{M}x{N}x{K}", "dtype": dtype, "arch": arch,
             "cold_tvm_import_s": fmt(cold["tvm_import_s"]),
-            "cold_compile_s": fmt(cold["factory_s"]), "trace_s": fmt(trace), "lower_s": fmt(lower), "nvcc_s": fmt(nvcc),
+            "cold_compile_s": fmt(cold["factory_s"]), "trace_s": fmt(trace), "lower_s": fmt(lower),
+            "codegen_s": fmt(cold.get("codegen_s")), "nvcc_s": fmt(nvcc),
             "check_s": fmt(check), "other_s": fmt(other),
             "warm_" + ("start_to_first_launch_s" if warm["launched"] else "start_to_kernel_ready_s"):
                 fmt(warm["start_to_ready_s"]),

@@ -10,6 +10,7 @@ JIT read ``targets`` and ``meta`` without it.  Its rooms (compiler/README.md): `
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ class CompiledKernel:
     source: str  # CUDA
     meta: KernelMeta
     tir: str  # the lowered TIRx, as TVMScript (for reading)
+    codegen_s: float = 0.0  # of the compile, the seconds in TVM's passes and CUDA code generator (emit_cuda)
 
 
 def _indexed_too_far(kernel: str, huge: dict) -> ValueError:
@@ -56,6 +58,7 @@ def compile_program(prog: Program, arch: str = "sm_80", sms: int | None = None) 
     by_tma = {spec["tensor"] for spec in meta.tensormaps.values()}
     if any(name not in by_tma for name in huge):  # indexed for sure; TVM can abort (bad_alloc) building it
         raise _indexed_too_far(prog.name, {n: s for n, s in huge.items() if n not in by_tma})
+    t0 = time.perf_counter()
     try:
         source, entry, kept = emit_cuda(lowered.func, meta, arch)
     except Exception as e:  # a flattened offset past int32 is a literal TVM refuses
@@ -69,4 +72,5 @@ def compile_program(prog: Program, arch: str = "sm_80", sms: int | None = None) 
     if not set(kept) <= known:  # a value the launcher cannot pass (TVM hoisted an expression to the host side)
         raise RuntimeError(f"tile_ops: {prog.name}'s CUDA entry takes {sorted(set(kept) - known)}, which is no "
                            f"parameter, T.dynamic size or tensor map of the program; please report this kernel")
-    return CompiledKernel(source, meta.replace(entry=entry, kept=kept), lowered.func.script())
+    codegen_s = time.perf_counter() - t0
+    return CompiledKernel(source, meta.replace(entry=entry, kept=kept), lowered.func.script(), codegen_s)

@@ -256,7 +256,7 @@ def _build(prog, target, out_idx):
         check_accumulator_order(cubin, prog.name)
     t3 = time.perf_counter()
     meta = c.meta.replace(out_idx=out_idx, resources=resources)
-    stats = {"lower_s": round(t1 - t0, 3), "nvcc_s": round(t2 - t1, 3),
+    stats = {"lower_s": round(t1 - t0, 3), "codegen_s": round(c.codegen_s, 3), "nvcc_s": round(t2 - t1, 3),
              "check_s": round(t3 - t2, 3), "nvcc": nvcc_version()}
     spilled, frame = resources.get("spill_stores", 0), resources.get("stack_frame", 0)
     if spilled or frame > 1024:  # local memory in the main loop: correct, and slow
