@@ -1641,3 +1641,33 @@ def test_hopper_loads_of_a_6_dim_tensor_take_cp_async():
                 T.copy(X_s, Y[0, 0])
 
     assert "cp.async" in compile_program(main, "sm_90a").source
+
+
+def test_build_directories_of_killed_builds_are_swept(tmp_path):
+    """Issue 45: a build killed with SIGKILL leaves its directory; the next process's first build removes the
+    directories of processes that are gone (and those of the pid-less layout after a day), not live ones'."""
+    import subprocess
+    import time
+
+    from tile_ops.jit.build import BUILD_DIR_PREFIX, sweep_build_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    dirs = {name: tmp_path / f"{BUILD_DIR_PREFIX}{name}" for name in
+            (f"{dead.pid}_x1", f"{os.getpid()}_x2", "old_layout", "new_layout")}
+    for path in dirs.values():
+        (path / "nvcc_tmp").mkdir(parents=True)
+    os.utime(dirs["old_layout"], (time.time() - 2 * 86400,) * 2)
+    assert sweep_build_dirs(str(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(dirs[n].name for n in (f"{os.getpid()}_x2", "new_layout"))
+
+
+@needs_nvcc
+def test_nvcc_runs_in_its_own_directory_and_leaves_nothing(tmp_path, monkeypatch):
+    import tempfile
+
+    from tile_ops.jit.build import build_cubin
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cubin, _ = build_cubin('extern "C" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }', "sm_80", "k")
+    assert cubin and list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def _find_tool(name: str, env: str) -> str | None:
@@ -47,19 +48,51 @@ def gencode(arch: str) -> str:
     return f"arch=compute_{num},code=sm_{num}"
 
 
+BUILD_DIR_PREFIX = "tile_ops_nvcc_"  # then the building process's pid
+
+
 def build_cubin(source: str, arch: str, name: str = "kernel") -> tuple[bytes, dict]:
-    """Compile CUDA source to a cubin; returns (cubin, resource usage parsed from ptxas -v)."""
-    with tempfile.TemporaryDirectory(prefix="tile_ops_nvcc_") as tmp:
+    """Compile CUDA source to a cubin; returns (cubin, resource usage parsed from ptxas -v).  nvcc runs in a
+    directory of its own (its temporaries too), removed on return; those of killed builds are swept."""
+    sweep_build_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{BUILD_DIR_PREFIX}{os.getpid()}_") as tmp:
         cu, cubin = os.path.join(tmp, f"{name}.cu"), os.path.join(tmp, f"{name}.cubin")
         with open(cu, "w") as f:
             f.write(source)
         cmd = [nvcc_path(), "-cubin", "-O3", "-std=c++17", "-gencode", gencode(arch), "-Xptxas", "-v",
                "-w", "-o", cubin, cu]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": tmp})
         if proc.returncode != 0:
             raise RuntimeError(f"tile_ops: nvcc failed for {name} ({arch}):\n{proc.stderr[-4000:]}")
         with open(cubin, "rb") as f:
             return f.read(), parse_ptxas(proc.stderr)
+
+
+@functools.lru_cache(maxsize=None)
+def sweep_build_dirs(root: str | None = None) -> int:
+    """Remove the build directories of processes that are gone (a build killed with SIGKILL runs no cleanup),
+    once a process; those of an older layout (no pid) after a day.  How many were removed."""
+    removed = 0
+    for path in glob.glob(os.path.join(root or tempfile.gettempdir(), BUILD_DIR_PREFIX + "*")):
+        pid = os.path.basename(path)[len(BUILD_DIR_PREFIX):].split("_", 1)[0]
+        try:
+            stale = not _alive(int(pid)) if pid.isdigit() else time.time() - os.path.getmtime(path) > 86400
+        except OSError:  # removed meanwhile
+            continue
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def parse_ptxas(log: str) -> dict:
