@@ -78,11 +78,25 @@ def _delete(name):
     return lambda p: (p / name).unlink()
 
 
+def _edit_description(p):
+    """A valid meta.json whose kernel description was changed (issue 45: a grid of 1 was served as cached)."""
+    meta = json.loads((p / "meta.json").read_text())
+    meta["meta"]["grid"] = [1, 1, 1]
+    (p / "meta.json").write_text(json.dumps(meta))
+
+
+def _another_keys_entry(p):
+    """Another key's whole entry copied into this key's directory."""
+    meta = json.loads((p / "meta.json").read_text())
+    meta["key"] = "f" * len(meta["key"])
+    (p / "meta.json").write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize("damage", [
     _truncate_cubin, _flip_cubin_byte, _garble_meta, _meta_not_a_dict,
-    _delete("kernel.cu"), _delete("kernel.cubin"), _delete("meta.json"),
+    _delete("kernel.cu"), _delete("kernel.cubin"), _delete("meta.json"), _edit_description, _another_keys_entry,
 ], ids=["truncated-cubin", "flipped-byte", "garbled-meta", "meta-not-dict",
-        "no-source", "no-cubin", "no-meta"])
+        "no-source", "no-cubin", "no-meta", "edited-description", "another-keys-entry"])
 def test_corrupt_entry_warns_is_removed_and_rebuilt(dc, damage):
     dc.store(KEY, _entry())
     path = dc.root / KEY[:2] / KEY

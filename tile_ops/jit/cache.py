@@ -1,8 +1,10 @@
 """On-disk kernel cache: one directory per key with the CUDA source, the cubin and metadata.
 
 Layout: ``<root>/<key[:2]>/<key>/{kernel.cu, kernel.cubin, meta.json}``.  ``meta.json``
-records the sha256 and size of the two other files, so a truncated or corrupted entry
-is detected on load, removed (with a warning) and rebuilt by the caller.  Stores are
+records the sha256 and size of the two other files, its key, and a sha256 of its kernel
+description (grid, shared memory, parameters: what a launch uses as stored) with the key, so
+a truncated, corrupted, edited or misplaced entry is detected on load, removed (with a
+warning) and rebuilt by the caller.  Stores are
 atomic (temp directory + ``os.rename``; the first writer wins) and :meth:`DiskCache.lock`
 lets concurrent processes compile a key once.
 
@@ -69,6 +71,11 @@ class CacheEntry:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _description_sha256(key: str, description) -> str:
+    """The checksum of an entry's kernel description, bound to its key (an entry copied under another key fails)."""
+    return _sha256(json.dumps({"key": key, "meta": description}, sort_keys=True).encode())
 
 
 def write_synced(path: pathlib.Path, data: bytes) -> None:
@@ -157,6 +164,10 @@ class DiskCache:
             raise _Corrupt(f"{META_FILE} is not valid JSON: {e}") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
             raise _Corrupt(f"{META_FILE} has no 'files' record")
+        if meta.get("key") != path.name:
+            raise _Corrupt(f"it is the entry of key {meta.get('key')!r}, not of {path.name}")
+        if meta.get("description_sha256") != _description_sha256(path.name, meta.get("meta")):
+            raise _Corrupt("its kernel description (grid, shared memory, parameters) does not match its checksum")
         data = {}
         for name in (SOURCE_FILE, CUBIN_FILE):
             rec = meta["files"].get(name)
@@ -208,6 +219,7 @@ class DiskCache:
                 "key": key,
                 "files": {n: {"sha256": _sha256(b), "size": len(b)} for n, b in blobs.items()},
                 "meta": entry.meta,
+                "description_sha256": _description_sha256(key, entry.meta),
             }
             write_synced(tmp / META_FILE, json.dumps(meta, indent=1, sort_keys=True).encode())
             fsync_dir(tmp)
