@@ -1335,18 +1335,18 @@ def test_tensors_past_int32_offsets_are_refused_unless_only_tma_touches_them(arc
 @needs_nvcc
 @pytest.mark.parametrize("damaged", [{}, [1], {"grid": "not a grid"}])
 def test_a_cache_entry_whose_kernel_description_does_not_load_is_rebuilt(damaged):
-    """meta.json's files are hashed, its kernel description is not: one that no longer loads (damaged, or
-    written before a field it needs existed) is a corrupt entry, warned about and rebuilt, not an error forever."""
+    """A kernel description intact on disk (its checksum holds) that no longer loads (written before a field it
+    needs existed) is a corrupt entry, warned about and rebuilt, not an error forever."""
     import json
 
-    from tile_ops.jit.cache import DiskCache
+    from tile_ops.jit.cache import DiskCache, description_sha256
 
     key = matmul.key((64, 64, 64), {}, "sm_80")
     matmul._mem.clear(), matmul._fast.clear()  # built into this test's cache directory
     first = matmul(64, 64, 64, target="sm_80")
     meta_file = DiskCache().path(key) / "meta.json"
     record = json.loads(meta_file.read_text())
-    meta_file.write_text(json.dumps({**record, "meta": damaged}))
+    meta_file.write_text(json.dumps({**record, "meta": damaged, "description_sha256": description_sha256(key, damaged)}))
     matmul._mem.clear(), matmul._fast.clear()  # a new process: only the disk cache
     with pytest.warns(UserWarning, match="is corrupt .*its kernel description does not load"):
         again = matmul(64, 64, 64, target="sm_80")

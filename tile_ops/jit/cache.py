@@ -73,7 +73,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _description_sha256(key: str, description) -> str:
+def description_sha256(key: str, description) -> str:
     """The checksum of an entry's kernel description, bound to its key (an entry copied under another key fails)."""
     return _sha256(json.dumps({"key": key, "meta": description}, sort_keys=True).encode())
 
@@ -166,7 +166,7 @@ class DiskCache:
             raise _Corrupt(f"{META_FILE} has no 'files' record")
         if meta.get("key") != path.name:
             raise _Corrupt(f"it is the entry of key {meta.get('key')!r}, not of {path.name}")
-        if meta.get("description_sha256") != _description_sha256(path.name, meta.get("meta")):
+        if meta.get("description_sha256") != description_sha256(path.name, meta.get("meta")):
             raise _Corrupt("its kernel description (grid, shared memory, parameters) does not match its checksum")
         data = {}
         for name in (SOURCE_FILE, CUBIN_FILE):
@@ -219,7 +219,7 @@ class DiskCache:
                 "key": key,
                 "files": {n: {"sha256": _sha256(b), "size": len(b)} for n, b in blobs.items()},
                 "meta": entry.meta,
-                "description_sha256": _description_sha256(key, entry.meta),
+                "description_sha256": description_sha256(key, entry.meta),
             }
             write_synced(tmp / META_FILE, json.dumps(meta, indent=1, sort_keys=True).encode())
             fsync_dir(tmp)
