@@ -26,7 +26,7 @@
 // from tensor var = (index, dim) of a call; its tensors must have the `sizes` and `strides` given (per tensor,
 // per dim); and every integer of its outputs, scratch, grids, value arguments and tensor-map dims and strides
 // may be an expression of m: an int, or a tuple of (opcode, operand) pairs in postfix order (Expr below;
-// tile_ops/ops/fastpath.py writes them).  A host launch of a family is called launch(*pointers, m).  A call
+// tile_ops/compiler/meta.py's PlanExpr writes them).  A host launch of a family is called launch(*pointers, m).  A call
 // with no plan of its own takes the first family that matches it: an unseen m stays on this path.
 
 #include <ATen/PythonTorchFunctionTLS.h>

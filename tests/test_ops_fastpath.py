@@ -597,3 +597,30 @@ def test_plan_expressions_evaluate_as_python_does():
         out = lib.plans_call(45, (rnd(m, 8),), (None,), False)
         assert out.shape == (evaluate(text, {"M": 3 * m}), 1)
     lib.plans_clear()
+
+
+def test_an_op_call_records_its_row_family_once(monkeypatch):
+    """record_row_family: m is the first tensor's rows (M = fold * m for a batch of rows run as one problem),
+    the output's rows are m, the program is asked for at M = fold * m; nothing for kernels with a static M, a
+    single row, rows that do not divide M, host code, or a call a family already takes."""
+    recorded = []
+    monkeypatch.setattr(fastpath, "record_family", lambda *args: recorded.append(args))
+    taken = False
+    monkeypatch.setattr(fastpath, "in_family", lambda *args: taken)
+    a, out = rnd(3, 5, 8), torch.empty(3, 5, 4, dtype=F16)
+
+    def record(a=a, dims=(15,), host_code=False):
+        program_at = (lambda d: lambda *pointers: None) if host_code else (lambda d: ([], [("M", d[0])]))
+        fastpath.record_row_family(9, ((a,), (None,)), a, out, dims, program_at, lambda fold: [(1, 100 * fold)])
+
+    record()
+    [(op, tensors, flags, var, ranges, outputs, program)] = recorded
+    assert (op, var, ranges) == (9, (0, 1), [(1, 300)])
+    [(shape, dtype)] = outputs
+    assert [evaluate_at(d, 7) for d in shape] == [3, 7, 4] and dtype == F16
+    assert program[1][0][1].value(7) == 21  # M = 3 * m
+    for kw in (dict(dims=()), dict(a=rnd(3, 1, 8)), dict(dims=(16,)), dict(host_code=True)):
+        record(**kw)
+    taken = True
+    record()
+    assert len(recorded) == 1

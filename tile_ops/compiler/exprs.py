@@ -137,6 +137,14 @@ def collect_loads(expr) -> list:
     return found
 
 
+def conjunction(conds: list):
+    """``conds[0] && conds[1] && ...`` (a non-empty list of conditions)."""
+    out = conds[0]
+    for c in conds[1:]:
+        out = tirx.And(out, c)
+    return out
+
+
 def uses(e, var) -> bool:
     """Whether expression ``e`` mentions ``var``."""
     from tvm.tirx.analysis import undefined_vars

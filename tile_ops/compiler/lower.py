@@ -21,7 +21,7 @@ from tvm.tirx.script import builder as T
 from ..lang import ir
 from ..lang.ir import TileLangError, error, walk
 from .cuda import emit_ptx, exp2_approx
-from .exprs import broadcast, cast, divides, nonneg, pad, ramp, rewrite, rows_divisible, to_python
+from .exprs import broadcast, cast, conjunction, divides, nonneg, pad, ramp, rewrite, rows_divisible, to_python
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, pipelined_loads, stage_counts
 from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta, span
@@ -244,12 +244,7 @@ class Lowering:
                 conds.append(s + i >= 0)
             if not self.ana.can_prove(s + i < dim):
                 conds.append(s + i < dim)
-        if not conds:
-            return None
-        out = conds[0]
-        for c in conds[1:]:
-            out = tirx.And(out, c)
-        return out
+        return conjunction(conds) if conds else None
 
     def vector_ok(self, buf, start, vec) -> bool:
         """Can elements ``start + k*vec .. + vec - 1`` of ``buf``'s last dim be one aligned access?  They

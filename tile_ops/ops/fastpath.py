@@ -27,8 +27,8 @@ outputs, then its scratch buffers.
 
 A *family* (:func:`record_family`) is one plan for a range of a runtime size m
 (a token count): its tensors' sizes and strides, its outputs, grids and kernel
-arguments are expressions of m (:func:`expr`), so a call with an unseen m is
-served from C++ as well, without compiling or planning anything.
+arguments are expressions of m (``compiler.meta.PlanExpr``), so a call with an
+unseen m is served from C++ as well, without compiling or planning anything.
 """
 
 from __future__ import annotations
@@ -113,6 +113,23 @@ def record_family(op: int, tensors: tuple, flags: tuple, var: tuple, ranges, out
                                        _codes([(list(shape), dtype) for shape, dtype in outputs]), _codes(program))
     call = lib.plans_call
     return recorded
+
+
+def record_row_family(op: int, signature: tuple, a, out, dims: tuple, program_at, ranges_at) -> None:
+    """The family of an op call whose token count m is the rows of its first tensor ``a`` and of its output
+    ``out``, and whose kernels take M at run time (``dims``, their sizes at this call; () where they take
+    none): ``program_at((M,))`` is its plan program with M a PlanExpr, ``ranges_at(fold)`` the runs of m that
+    launch the same kernels, M being ``fold`` * m (a batch of rows run as one problem).  Nothing when a family
+    already takes the call, or its program is host code."""
+    m0 = a.shape[-2]
+    if not dims or m0 < 2 or dims[0] % m0 or in_family(op, *signature):
+        return
+    fold, m = dims[0] // m0, PlanExpr.m()
+    program = program_at((m * fold,))
+    if callable(program):  # host code (stream-K's workspace per stream): per m
+        return
+    record_family(op, *signature, (0, a.dim() - 2), ranges_at(fold), [([*out.shape[:-2], m, out.shape[-1]], out.dtype)],
+                  program)
 
 
 def in_family(op: int, tensors: tuple, flags: tuple) -> bool:

@@ -34,7 +34,6 @@ from typing import Optional
 import torch
 
 from ..autotune import targets
-from ..compiler.meta import PlanExpr
 from . import checks, fastpath, forward_ad, functorch, matmul, sharding, spec
 
 OP = "tile_ops.gemm"
@@ -144,30 +143,16 @@ def _gemm_cuda_checked(a, b, bias=None, out_dtype=None):
     operands = (a3, b3, out3) if bias is None else (a3, b3, out3, bias3)
     callers = (a, b, out) if bias is None else (a, b, out, bias)
     if fastpath.launched_in_place(operands, callers):
-        program = kernels.gemm_plan(kernel, a.device, A, B, OUT, None if bias is None else BIAS, SCRATCH)
+        bias_buffer = None if bias is None else BIAS
+        program = kernels.gemm_plan(kernel, a.device, A, B, OUT, bias_buffer, SCRATCH)
         fastpath.record(GEMM.plan_id, *_signature(a, b, bias, out_dtype), (out,), program)
         if getattr(kernels, "family_ranges", None):  # (the tests' CPU stand-ins have none)
-            _record_family(kernels, kernel, (a, b, bias, out), (a3, b3, out3, bias3), out_dtype)
+            dims = kernel.dims if isinstance(kernel, kernels.Sized) else ()  # M at run time
+            fastpath.record_row_family(
+                GEMM.plan_id, _signature(a, b, bias, out_dtype), a, out, dims,
+                lambda dims: kernels.gemm_plan(kernel, a.device, A, B, OUT, bias_buffer, SCRATCH, dims=dims),
+                lambda fold: kernels.family_ranges(kernels.gemm_problem(a3, b3, out3, bias3)[0], fold, a.device))
     return out
-
-
-def _record_family(kernels, kernel, callers, operands, out_dtype):
-    """The call's plan family: its kernels take M at run time, so one plan serves each token count m (a's rows)
-    at which the op launches the same kernels; an unseen m then stays on the fast path."""
-    a, b, bias, out = callers
-    m0, dims = a.shape[-2], getattr(kernel, "dims", ())
-    if not isinstance(kernel, kernels.Sized) or m0 < 2 or dims[0] % m0 or (
-            fastpath.in_family(GEMM.plan_id, *_signature(a, b, bias, out_dtype))):
-        return
-    fold = dims[0] // m0  # a batch of row-major (B, M, K) runs as one (B*M, K) problem
-    m = PlanExpr.m()
-    program = kernels.gemm_plan(kernel, a.device, A, B, OUT, None if bias is None else BIAS, SCRATCH, dims=(m * fold,))
-    if callable(program):  # host code (stream-K's workspace per stream): per m
-        return
-    ranges = kernels.family_ranges(kernels.gemm_problem(*operands)[0], fold, a.device)
-    shape = [*out.shape[:-2], m, out.shape[-1]]
-    fastpath.record_family(GEMM.plan_id, *_signature(a, b, bias, out_dtype), (0, a.dim() - 2), ranges,
-                           [(shape, out.dtype)], program)
 
 
 def _gemm_problem(a, b, bias=None, out_dtype=None) -> list:

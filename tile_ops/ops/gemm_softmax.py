@@ -33,7 +33,6 @@ from typing import Optional
 import torch
 
 from ..autotune import targets
-from ..compiler.meta import PlanExpr
 from . import checks, fastpath, forward_ad, functorch, matmul, spec
 from .gemm import matmul_input_grads, needs_input_grad
 
@@ -153,26 +152,12 @@ def _gemm_softmax_cuda_checked(a, b, scale=1.0, out_dtype=None):
         program = kernels.gemm_softmax_plan(kernel, a.device, A, B, OUT)
         fastpath.record(GEMM_SOFTMAX.plan_id, *_signature(a, b, scale, out_dtype), (out,), program)
         if getattr(kernels, "family_ranges", None):  # (the tests' CPU stand-ins have none)
-            _record_family(kernels, kernel, (a, b, out), (a2, b2, out2, s), scale, out_dtype)
+            dims = kernel.dims if isinstance(kernel, kernels.Sized) else ()  # M at run time
+            fastpath.record_row_family(
+                GEMM_SOFTMAX.plan_id, _signature(a, b, scale, out_dtype), a, out, dims,
+                lambda dims: kernels.gemm_softmax_plan(kernel, a.device, A, B, OUT, dims=dims),
+                lambda fold: kernels.family_ranges(kernels.softmax_problem(a2, b2, out2, s), fold, a.device))
     return out
-
-
-def _record_family(kernels, kernel, callers, operands, scale, out_dtype):
-    """The call's plan family (``ops.gemm._record_family``): one plan for each token count m (a's rows) at which
-    the op launches the same kernel."""
-    a, b, out = callers
-    m0, dims = a.shape[-2], getattr(kernel, "dims", ())
-    if not isinstance(kernel, kernels.Sized) or m0 < 2 or dims[0] % m0 or (
-            fastpath.in_family(GEMM_SOFTMAX.plan_id, *_signature(a, b, scale, out_dtype))):
-        return
-    fold = dims[0] // m0  # (B, M, K) @ (K, N) runs as one (B*M, K) problem
-    m = PlanExpr.m()
-    program = kernels.gemm_softmax_plan(kernel, a.device, A, B, OUT, dims=(m * fold,))
-    if callable(program):
-        return
-    ranges = kernels.family_ranges(kernels.softmax_problem(*operands), fold, a.device)
-    fastpath.record_family(GEMM_SOFTMAX.plan_id, *_signature(a, b, scale, out_dtype), (0, a.dim() - 2), ranges,
-                           [([*out.shape[:-2], m, out.shape[-1]], out.dtype)], program)
 
 
 def _gemm_softmax_problem(a, b, scale=1.0, out_dtype=None) -> list:

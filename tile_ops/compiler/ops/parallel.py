@@ -10,7 +10,8 @@ from tvm.ir.expr import TensorLoad
 from tvm.tirx.script import builder as T
 
 from ...lang.ir import Parallel, Store, TileLangError, error, walk
-from ..exprs import broadcast, broadcastable, cast, collect_loads, dtype_bits, is_vars, rewrite, uses, widest
+from ..exprs import (broadcast, broadcastable, cast, collect_loads, conjunction, dtype_bits, is_vars, rewrite, uses,
+                     widest)
 from ..layout import MmaAccumLayout, MmaRowLayout
 from . import Container, tile_op
 from .store import loaded
@@ -195,10 +196,7 @@ def _whole_tile_inside(lw, node, vm):
     conds = list({str(c): c for c in conds}.values())  # a tensor read and written at the same index
     if not conds or not any(uses(c, d) for c in conds for d in lw.prog.dims):
         return None
-    whole = conds[0]
-    for c in conds[1:]:
-        whole = tirx.And(whole, c)
-    return whole
+    return conjunction(conds)
 
 
 def _store(lw, st: Store, vm, frag_index, node, vec=1):
