@@ -1671,3 +1671,26 @@ def test_nvcc_runs_in_its_own_directory_and_leaves_nothing(tmp_path, monkeypatch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cubin, _ = build_cubin('extern "C" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }', "sm_80", "k")
     assert cubin and list(tmp_path.iterdir()) == []
+
+
+def test_code_generation_compiles_nothing_where_tvm_has_a_cuda_runtime():
+    """On a machine with a GPU driver TVM builds its CUDA module through the CUDA runtime, which compiles the
+    source on the spot (seconds, thrown away: nvcc builds the cubin); the codegen keeps the source alone."""
+    import tvm_ffi
+
+    name = "ffi.Module.create.cuda"
+    if tvm_ffi.get_global_func(name, allow_missing=True) is not None:
+        pytest.skip("this TVM has its CUDA runtime loaded; the stand-in would replace it")
+    calls = []
+
+    def runtime_module(code, fmt, fmap, source):  # the CUDA runtime's factory, as a GPU machine has it
+        calls.append(fmt)
+        raise RuntimeError("the CUDA runtime compiled the source")
+
+    tvm_ffi.register_global_func(name, runtime_module)
+    try:
+        c = compile_program(matmul.fn(256, 256, 64), "sm_80")
+    finally:
+        tvm_ffi.remove_global_func(name)
+    assert calls == [] and "mma.sync" in c.source
+    assert "TVM_COMPILE_FORCE_FALLBACK" not in os.environ

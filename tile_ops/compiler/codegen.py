@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
+import threading
 
 import tvm
 
@@ -44,11 +47,32 @@ def _register_dynamic_pipeline() -> str:
     return "tile_ops_dynamic"
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _source_only():
+    """TVM's codegen builds its CUDA module through the CUDA runtime where that loads (a machine with a GPU
+    driver), which compiles the source with NVRTC or nvcc on the spot: seconds per kernel, thrown away here
+    since nvcc builds the cubin.  TVM_COMPILE_FORCE_FALLBACK makes it keep the source alone."""
+    with _ENV_LOCK:
+        before = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
+        os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
+            else:
+                os.environ["TVM_COMPILE_FORCE_FALLBACK"] = before
+
+
 def emit_cuda(func, meta: KernelMeta, arch: str) -> tuple[str, str, list[str]]:
     """CUDA source, the entry symbol, and the names of the parameters it kept, in order
     (TVM drops parameters the kernel never touches)."""
     pipeline = _register_dynamic_pipeline() if meta.dims or meta.scalars else "tirx"
-    mod = tvm.compile(tvm.IRModule({"main": func}), target=target_for(arch), tir_pipeline=pipeline)
+    with _source_only():
+        mod = tvm.compile(tvm.IRModule({"main": func}), target=target_for(arch), tir_pipeline=pipeline)
     source = mod.mod.imports[0].inspect_source()
     if meta.ctas_per_sm > 1:  # cap registers so that many CTAs fit on an SM (setmaxnreg rebalances them)
         source = re.sub(r"__launch_bounds__\((\d+)\)", rf"__launch_bounds__(\1, {meta.ctas_per_sm})", source)
