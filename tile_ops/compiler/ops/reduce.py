@@ -24,6 +24,22 @@ def _across_warps(lw, node) -> bool:
     return isinstance(lay, MmaAccumLayout) and lay.w.wn > 1
 
 
+def tree_fold(op, values: list):
+    """``op`` over ``values`` as a balanced tree: log2(n) dependent steps instead of n, on the softmax's
+    critical path (max is exact in any order; a sum rounds in another order, no less accurately).  Each level
+    goes through a local array: TVM's simplifier would fold a tree expression back into a chain."""
+    if len(values) <= 2:
+        return values[0] if len(values) == 1 else op(*values)
+    level = T.alloc_local([(len(values) + 1) // 2], "float32")
+    IRBuilder.name("level", level)
+    while len(values) > 1:
+        pairs = [values[i:i + 2] for i in range(0, len(values), 2)]
+        for k, pair in enumerate(pairs):
+            T.buffer_store(level, op(*pair) if len(pair) == 2 else pair[0], [k])
+        values = [level[k] for k in range(len(pairs))]
+    return values[0]
+
+
 @tile_op(Reduce)
 class ReduceOp(TileOp):
     def reads(self, node, buffers):
@@ -69,11 +85,8 @@ class ReduceOp(TileOp):
         IRBuilder.name("partial", part)
         for rr in range(dst_l.local_size):
             mi, h = rr // 2, rr % 2
-            v = init
-            for nj in range(ni):
-                for e in (2 * h, 2 * h + 1):
-                    v = op(v, cast(src[(mi * ni + nj) * 4 + e], "float32"))
-            T.buffer_store(part, v, [rr])
+            own = [cast(src[(mi * ni + nj) * 4 + e], "float32") for nj in range(ni) for e in (2 * h, 2 * h + 1)]
+            T.buffer_store(part, tree_fold(op, own) if own else init, [rr])
             for mask in (1, 2):  # the 4 lanes of a quad hold one row
                 T.buffer_store(part, op(part[rr], top.tvm_warp_shuffle_xor(0xFFFFFFFF, part[rr], mask, 32, 32)), [rr])
         w = src_l.w
