@@ -261,6 +261,36 @@ def test_parallel_over_a_global_tile_tests_the_tile_once(M):
     np.testing.assert_array_equal(out, 2 * x)
 
 
+def _band(N=64, block_M=32):
+    """Out = X inside a band of each row (columns row - width < c <= row), -1 outside: a mask as attention's."""
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def main(X: T.Tensor((M, N), "float32"), Out: T.Tensor((M, N), "float32"), width: T.Scalar("int32")):
+        with T.Kernel(T.ceildiv(M, block_M), threads=64) as bx:
+            for r, c in T.Parallel(block_M, N):
+                row = bx * block_M + r
+                Out[row, c] = T.where((c <= row) & (c + width > row), X[row, c], -1.0)
+
+    return main
+
+
+@pytest.mark.parametrize("M, width", [(200, 150), (200, 1000), (70, 3), (5, 64)])
+def test_a_mask_that_holds_on_a_whole_tile_is_tested_once(M, width):
+    """A T.where whose condition is a conjunction of comparisons monotone in the loop variables holds on a whole
+    tile when it holds at the tile's worst corners: such a tile (here rows 64.. with width >= the tile's last row
+    + 1) stores X without a select per element, the others take the selecting copy; both right on the emulator."""
+    source = compile_program(_band(), "sm_80").source.replace("((int)blockIdx.x)", "bx")
+    fast = source[source.index("if (((((bx * 32) + 31) < M) && (2 <= bx)) && (32 <= (width - (bx * 32)))) {"):]
+    fast = fast[:fast.index("} else {")]
+    assert "?" not in fast and fast.count("Out_ptr[") == 32 * 64 // 64
+    x = np.random.default_rng(M).standard_normal((M, 64)).astype(np.float32)
+    out = np.full((M, 64), np.nan, np.float32)
+    Emulator(lower(_band(), "sm_80").func, {"X": x, "Out": out, "M": M, "width": width}).run((-(-M // 32), 1, 1))
+    rows, cols = np.arange(M)[:, None], np.arange(64)[None, :]
+    np.testing.assert_array_equal(out, np.where((cols <= rows) & (cols + width > rows), x, -1.0))
+
+
 def test_tile_indices_of_a_runtime_grid_are_computed_once_per_tile():
     """The persistent walk's tile coordinates divide by M's tile count: bound once per tile, the k-loop uses
     the variables (nvcc left the divisions in the loop, where the producer's TMA issue fell behind)."""

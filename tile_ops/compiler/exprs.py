@@ -14,9 +14,10 @@ from ..lang import known_multiple
 LoadFn = Callable[[object, list], object]  # (buffer var, new indices) -> replacement expr or None
 
 
-def rewrite(expr, var_map: dict | None = None, on_load: LoadFn | None = None, on_call: Callable | None = None):
-    """Return ``expr`` with vars replaced by ``var_map``, buffer loads by ``on_load`` and calls by
-    ``on_call(call with rewritten args)`` (a replacement expr or None)."""
+def rewrite(expr, var_map: dict | None = None, on_load: LoadFn | None = None, on_call: Callable | None = None,
+            on_select: Callable | None = None):
+    """Return ``expr`` with vars replaced by ``var_map``, buffer loads by ``on_load``, calls by
+    ``on_call(call with rewritten args)`` and selects by ``on_select(select)`` (a replacement expr or None)."""
     var_map = var_map or {}
 
     def go(e):
@@ -43,6 +44,9 @@ def rewrite(expr, var_map: dict | None = None, on_load: LoadFn | None = None, on
         if isinstance(e, px.Cast):
             return tirx.Cast(str(e.ty), go(e.value))
         if isinstance(e, px.Select):
+            new = on_select(e) if on_select is not None else None
+            if new is not None:
+                return go(new)
             return tirx.Select(go(e.condition), go(e.true_value), go(e.false_value))
         if isinstance(e, irx.Call):
             call = irx.Call(e.op, [go(a) for a in e.args], attrs=e.attrs, ret_ty=e.ty)

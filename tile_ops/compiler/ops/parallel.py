@@ -4,6 +4,8 @@ over the block's threads, as wide vectors along the last loop variable as every 
 
 from __future__ import annotations
 
+import contextlib
+
 import tvm.ir.prim.expr as px
 from tvm import tirx
 from tvm.ir.expr import TensorLoad
@@ -40,17 +42,19 @@ class ParallelOp(Container):
     def lower(self, lw, node, vm):
         _check_inside(lw, node)
         whole = _whole_tile_inside(lw, node, vm)
-        if whole is None:
+        settled, holds = _selects_settled_on_tile(lw, node, vm)
+        if whole is None and not settled:
             return _lower(lw, node, vm)
-        with T.If(whole):  # an interior tile, the common case, runs without a predicate per element
+        # an interior tile, the common case, runs without a predicate or a select per element
+        with T.If(conjunction([c for c in (whole, holds) if c is not None])):
             with T.Then():
-                with lw.bounds_known():
-                    _lower(lw, node, vm)
+                with lw.bounds_known() if whole is not None else contextlib.nullcontext():
+                    _lower(lw, node, vm, settled)
             with T.Else():
                 _lower(lw, node, vm)
 
 
-def _lower(lw, node, vm):
+def _lower(lw, node, vm, settled=()):
     anchor = lw.infer.parallel.get(id(node))
     if anchor is None:  # no fragment: spread the iteration space over the threads, vec columns each
         vec = _vector_width(lw, node)
@@ -58,7 +62,7 @@ def _lower(lw, node, vm):
         def run(idx):
             inner = {**vm, **dict(zip(node.vars, idx))}
             for st in node.body:
-                _store(lw, st, inner, None, node, vec)
+                _store(lw, st, inner, None, node, vec, settled)
         return lw.flat_loop(node.extents, run, vec)
     with T.unroll(0, anchor.local_size) as r:
         coords = anchor.coords(lw.tid, r)
@@ -73,7 +77,7 @@ def _lower(lw, node, vm):
             raise TileLangError(f"fragment {buf.name} does not share the loop's layout")
 
         for st in node.body:
-            _store(lw, st, inner, frag_index, node)
+            _store(lw, st, inner, frag_index, node, settled=settled)
 
 
 # ---------------------------------------------------------------------- layouts
@@ -199,7 +203,59 @@ def _whole_tile_inside(lw, node, vm):
     return conjunction(conds)
 
 
-def _store(lw, st: Store, vm, frag_index, node, vec=1):
+def _selects_settled_on_tile(lw, node, vm):
+    """(selects, test): the ``T.where`` selects of the body whose condition is a conjunction of integer
+    comparisons, each monotone in the loop variables, and the test that every one of them holds on the whole
+    tile (a comparison's worst corner bounds it): a mask's interior tiles then skip it."""
+    settled, tests = [], []
+
+    def on_select(sel):
+        test = _holds_on_tile(lw, node, sel.condition, vm)
+        if test is not None and not any(sel.same_as(s) for s in settled):
+            settled.append(sel)
+            tests.append(test)
+        return None
+
+    for st in (n for n in walk(node.body) if isinstance(n, Store)):
+        rewrite(st.value, on_select=on_select)
+    return tuple(settled), conjunction(tests) if tests else None
+
+
+_FLIPPED = {px.LT: (1, 1), px.LE: (1, 0), px.GT: (-1, 1), px.GE: (-1, 0)}  # a < b: b - a >= 1, ...
+
+
+def _holds_on_tile(lw, node, cond, vm):
+    """A test, once per tile, that ``cond`` holds at every element of the T.Parallel; None where its form is
+    not one that a tile's corners bound."""
+    if isinstance(cond, px.IntImm):
+        return tirx.const(True, "bool") if cond.value else None
+    if isinstance(cond, px.And) or isinstance(cond, px.BitwiseAnd) and str(cond.ty) == "bool":
+        a, b = (_holds_on_tile(lw, node, c, vm) for c in (cond.a, cond.b))
+        return None if a is None or b is None else tirx.And(a, b)
+    if isinstance(cond, px.Select) and not any(uses(cond.condition, v) for v in node.vars):
+        a, b = (_holds_on_tile(lw, node, c, vm) for c in (cond.true_value, cond.false_value))
+        return None if a is None or b is None else tirx.Select(lw.expr(cond.condition, vm), a, b)
+    if type(cond) not in _FLIPPED or not str(cond.a.ty).startswith("int"):
+        return None
+    sign, least = _FLIPPED[type(cond)]
+    slack = (cond.b - cond.a) if sign > 0 else (cond.a - cond.b)  # the comparison is slack >= least
+    corner = {}
+    for v, extent in zip(node.vars, node.extents):
+        step = rewrite(slack, {v: v + 1}) - slack
+        if lw.ana.can_prove(step >= 0):
+            corner[v] = 0
+        elif lw.ana.can_prove(step <= 0):
+            corner[v] = extent - 1
+        else:
+            return None
+    return lw.ana.simplify(lw.expr(rewrite(slack, corner), vm) >= least)
+
+
+def _store(lw, st: Store, vm, frag_index, node, vec=1, settled=()):
+    if settled:  # a select that holds on the whole tile is its true side
+        loc, st = st.loc, Store(st.buffer, st.indices, rewrite(
+            st.value, on_select=lambda sel: sel.true_value if any(sel.same_as(s) for s in settled) else None))
+        st.loc = loc
     if frag_index is not None:  # fragment indices must be the loop vars themselves (checked in inference)
         for buf_var, idx in collect_loads(st.value):
             buf = lw.buffers.get(buf_var)
