@@ -183,6 +183,8 @@ def test_varlen_matches_per_sequence_calls():
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, window_size=(-2, 0)), r"window_size\[0\]=-2"),
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softcap=-1.0), "softcap=-1.0"),
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softmax_scale=math.nan), "softmax_scale=nan"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softmax_scale=-0.5), "softmax_scale=-0.5.*float > 0"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softmax_scale=0.0), "softmax_scale=0.0.*float > 0"),
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, alibi_slopes=torch.rand(3)), "alibi_slopes has shape"),
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, alibi_slopes=torch.rand(4).double()), "float32 tensor"),
 ])

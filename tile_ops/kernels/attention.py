@@ -2,8 +2,9 @@
 
 A block owns ``block_M`` query rows of one head.  It walks the key/value tiles its rows can see (causal and
 sliding windows skip the rest) in a pipelined loop: S = Q K^T into a float32 fragment, the mask and the score
-transform (scale, softcap, ALiBi) in one pass, the online softmax (running row max ``m`` and sum ``l`` in base
-2, the accumulator rescaled by 2^(m_old - m_new)), then P V with P from registers.  P V is deferred: the
+transform (softcap, ALiBi) in one pass, the online softmax (running row max ``m`` and sum ``l`` in base 2, the
+accumulator rescaled by 2^(m_old - m_new)), then P V with P from registers.  Plain scores (no softcap, no ALiBi)
+stay unscaled until exp2, whose argument s * scale * log2(e) - m is then one FFMA (the scale is positive).  P V is deferred: the
 compiler may run it during the next iteration, where on sm_90a its wgmmas overlap the next tile's softmax
 (FlashAttention-3's in-warpgroup overlap).  Rows that see no key get O = 0 and LSE = -inf.
 
@@ -20,7 +21,7 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig
-from .attention_mask import LN2, Window, score_log2, strided
+from .attention_mask import LN2, LOG2E, Window, score_log2, strided
 
 
 @tile_ops.jit(out_idx=[])
@@ -43,6 +44,8 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
 
     def attention(Q, K, V, O, LSE, scale, cap, left, right, Slopes=None):
         window = Window(Sq, Sk, causal, local, left, right)
+        plain = not softcap and not alibi
+        c = scale * LOG2E if plain else 1.0  # what turns the scores in S (and m) into log2 units
         with T.Kernel(T.ceildiv(Sq, bM), Hq, B, threads=cfg.threads) as (bx, h, b):
             kv_head = h // (Hq // Hkv)  # GQA/MQA: a group of query heads reads one K/V head
             slope = Slopes[b, h] if alibi else 0.0
@@ -52,8 +55,8 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
             S = T.alloc_fragment((bM, bN), "float32")
             P = T.alloc_fragment((bM, bN), dtype)
             acc = T.alloc_fragment((bM, dim), "float32")
-            m = T.alloc_fragment((bM,), "float32")  # running row max of the scores (log2 units)
-            m_sub = T.alloc_fragment((bM,), "float32")  # what exp2 subtracts: m, or 0 while m is -inf (no key yet)
+            m = T.alloc_fragment((bM,), "float32")  # running row max of the scores in S
+            m_sub = T.alloc_fragment((bM,), "float32")  # what exp2 subtracts: m * c, or 0 while m is -inf (no key yet)
             rescale = T.alloc_fragment((bM,), "float32")  # the previous max, then 2^(previous - new)
             l = T.alloc_fragment((bM,), "float32")  # running row sum of 2^(score - m)
             l_tile = T.alloc_fragment((bM,), "float32")
@@ -71,15 +74,15 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                     T.gemm(P, V_s, acc, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
                     q, k = bx * bM + i, k0 + j
-                    S[i, j] = T.where(window.visible(q, k),
+                    S[i, j] = T.where(window.visible(q, k), S[i, j] if plain else
                                       score_log2(S[i, j], q, k, Sq, Sk, scale, cap, slope, softcap, alibi), -inf)
                 T.copy(m, rescale)
                 T.reduce_max(S, m, dim=1, clear=False)
                 for i in T.Parallel(bM):
-                    m_sub[i] = T.where(m[i] == -inf, 0.0, m[i])
-                    rescale[i] = T.exp2(rescale[i] - m_sub[i])
+                    m_sub[i] = T.where(m[i] == -inf, 0.0, m[i] * c)
+                    rescale[i] = T.exp2(rescale[i] * c - m_sub[i])
                 for i, j in T.Parallel(bM, bN):
-                    S[i, j] = T.exp2(S[i, j] - m_sub[i])
+                    S[i, j] = T.exp2(S[i, j] * c - m_sub[i])
                 T.reduce_sum(S, l_tile, dim=1)
                 for i in T.Parallel(bM):
                     l[i] = l[i] * rescale[i] + l_tile[i]
@@ -90,7 +93,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 acc[i, j] = T.where(l[i] > 0, acc[i, j] / l[i], 0.0)
             T.copy(acc, O[b, h, bx * bM, 0])
             for i in T.Parallel(bM):  # natural log, as flash-attn's
-                LSE[b, h, bx * bM + i] = T.where(l[i] > 0, (m[i] + T.log2(l[i])) * LN2, -inf)
+                LSE[b, h, bx * bM + i] = T.where(l[i] > 0, (m_sub[i] + T.log2(l[i])) * LN2, -inf)
 
     if alibi:  # one slope per (batch, head): a (B, Hq) view, a (Hq,) one expanded over the batch (stride 0)
         @T.prim_func

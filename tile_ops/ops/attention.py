@@ -81,8 +81,11 @@ def check_inputs(q, k, v, softmax_scale=None, window_left=-1, window_right=-1, s
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{OP}: {name} has strides {list(t.stride())}; accepted: a contiguous last dimension "
                              f"(stride 1), e.g. {name}.contiguous()")
-    if softmax_scale is not None and (not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale)):
-        raise ValueError(f"{OP}: softmax_scale={softmax_scale!r}; accepted: None (1/sqrt(head_dim)) or a finite float")
+    if softmax_scale is not None and (not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale)
+                                      or softmax_scale <= 0):
+        # the kernels take each row's maximum of the unscaled scores, as flash-attn's do
+        raise ValueError(f"{OP}: softmax_scale={softmax_scale!r}; accepted: None (1/sqrt(head_dim)) or a finite "
+                         f"float > 0")
     _check_window(window_left, window_right)
     if not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"{OP}: softcap={softcap!r}; accepted: a finite float >= 0 (0: none)")
