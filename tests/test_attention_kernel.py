@@ -158,6 +158,22 @@ def test_hopper_path_matches_float64(case):
     assert ran["tma.load.4d.swizzle128"] and ran[f"wgmma.m64n64k16.{el}"] and ran[f"wgmma.m64n64k16.{el}.rs.trans-b"]
 
 
+def test_two_consumer_warpgroups_issue_their_gemms_in_turns():
+    """T.Pipelined(mma_turns=True) with two consumer warpgroups: each step, warpgroup w waits on named barrier
+    5 + w before its first wgmma (S = Q K^T) and signals the other's after its last (the deferred P V), so one's
+    softmax runs under the other's gemms; warpgroup 1 hands warpgroup 0 the first turn.  (The emulator runs
+    this kernel in test_hopper_path_matches_float64.)"""
+    from tile_ops.compiler import compile_program
+
+    source = compile_program(_program(64, cfg=AttentionConfig(128, 64, 2, 256)), "sm_90a").source
+    assert "if (wgmma_warpgroup == 1) {\n      tvm_builtin_ptx_bar_arrive_arrive((uint)5, (uint)256);" in source
+    loop = source[source.index("for (int k_1 = 1;"):]
+    take = loop.index("tvm_builtin_ptx_bar_sync_count_sync(((uint)(wgmma_warpgroup + 5)), (uint)256);")
+    give = loop.index("tvm_builtin_ptx_bar_arrive_arrive(((uint)(((wgmma_warpgroup + 1) & 1) + 5)), (uint)256);")
+    first_mma, last_commit = loop.index("wgmma_f16_ss"), loop.index("wgmma_commit_group", loop.index("wgmma_f16_rs"))
+    assert take < first_mma and last_commit < give < loop.index("wgmma_wait_group")
+
+
 @needs_nvcc
 @needs_cuobjdump
 @pytest.mark.parametrize("kw", [dict(dim=128), dict(dim=64, causal=True, dtype="bfloat16"),

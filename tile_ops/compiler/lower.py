@@ -324,6 +324,9 @@ class Lowering:
                 is_late = any(node is n for n in late)
                 if is_late:
                     self.stage_of_iter = late_stage
+                turn = self.ws.turn if self.ws else None
+                if turn and node is turn[0]:
+                    self.ws.turns.take()
                 try:
                     op.lower(self, node, late_vm if is_late else var_map or {})
                     self.written |= set(self.global_writes(node))
@@ -333,6 +336,8 @@ class Lowering:
                     raise error(node.loc, str(e)) from None
                 finally:
                     self.stage_of_iter = step
+                if turn and node is turn[1]:
+                    self.ws.turns.give()
                 if self.ws and node is self.ws.loop:
                     self.ws.after_main_loop(rest)
 

@@ -65,7 +65,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
             T.clear(l)
             T.fill(m, -inf)
             first, count = window.key_tiles(bx * bM, bM, bN)
-            for t in T.Pipelined(count, num_stages=cfg.num_stages):
+            for t in T.Pipelined(count, num_stages=cfg.num_stages, mma_turns=True):
                 k0 = (first + t) * bN
                 T.copy(K[b, kv_head, k0, 0], K_s)  # keys past Sk load as 0; the mask hides them
                 T.copy(V[b, kv_head, k0, 0], V_s)

@@ -218,9 +218,9 @@ def alloc_local(shape, dtype, name=None) -> TileBuffer:
 # ----------------------------------------------------------------------------- loops
 
 
-def _loop(kind: str, extent, num_stages: int = 1, name: str = "k"):
+def _loop(kind: str, extent, num_stages: int = 1, name: str = "k", mma_turns: bool = False):
     var = tirx.Var(ir.fresh_name(name), "int32")
-    node = For(var, extent, kind, num_stages)
+    node = For(var, extent, kind, num_stages, mma_turns=mma_turns)
     emit(node)
     bodies = ir.tracer().bodies  # (an error that ends the trace closes this generator after the tracer is gone)
     bodies.append(node.body)
@@ -230,11 +230,14 @@ def _loop(kind: str, extent, num_stages: int = 1, name: str = "k"):
         bodies.pop()
 
 
-def Pipelined(extent, num_stages: int = 2):
-    """A software-pipelined loop: global->shared copies in its body run ``num_stages - 1`` iterations ahead."""
+def Pipelined(extent, num_stages: int = 2, mma_turns: bool = False):
+    """A software-pipelined loop: global->shared copies in its body run ``num_stages - 1`` iterations ahead.
+    ``mma_turns=True``: where a block has several consumer warpgroups (sm_90a, threads >= 256), they issue the
+    gemms each iteration starts with in turns, warpgroup 0 first, so one's math runs under another's
+    tensor-core work (FlashAttention-3's ping-pong); elsewhere it changes nothing."""
     if num_stages < 1:
         raise error(user_loc(), f"num_stages={num_stages}: must be >= 1")
-    return _loop("pipelined", extent, num_stages)
+    return _loop("pipelined", extent, num_stages, mma_turns=mma_turns)
 
 
 class deferred:

@@ -300,6 +300,7 @@ class For(Node):
     kind: str  # "serial" | "unroll" | "pipelined"
     num_stages: int = 1
     body: list = field(default_factory=list)
+    mma_turns: bool = False  # pipelined: consumer warpgroups issue each step's gemms in turns (schedules/turns)
 
 
 @dataclass

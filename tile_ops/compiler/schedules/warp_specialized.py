@@ -13,7 +13,7 @@ column shares is split into slices, each block loading one into all of them (TMA
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from functools import cached_property
 
 from tvm import tirx
@@ -31,7 +31,7 @@ from ..ops import setup as setup_ops
 from ..ops.copy import copy_extents
 from ..ops.gemm import is_wgmma
 from ..targets import REGISTERS_PER_SM, SHARED_PER_SM, sm90
-from . import pingpong
+from . import pingpong, turns
 from .persistent import TileWalk
 from .stream_k import StreamK, accumulators
 
@@ -63,6 +63,9 @@ class WarpSpecialized:
             steps = self._constant_steps(f"stream_k={k.stream_k}")
             self.stream_k = StreamK(lw, accumulators(k, loop), k.stream_k, steps)
         self.peer_empty = None  # (this lane's writer's empty[0], writers): bound before a multicast main loop
+        # several consumer warpgroups issuing each step's leading gemms in turns (T.Pipelined(mma_turns=True))
+        self.turns = turns.Turns(lw) if loop.mma_turns and lw.threads >= 2 * turns.WARPGROUP else None
+        self.turn = None  # (first, last) gemm of the statements being lowered that make a turn
 
     @staticmethod
     def plan(lw) -> "WarpSpecialized | None":
@@ -316,6 +319,8 @@ class WarpSpecialized:
             self.pingpong.start(self.consumer_steps)
         if lw.threads > 128:  # A's wgmma descriptors then stay in uniform registers
             lw.wgmma_warpgroup = bind_warpgroup(lw.tid, 128, "wgmma_warpgroup")
+        if self.turns:
+            self.turns.start()
         with self.walk.tiles(cta, lw.consumer if self.pingpong else None):
             lw.body(body)
             if self.walk.persistent and guard_tile_start:
@@ -443,16 +448,21 @@ class WarpSpecialized:
             s = self._wait_full(cnt)
             lw.stage_of_iter = s
             if self.deferred_wait:
+                if self.turns:
+                    self.turns.take()
                 emit_ptx("wgmma.fence.sync.aligned")
                 for g in compute:
                     sm90.issue_wgmma(lw, g)
                 emit_ptx("wgmma.commit_group.sync.aligned")
+                if self.turns:
+                    self.turns.give()
                 emit_ptx("wgmma.wait_group.sync.aligned", 1)
                 with T.If(k > 0):  # step k - 1's group retired: its stage can be refilled
                     with T.Then():
                         self._release(tirx.floormod(cnt[0] + (S - 1), S))
             else:
-                lw.body(compute, {**vm, node.var: k0 + k})
+                with self._turn(compute):
+                    lw.body(compute, {**vm, node.var: k0 + k})
                 T.evaluate(TS.cuda.warp_sync())  # every lane of the warp is done reading the stage
                 self._release(s)
             lw.stage_of_iter = None
@@ -484,21 +494,33 @@ class WarpSpecialized:
         with T.If(n > 0):
             with T.Then():
                 lw.stage_of_iter = self._wait_full(cnt)
-                lw.body(own, {**vm, node.var: k0})
+                with self._turn(own):
+                    lw.body(own, {**vm, node.var: k0})
                 T.buffer_store(cnt, cnt[0] + 1, [0])
         with T.serial(1, n, unroll=1) as k:
             IRBuilder.name(node.var.name, k)
             late_stage, late_vm = previous(k)
             lw.stage_of_iter = self._wait_full(cnt)
-            lw.body(body, {**vm, node.var: k0 + k}, previous=(late, late_vm, late_stage))
+            with self._turn(body):
+                lw.body(body, {**vm, node.var: k0 + k}, previous=(late, late_vm, late_stage))
             release_previous()
             T.buffer_store(cnt, cnt[0] + 1, [0])
         with T.If(n > 0):
             with T.Then():
                 lw.stage_of_iter, late_vm = previous(n)
-                lw.body(late, late_vm)
+                with self._turn(late):
+                    lw.body(late, late_vm)
                 release_previous()
         lw.stage_of_iter = None
+
+    @contextmanager
+    def _turn(self, nodes):
+        """Lower ``nodes`` (a step's statements) with the gemms they start with taking a turn."""
+        self.turn = turns.leading_gemms(nodes) if self.turns else None
+        try:
+            yield
+        finally:
+            self.turn = None
 
     def _wait_full(self, cnt):
         """Wait until the stage of step cnt[0] has landed; that stage."""

@@ -1,0 +1,50 @@
+"""``T.Pipelined(..., mma_turns=True)`` on the warp-specialized sm_90a path: the consumer warpgroups of a CTA
+issue each step's leading tensor-core work in turns, warpgroup 0 then 1 (then 2 ...), so that while one's
+wgmmas run the others do their math (FlashAttention-3's warpgroup ping-pong: one's softmax under another's
+gemms).  Warpgroup w waits on named barrier ``TURN_BARRIER + w`` before its step's first wgmma and, after the
+last one of the run, signals the next warpgroup's; the last warpgroup signals the first once at the start.
+Every warpgroup takes as many turns (they walk the same steps), so the turns stay paired."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.tirx.script import builder as T
+
+from ...lang.ir import Gemm
+from ..cuda import emit_ptx
+
+TURN_BARRIER = 5  # named barriers 5.. (1: the consumers' barrier, 2: pingpong's second, 3-4: its main-loop order)
+WARPGROUP = 128
+
+
+class Turns:
+    def __init__(self, lw):
+        self.lw = lw
+        self.warpgroups = lw.threads // WARPGROUP
+
+    def _warpgroup(self):
+        lw = self.lw
+        return lw.wgmma_warpgroup if lw.wgmma_warpgroup is not None else tirx.floordiv(lw.tid, WARPGROUP)
+
+    def start(self):
+        """The last warpgroup hands the first its first turn."""
+        with T.If(self._warpgroup() == self.warpgroups - 1):
+            with T.Then():
+                emit_ptx("bar.arrive", TURN_BARRIER, 2 * WARPGROUP)
+
+    def take(self):
+        emit_ptx("bar.sync", tirx.Cast("uint32", TURN_BARRIER + self._warpgroup()), 2 * WARPGROUP)
+
+    def give(self):
+        nxt = tirx.floormod(self._warpgroup() + 1, self.warpgroups)
+        emit_ptx("bar.arrive", tirx.Cast("uint32", TURN_BARRIER + nxt), 2 * WARPGROUP)
+
+
+def leading_gemms(nodes: list):
+    """(first, last) of the gemms a statement list starts with (the step's tensor-core issue), or None."""
+    run = []
+    for n in nodes:
+        if not isinstance(n, Gemm):
+            break
+        run.append(n)
+    return (run[0], run[-1]) if run else None
