@@ -63,16 +63,16 @@ def _types(dim, dtype):
     return q_side, k_side, T.Tensor((B, Hq, Sq), "float32"), (B, Hq, Hkv, Sq, Sk)
 
 
-def _ds(S, dP, q, k, window, Sq, Sk, lse, delta, scale, cap, slope, softcap, alibi):
+def _ds(S, dP, q, k, window, Sq, Sk, lse2, delta, scale, cap, slope, softcap, alibi):
     """Statements of a T.Parallel over one (query q, key k) element: S (the raw product) becomes P, dP (dO V^T)
-    becomes dS = P (dP - Delta) dscore/ds, from the row's natural ``lse`` and its ``delta``."""
+    becomes dS = P (dP - Delta) dscore/ds, from the row's log-sum-exp in base 2 ``lse2`` and its ``delta``."""
     x = score_log2(S, q, k, Sq, Sk, scale, cap, slope, softcap, alibi)
     if softcap:  # d score / d s through the cap's tanh: scale (1 - tanh^2), from the raw S
         t = T.tanh(S * scale / cap)
         ds = (dP - delta) * (scale - scale * t * t)
     else:
         ds = (dP - delta) * scale
-    p = T.where(window.visible(q, k) & (q < Sq), T.exp2(x - lse * LOG2E), 0.0)
+    p = T.where(window.visible(q, k) & (q < Sq), T.exp2(x - lse2), 0.0)
     return p, ds
 
 
@@ -107,6 +107,9 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
             dST = T.alloc_fragment((bN, bM), dtype)
             dK_f = T.alloc_fragment((bN, dim), "float32")
             dV_f = T.alloc_fragment((bN, dim), "float32")
+            # the step's LSE (base 2) and Delta by query, two slots: one barrier a step orders their reuse
+            lse_s = T.alloc_shared((2, bM), "float32")
+            delta_s = T.alloc_shared((2, bM), "float32")
             if atomic_dq:
                 dS_s = T.alloc_shared((bN, bM), dtype)
                 dQ = T.alloc_fragment((bM, dim), "float32")
@@ -120,12 +123,15 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                 q0 = (first + t % count) * bM
                 T.copy(Q[b, h, q0, 0], Q_s)
                 T.copy(dO[b, h, q0, 0], dO_s)
+                for i in T.Parallel(bM):  # once a step, not once an element (queries are S^T's columns)
+                    row = T.min(q0 + i, Sq - 1)
+                    lse_s[t % 2, i] = LSE[b, h, row] * LOG2E
+                    delta_s[t % 2, i] = Delta[b, h, row]
                 T.gemm(K_s, Q_s, ST, transpose_B=True, clear_accum=True, policy="full_row")
                 T.gemm(V_s, dO_s, dPT, transpose_B=True, clear_accum=True, policy="full_row")
                 for j, i in T.Parallel(bN, bM):
-                    q, row = q0 + i, T.min(q0 + i, Sq - 1)
-                    p, ds = _ds(ST[j, i], dPT[j, i], q, k0 + j, window, Sq, Sk, LSE[b, h, row], Delta[b, h, row],
-                                scale, softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
+                    p, ds = _ds(ST[j, i], dPT[j, i], q0 + i, k0 + j, window, Sq, Sk, lse_s[t % 2, i],
+                                delta_s[t % 2, i], scale, softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
                     dPT[j, i] = ds
                     ST[j, i] = p
                     dPT[j, i] = dPT[j, i] * ST[j, i]
@@ -184,8 +190,8 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
                 T.gemm(dO_s, V_s, dP, transpose_B=True, clear_accum=True, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
-                    p, ds = _ds(S[i, j], dP[i, j], q0 + i, k0 + j, window, Sq, Sk, lse[i], delta[i], scale, softcap,
-                                Slopes[b, h] if alibi else 0.0, capped, alibi)
+                    p, ds = _ds(S[i, j], dP[i, j], q0 + i, k0 + j, window, Sq, Sk, lse[i] * LOG2E, delta[i], scale,
+                                softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
                     dP[i, j] = ds
                     S[i, j] = p
                     dP[i, j] = dP[i, j] * S[i, j]
