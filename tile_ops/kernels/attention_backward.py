@@ -118,31 +118,33 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
             T.clear(dK_f)
             T.clear(dV_f)
             first, count = window.query_tiles(k0, bN, bM)
-            for t in T.Pipelined(count * group, num_stages=cfg.num_stages):
-                h = kv_head * group + t // count
-                q0 = (first + t % count) * bM
-                T.copy(Q[b, h, q0, 0], Q_s)
-                T.copy(dO[b, h, q0, 0], dO_s)
-                for i in T.Parallel(bM):  # once a step, not once an element (queries are S^T's columns)
-                    row = T.min(q0 + i, Sq - 1)
-                    lse_s[t % 2, i] = LSE[b, h, row] * LOG2E
-                    delta_s[t % 2, i] = Delta[b, h, row]
-                T.gemm(K_s, Q_s, ST, transpose_B=True, clear_accum=True, policy="full_row")
-                T.gemm(V_s, dO_s, dPT, transpose_B=True, clear_accum=True, policy="full_row")
-                for j, i in T.Parallel(bN, bM):
-                    p, ds = _ds(ST[j, i], dPT[j, i], q0 + i, k0 + j, window, Sq, Sk, lse_s[t % 2, i],
-                                delta_s[t % 2, i], scale, softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
-                    dPT[j, i] = ds
-                    ST[j, i] = p
-                    dPT[j, i] = dPT[j, i] * ST[j, i]
-                T.copy(ST, PT)
-                T.gemm(PT, dO_s, dV_f, policy="full_row")
-                T.copy(dPT, dST)
-                T.gemm(dST, Q_s, dK_f, policy="full_row")
-                if atomic_dq:
-                    T.copy(dST, dS_s)
-                    T.gemm(dS_s, K_s, dQ, transpose_A=True, clear_accum=True)
-                    T.atomic_add(dQ_acc[b, h, q0, 0], dQ)
+            for g in T.serial(group):  # the pipeline runs on across the group's heads (one producer walk)
+                for t in T.Pipelined(count, num_stages=cfg.num_stages):
+                    h = kv_head * group + g
+                    q0 = (first + t) * bM
+                    slot = (g * count + t) % 2  # alternate across the heads' steps too
+                    T.copy(Q[b, h, q0, 0], Q_s)
+                    T.copy(dO[b, h, q0, 0], dO_s)
+                    for i in T.Parallel(bM):  # once a step, not once an element (queries are S^T's columns)
+                        row = T.min(q0 + i, Sq - 1)
+                        lse_s[slot, i] = LSE[b, h, row] * LOG2E
+                        delta_s[slot, i] = Delta[b, h, row]
+                    T.gemm(K_s, Q_s, ST, transpose_B=True, clear_accum=True, policy="full_row")
+                    T.gemm(V_s, dO_s, dPT, transpose_B=True, clear_accum=True, policy="full_row")
+                    for j, i in T.Parallel(bN, bM):
+                        p, ds = _ds(ST[j, i], dPT[j, i], q0 + i, k0 + j, window, Sq, Sk, lse_s[slot, i],
+                                    delta_s[slot, i], scale, softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
+                        dPT[j, i] = ds
+                        ST[j, i] = p
+                        dPT[j, i] = dPT[j, i] * ST[j, i]
+                    T.copy(ST, PT)
+                    T.gemm(PT, dO_s, dV_f, policy="full_row")
+                    T.copy(dPT, dST)
+                    T.gemm(dST, Q_s, dK_f, policy="full_row")
+                    if atomic_dq:
+                        T.copy(dST, dS_s)
+                        T.gemm(dS_s, K_s, dQ, transpose_A=True, clear_accum=True)
+                        T.atomic_add(dQ_acc[b, h, q0, 0], dQ)
             T.copy(dK_f, dK[b, kv_head, k0, 0])
             T.copy(dV_f, dV[b, kv_head, k0, 0])
 
