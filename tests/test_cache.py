@@ -4,8 +4,10 @@ import json
 import multiprocessing
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -161,6 +163,16 @@ def test_clear_removes_only_what_the_cache_wrote(dc):
     assert in_progress.exists() and project.exists() and not leftover.exists()
 
 
+def test_clear_removes_an_entry_holding_a_stray_file(dc):
+    """A file put in an entry's directory (notes, an editor's backup) made clear skip the entry and report success,
+    and load() went on serving it: the directory is the key's (discard() removes it whole too)."""
+    dc.store(KEY, _entry())
+    (dc.path(KEY) / "notes.txt").write_text("looked at this kernel's SASS")
+    assert dc.info()["entries"] == 1
+    assert dc.clear() == (1, [])
+    assert dc.load(KEY) is None and not dc.path(KEY).exists()
+
+
 def test_a_store_that_fails_warns_and_the_caller_keeps_its_kernel(dc, monkeypatch):
     monkeypatch.setattr(cache_mod.os, "rename", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.warns(UserWarning, match=f"could not store kernel {KEY} in the cache .*No space left"):
@@ -260,6 +272,79 @@ def test_lock_serializes_processes(tmp_path):
         assert p.exitcode == 0
     assert int(counter.read_text()) == 3 * N_INCREMENTS
     assert (root / "locks" / f"{KEY}.lock").exists()
+
+
+def _hold_lock(root, ready):
+    with DiskCache(root).lock(KEY):
+        ready.set()
+        time.sleep(600)
+
+
+@pytest.fixture
+def stopped_holder(tmp_path):
+    """A process holding KEY's lock, stopped (SIGSTOP) as a compile suspended with Ctrl-Z is."""
+    ready = MP.Event()
+    holder = MP.Process(target=_hold_lock, args=(tmp_path / "cache", ready), daemon=True)
+    holder.start()
+    assert ready.wait(30)
+    os.kill(holder.pid, signal.SIGSTOP)
+    yield holder
+    holder.kill()  # SIGKILL ends a stopped process too
+    holder.join(30)
+
+
+def _take_lock(root, results):
+    """Puts (what happened, its message, the warnings, the seconds it took) on ``results``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0, outcome = time.monotonic(), ("locked", "")
+        try:
+            with DiskCache(root).lock(KEY):
+                pass
+        except Exception as e:  # noqa: BLE001 - sent to the test
+            outcome = (type(e).__name__, str(e))
+        results.put((*outcome, [str(w.message) for w in caught], time.monotonic() - t0))
+
+
+def test_a_lock_wait_names_its_holder_then_gives_up(tmp_path, monkeypatch, stopped_holder):
+    """A blocking flock waited silently, for ever, on a stopped compile: every process needing that key hung."""
+    monkeypatch.setenv("TILE_OPS_LOCK_TIMEOUT", "1.5")
+    monkeypatch.setattr(cache_mod, "_LOCK_REPORT_S", 0.3)  # (5 s by default)
+    results = MP.Queue()
+    waiter = MP.Process(target=_take_lock, args=(tmp_path / "cache", results))  # a process: a hang can be ended
+    waiter.start()
+    waiter.join(60)
+    if waiter.is_alive():
+        waiter.kill()
+        pytest.fail("the lock wait had no bound")
+    kind, message, warned, waited = results.get(timeout=10)
+    lock_file = tmp_path / "cache" / "locks" / f"{KEY}.lock"
+    assert kind == "LockTimeout" and 1.5 <= waited < 30, (kind, message)
+    for part in (f"cache key {KEY}", f"{lock_file} is held by pid {stopped_holder.pid} (STOPPED", "end it",
+                 "TILE_OPS_LOCK_TIMEOUT=SECONDS to wait longer (now 1.5"):
+        assert part in message, message
+    assert [w for w in warned if f"waiting for the lock of cache key {KEY}: {lock_file} is held by pid "
+            f"{stopped_holder.pid}" in w], warned
+
+
+def test_the_lock_file_records_its_holder_while_held(dc):
+    lock_file = dc.root / "locks" / f"{KEY}.lock"
+    with dc.lock(KEY):
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    assert lock_file.read_text() == ""  # released: a later holder that cannot write is not named as us
+
+
+def test_lock_timeout_setting(monkeypatch):
+    monkeypatch.delenv("TILE_OPS_LOCK_TIMEOUT", raising=False)
+    assert cache_mod.lock_timeout() == 600
+    monkeypatch.setenv("TILE_OPS_LOCK_TIMEOUT", "inf")
+    assert cache_mod.lock_timeout() == float("inf")
+    for bad in ("0", "-5", "soon", "nan"):
+        monkeypatch.setenv("TILE_OPS_LOCK_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=rf"TILE_OPS_LOCK_TIMEOUT='{bad}' is not a time .*accepted: a positive "
+                                             r"number of seconds \(default 600\), or inf"):
+            with DiskCache("/nonexistent/cache").lock(KEY):  # refused before any file is touched
+                pass
 
 
 def test_nested_locks_on_different_keys(dc):

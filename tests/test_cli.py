@@ -10,11 +10,12 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from tile_ops.__main__ import main, parse_arch, parse_shape
-from tile_ops.jit.cache import DiskCache
+from tile_ops.__main__ import Job, main, parse_arch, parse_shape
+from tile_ops.jit.cache import CacheEntry, DiskCache
 
 
 def run_cli(cache, *args, env=None, timeout=240):
@@ -42,6 +43,17 @@ def test_cache_info_and_clear_on_empty_cache(tmp_path):
     assert re.search(r"entries:\s+0\b", out)
     assert re.search(r"size:\s+0\.00 MB", out)
     assert "removed 0 entries" in run_cli(cache, "cache", "clear")
+
+
+def test_cache_clear_removes_an_entry_holding_a_stray_file(tmp_path, monkeypatch, capsys):
+    """It said "removed 0 entries" and the entry was still served."""
+    key, cache = "ab" + "0" * 30, DiskCache(tmp_path / "cache")
+    cache.store(key, CacheEntry("// source", b"cubin", {"kernel": "k"}))
+    (cache.path(key) / "kernel.cubin.orig").write_bytes(b"a copy made while debugging")
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(cache.root))
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out
+    assert cache.load(key) is None
 
 
 @pytest.mark.parametrize("action", ["info", "clear"])
@@ -119,6 +131,50 @@ def test_precompile_fills_cache_then_hits_it(tmp_path):
 
     assert "removed 1 entry" in run_cli(cache, "cache", "clear")
     assert entries(cache) == 0
+
+
+def _stand_in_kernel(source):
+    from tile_ops.compiler.meta import KernelMeta
+    from tile_ops.jit.kernel import Kernel
+
+    meta = KernelMeta(name="k", entry="k_kernel", arch="sm_90a", grid=(1, 1, 1), block=(128, 1, 1), smem_bytes=0,
+                      params=[("A", (64,), "float16"), ("C", (64,), "float16")], kept=["A", "C"], out_idx=[1],
+                      resources={}, layouts={}, tensormaps={})
+    return Kernel(meta, source, b"cubin")
+
+
+def test_precompile_counts_a_kernel_another_process_built_while_it_waited_as_cached(tmp_path, monkeypatch, capsys):
+    """Two precompiles at once: the one that waited for a key's lock loaded what the other built, and reported it
+    "built" (19 "built" for 8 compiles)."""
+    jit = sys.modules["tile_ops.jit"]
+    ours, theirs = "aa" + "0" * 30, "bb" + "0" * 30
+    cache = DiskCache(tmp_path / "cache")
+    monkeypatch.setenv("TILE_OPS_CACHE_DIR", str(cache.root))
+    monkeypatch.setattr(jit, "_build", lambda prog, target, out_idx: (_stand_in_kernel("// built here"), {}))
+    keys = {(64, 64, 64): ours, (128, 64, 64): theirs}
+    monkeypatch.setattr(Job, "key_and_builder", lambda job: (
+        keys[job.shape], lambda: jit._load_or_build(keys[job.shape], lambda: "program", "sm_90a", [1])))
+    waiting, real_lock = threading.Event(), DiskCache.lock
+
+    def lock(self, key, **kw):
+        if key == theirs:
+            waiting.set()
+        return real_lock(self, key, **kw)
+
+    with cache.lock(theirs):  # the other process, compiling `theirs`
+        monkeypatch.setattr(DiskCache, "lock", lock)
+        done = []
+        run = threading.Thread(target=lambda: done.append(main(["precompile", "--arch", "sm_90a", "--gemm",
+                                                                "64x64x64", "128x64x64", "--dtype", "float16"])))
+        run.start()
+        assert waiting.wait(60)  # our precompile missed `theirs` and waits for its lock
+        kernel = _stand_in_kernel("// built by the other process")
+        cache.store(theirs, CacheEntry(kernel.source, kernel.cubin, kernel.meta.to_json()))
+    run.join(60)
+    out = capsys.readouterr().out
+    assert done == [0], out
+    assert re.search(rf"{ours}\s+built\s+\d", out) and re.search(rf"{theirs}\s+cached\s+\d", out), out
+    assert "1 built, 1 already cached, 0 failed" in out, out
 
 
 def test_precompile_builds_what_the_op_launches_for_unaligned_rows(tmp_path):

@@ -143,15 +143,19 @@ class Built:
 
 def build(job: Job) -> Built:
     """Compile (or load from the disk cache) one job; never raises: errors are recorded."""
+    from .jit import compiled_keys
     from .jit.cache import DiskCache, not_stored
 
     out = Built(job)
     try:
         out.key, make = job.key_and_builder()
-        out.cached = DiskCache().load(out.key) is not None  # a corrupt entry is rebuilt: not "cached"
         t0 = time.perf_counter()
-        out.kernel = make()
+        with compiled_keys() as compiled:
+            out.kernel = make()
         out.seconds = time.perf_counter() - t0
+        # built: compiled here (a corrupt entry is rebuilt); cached: loaded, also where another process built it
+        # while this one waited for its lock (a check before make() counted those as built)
+        out.cached = out.key not in compiled
         if not out.cached and DiskCache().load(out.key) is None:  # a full disk, a read-only cache: store() warned
             out.not_stored = not_stored.get(out.key, "it does not load back from the cache")
     except Exception as e:  # noqa: BLE001 - reported in the table

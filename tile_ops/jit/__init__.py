@@ -9,6 +9,7 @@ the program nor imports TVM.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import textwrap
+import threading
 import time
 import warnings
 
@@ -219,6 +221,24 @@ def compile(prog, out_idx=None, target: str | None = None) -> Kernel:  # noqa: A
     return _build(prog, build_target(arch), [out_idx] if isinstance(out_idx, int) else list(out_idx or []))[0]
 
 
+_compiling = threading.local()  # .keys: the set compiled_keys() collects into for this thread, if any
+
+
+@contextlib.contextmanager
+def compiled_keys():
+    """Collects the cache keys whose kernels this thread compiles inside the block: not those it loads (from memory,
+    or from the disk cache, where another process may have put one while this one waited for its lock).  What
+    `precompile` reports as built."""
+    outer = getattr(_compiling, "keys", None)
+    _compiling.keys = keys = set()
+    try:
+        yield keys
+    finally:
+        _compiling.keys = outer
+        if outer is not None:
+            outer |= keys
+
+
 def _load_or_build(key, trace, target, out_idx) -> Kernel:
     from .cache import CacheEntry, DiskCache
 
@@ -232,6 +252,8 @@ def _load_or_build(key, trace, target, out_idx) -> Kernel:
                 prog = trace()
                 trace_s = time.perf_counter() - t0
                 kernel, stats = _build(prog, target, out_idx)
+                if getattr(_compiling, "keys", None) is not None:
+                    _compiling.keys.add(key)
                 stats = {"trace_s": round(trace_s, 3), **stats}
                 cache.store(key, CacheEntry(kernel.source, kernel.cubin, {**kernel.meta.to_json(), **stats}))
                 return kernel

@@ -6,7 +6,8 @@ description (grid, shared memory, parameters: what a launch uses as stored) with
 a truncated, corrupted, edited or misplaced entry is detected on load, removed (with a
 warning) and rebuilt by the caller.  Stores are
 atomic (temp directory + ``os.rename``; the first writer wins) and :meth:`DiskCache.lock`
-lets concurrent processes compile a key once.
+lets concurrent processes compile a key once; a process waiting for a key's lock names the holder (its pid, recorded
+in the lock file) after a few seconds and gives up after ``$TILE_OPS_LOCK_TIMEOUT`` seconds (default 600).
 
 This module must not import TVM (nor torch): a process with a warm cache only reads files.
 """
@@ -24,11 +25,12 @@ import pathlib
 import re
 import secrets
 import shutil
+import socket
 import time
 import warnings
 from typing import Iterator
 
-__all__ = ["CacheEntry", "DiskCache", "cache_dir", "not_stored"]
+__all__ = ["CacheEntry", "DiskCache", "LockTimeout", "cache_dir", "lock_timeout", "not_stored"]
 
 SOURCE_FILE = "kernel.cu"
 CUBIN_FILE = "kernel.cubin"
@@ -38,12 +40,35 @@ _HEX = re.compile(r"[0-9a-f]+")  # keys and their shards
 _TEMP = re.compile(r"[0-9a-f]+\.[A-Za-z0-9_]{8}")  # a store's temp dir: <key>.<8 random characters>
 _STALE_TMP_S = 3600  # a store's temp dir lives for seconds; one an hour old was left by a killed process
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # another user's file, a read-only mount
+LOCK_TIMEOUT_S = 600.0  # the default of $TILE_OPS_LOCK_TIMEOUT: a kernel compiles in seconds to a minute
+_LOCK_REPORT_S = 5.0  # a wait this long is worth a warning naming the holder (a compile's lock is held for seconds)
+_LOCK_POLL_S = (0.002, 0.1)  # the first and the longest sleep between two attempts to take a lock
 
 not_stored: dict[str, str] = {}  # key -> why this process could not store its kernel: `precompile` and `tune` report it
 
 
 class CacheDirError(NotADirectoryError):
     """The cache path names something other than a directory."""
+
+
+class LockTimeout(TimeoutError):
+    """Another process held a key's lock for longer than ``$TILE_OPS_LOCK_TIMEOUT`` seconds."""
+
+
+def lock_timeout() -> float:
+    """``$TILE_OPS_LOCK_TIMEOUT`` (seconds, read at each call; ``inf`` waits forever), else :data:`LOCK_TIMEOUT_S`."""
+    text = os.environ.get("TILE_OPS_LOCK_TIMEOUT", "").strip()
+    if not text:
+        return LOCK_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:  # nan too
+        raise ValueError(f"tile_ops: TILE_OPS_LOCK_TIMEOUT={text!r} is not a time to wait for a kernel's cache lock; "
+                         f"accepted: a positive number of seconds (default {LOCK_TIMEOUT_S:g}), or inf to wait "
+                         f"forever")
+    return seconds
 
 
 def cache_dir() -> pathlib.Path:
@@ -124,6 +149,41 @@ def _open_lock(path: pathlib.Path) -> int | None:
         if e.errno not in _NOT_WRITABLE + (errno.ENOENT,):
             raise
         return None
+
+
+def _record_holder(fd: int, holder: dict | None) -> None:
+    """Write ``holder`` (this process: pid, host, since when) into the lock file, or empty it (``None``) on release,
+    so that a waiting process can name whom it waits for.  Best effort: another user's lock file is read-only."""
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+        return
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        if holder is not None:
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock of ``fd``, in words: the pid its holder recorded and that process's state here."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0))
+        pid, host, since = int(holder["pid"]), str(holder["host"]), float(holder["since"])
+    except (OSError, ValueError, TypeError, KeyError):  # not recorded (another user's lock file), or being rewritten
+        return "another process (its pid is not recorded in the lock file)"
+    held = f"it has held the lock {max(0.0, time.time() - since):.0f} s"
+    if host != socket.gethostname():  # a cache shared over the network: that pid is not one of ours
+        return f"pid {pid} on host {host} ({held})"
+    return f"pid {pid} ({_process_state(pid)}; {held})"
+
+
+def _process_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0].decode()  # the field after the command's (name)
+    except FileNotFoundError:  # the lock outlived it: a child it forked holds it, or a holder that could not record
+        return "no longer running; a process it started holds the lock, or another user's process"
+    except (OSError, IndexError, UnicodeDecodeError):
+        return "state unknown"
+    return {"T": f"STOPPED: kill -CONT {pid} resumes it", "t": "stopped by a debugger"}.get(state, "running")
 
 
 class DiskCache:
@@ -235,30 +295,64 @@ class DiskCache:
             shutil.rmtree(tmp, ignore_errors=True)
 
     @contextlib.contextmanager
-    def lock(self, key: str) -> Iterator[None]:
-        """Exclusive inter-process lock for ``key`` (fcntl.flock on ``<root>/locks/<key>.lock``).  Where the lock
-        file cannot be made (a read-only cache) it does not lock: the store that follows fails too and says so,
-        and the caller keeps the kernel it built."""
+    def lock(self, key: str, timeout: float | None = None) -> Iterator[None]:
+        """Exclusive inter-process lock for ``key`` (fcntl.flock on ``<root>/locks/<key>.lock``, which records the
+        holder's pid).  A wait warns whom it waits for after a few seconds and raises :class:`LockTimeout` after
+        ``timeout`` seconds (default: :func:`lock_timeout`).  Where the lock file cannot be made (a read-only
+        cache) it does not lock: the store that follows fails too and says so, and the caller keeps the kernel
+        it built."""
         self.path(key)  # validate the key
-        fd = _open_lock(self.root / "locks" / f"{key}.lock")
+        timeout = lock_timeout() if timeout is None else timeout
+        path = self.root / "locks" / f"{key}.lock"
+        fd = _open_lock(path)
         if fd is None:
             yield
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            self._wait_for_lock(fd, key, path, timeout)
+            _record_holder(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+            try:
+                yield
+            finally:
+                _record_holder(fd, None)  # while held: a record outliving the lock would name a wrong holder
         finally:
             os.close(fd)  # releases the lock
 
+    @staticmethod
+    def _wait_for_lock(fd: int, key: str, path: pathlib.Path, timeout: float) -> None:
+        """Take the flock of ``fd`` with non-blocking attempts (a blocking flock waits, silently, for ever on a
+        stopped or hung holder)."""
+        start, delay, reported = time.monotonic(), _LOCK_POLL_S[0], False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                raise LockTimeout(
+                    f"tile_ops: gave up waiting for the lock of cache key {key} after {waited:.0f} s: {path} is held "
+                    f"by {_holder(fd)}, which is still compiling that kernel or is hung.  If it is hung or stopped, "
+                    f"end it (its lock goes with it) and run again; or set TILE_OPS_LOCK_TIMEOUT=SECONDS to wait "
+                    f"longer (now {timeout:g}; inf waits forever)")
+            if not reported and waited >= _LOCK_REPORT_S:
+                reported = True
+                warnings.warn(f"tile_ops: waiting for the lock of cache key {key}: {path} is held by {_holder(fd)}; "
+                              f"giving up after {timeout:g} s (TILE_OPS_LOCK_TIMEOUT)", stacklevel=4)
+            time.sleep(min(delay, max(0.0, timeout - waited)))
+            delay = min(2 * delay, _LOCK_POLL_S[1])
+
     # -- maintenance ---------------------------------------------------------------------
     def _entries(self) -> list[pathlib.Path]:
-        """The entry directories: ``<root>/<key[:2]>/<key>/`` holding nothing but an entry's files.  Anything
-        else under the root (a mistaken TILE_OPS_CACHE_DIR=$HOME) is not ours to count or delete."""
+        """The entry directories: ``<root>/<key[:2]>/<key>/`` holding an entry's file (and maybe others: such a
+        directory is the key's, which load() serves, and discard() removes whole).  Anything else under the root
+        (a mistaken TILE_OPS_CACHE_DIR=$HOME) is not ours to count or delete."""
         if not self.root.is_dir():
             return []
         return [e for shard in self.root.iterdir() if shard.is_dir() and _HEX.fullmatch(shard.name)
                 and len(shard.name) == 2 for e in shard.iterdir()
-                if e.is_dir() and _HEX.fullmatch(e.name) and e.name.startswith(shard.name) and _only_entry_files(e)]
+                if e.is_dir() and _HEX.fullmatch(e.name) and e.name.startswith(shard.name) and _holds_entry_files(e)]
 
     def info(self) -> dict:
         entries = self._entries()
@@ -269,8 +363,9 @@ class DiskCache:
         return {"path": str(self.root), "entries": len(entries), "bytes": size}
 
     def clear(self) -> tuple[int, list[str]]:
-        """Remove every entry and the temp dirs stores left behind (not those of stores in progress); returns the
-        number of entries removed and those left, each with why (a read-only cache, another user's entries)."""
+        """Remove every entry (its directory, with any file put in it: load() would serve the entry beside it) and
+        the temp dirs stores left behind (not those of stores in progress); returns the number of entries removed
+        and those left, each with why (a read-only cache, another user's entries)."""
         removed, left = 0, []
         for e in self._entries():
             try:
@@ -288,8 +383,7 @@ class DiskCache:
         return removed, left
 
 
-def _only_entry_files(path: pathlib.Path) -> bool:
+def _holds_entry_files(path: pathlib.Path) -> bool:
     with contextlib.suppress(OSError):
-        names = {f.name for f in path.iterdir()}
-        return bool(names) and names <= _ENTRY_FILES and all((path / n).is_file() for n in names)
+        return any(f.name in _ENTRY_FILES for f in path.iterdir())
     return False
