@@ -21,6 +21,7 @@ from tvm.tirx.script import builder as T
 from ..lang import ir
 from ..lang.ir import TileLangError, error, walk
 from .cuda import emit_ptx, exp2_approx
+from .definite import check_written_before_read
 from .exprs import broadcast, cast, conjunction, divides, nonneg, pad, ramp, rewrite, rows_divisible, to_python
 from .infer import LayoutInference
 from .memory import Memory, check_pipelined_loads, check_staged_uses, pipelined_loads, stage_counts
@@ -69,6 +70,7 @@ class Lowering:
         self.consumers = CONSUMERS if self.ws and self.ws.pingpong else 1
         for op, node in self.ops if target.hopper else ():
             op.check_schedule(self, node)
+        check_written_before_read(self.kernel, self.buffers)  # last: the checks before say more of what they refuse
         self.uses_wgmma = any(isinstance(n, ir.Gemm) and is_wgmma(self, n) for n in walk(self.kernel.body))
         self.wgmma_groups = WgmmaGroups(self)
         self.wgmma_warpgroup = None  # a kernel's consumer warpgroup, bound warp-uniform where there are several
