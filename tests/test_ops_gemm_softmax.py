@@ -33,7 +33,7 @@ def rnd(*shape, dtype=F32):
 
 def test_schema_and_registration():
     assert str(torch.ops.tile_ops.gemm_softmax.default._schema) == (
-        "tile_ops::gemm_softmax(Tensor a, Tensor b, float scale=1., ScalarType? out_dtype=None) -> Tensor"
+        "tile_ops::gemm_softmax(Tensor a, Tensor b, Scalar scale=1., ScalarType? out_dtype=None) -> Tensor"
     )
     assert tile_ops.gemm_softmax is tile_ops.ops.gemm_softmax
     assert "softmax" in tile_ops.gemm_softmax.__doc__
@@ -283,7 +283,9 @@ def test_cuda_glue_misaligned_pointer_error(stand_in_kernels):
 def test_a_scale_beyond_float32_is_refused_for_float32_scores(dtype, scale):
     """Scores of non-float64 inputs are float32, where such a scale is inf: rows of NaN, not a softmax."""
     a, b = torch.randn(3, 4, dtype=dtype), torch.randn(4, 5, dtype=dtype)
-    for call in (tile_ops.gemm_softmax, torch.ops.tile_ops.gemm_softmax):
+    # the op's Scalar takes ints of int64 only (test_the_op_takes_python_numbers_the_wrapper_any_real_number)
+    direct = (torch.ops.tile_ops.gemm_softmax,) if isinstance(scale, float) else ()
+    for call in (tile_ops.gemm_softmax, *direct):
         with pytest.raises(ValueError, match=r"tile_ops\.gemm_softmax: scale -?1e\+39 is beyond float32's range"):
             call(a, b, scale)
 
@@ -299,7 +301,8 @@ def test_float64_inputs_take_any_finite_scale():
 @pytest.mark.parametrize("scale", [np.float32(0.5), np.float64(0.5), np.int64(2), 2])
 def test_real_number_scales_are_taken_like_the_op_takes_them(scale):
     a, b = torch.randn(3, 4), torch.randn(4, 5)
-    torch.testing.assert_close(tile_ops.gemm_softmax(a, b, scale), torch.ops.tile_ops.gemm_softmax(a, b, scale))
+    python = scale.item() if isinstance(scale, np.generic) else scale  # the op's Scalar takes Python numbers
+    torch.testing.assert_close(tile_ops.gemm_softmax(a, b, scale), torch.ops.tile_ops.gemm_softmax(a, b, python))
     torch.testing.assert_close(tile_ops.gemm_softmax(a, b, scale), torch.softmax(float(scale) * (a @ b), -1))
 
 
@@ -307,3 +310,69 @@ def test_real_number_scales_are_taken_like_the_op_takes_them(scale):
 def test_non_real_scales_are_refused(scale):
     with pytest.raises(TypeError, match=r"tile_ops\.gemm_softmax: scale must be a real number"):
         tile_ops.gemm_softmax(torch.randn(3, 4), torch.randn(4, 5), scale)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("scale, error, message", [
+    (True, TypeError, r"tile_ops\.gemm_softmax: scale must be a real number .*got bool"),
+    (False, TypeError, r"tile_ops\.gemm_softmax: scale must be a real number .*got bool"),
+    (torch.tensor(0.5), RuntimeError, r"Expected a value of type 'number' for argument 'scale' but instead found "
+                                      r"type 'Tensor'"),
+    (torch.tensor([2.0], requires_grad=True), RuntimeError, r"for argument 'scale' but instead found type 'Tensor'"),
+    (np.bool_(True), RuntimeError, r"for argument 'scale' but instead found type 'bool'"),
+    (1j, TypeError, r"tile_ops\.gemm_softmax: scale must be a real number .*got complex"),
+])
+def test_the_op_called_directly_refuses_what_the_wrapper_refuses(device, scale, error, message):
+    """Issue 45, item 7: a bool or a tensor ``scale`` reached the op's implementations as a float (1.0, 0.5: the
+    dispatcher converts for a ``float`` argument), so the op computed silently what the wrapper refuses."""
+    a, b = torch.randn(3, 4, device=device), torch.randn(4, 5, device=device)
+    for op in (torch.ops.tile_ops.gemm_softmax, torch.ops.tile_ops.gemm_softmax.default):
+        with pytest.raises(error, match=message):
+            op(a, b, scale)
+        with pytest.raises(error, match=message):
+            op(a, b, scale=scale)
+    with pytest.raises(TypeError, match=r"scale must be a real number"):
+        tile_ops.gemm_softmax(a, b, scale)
+
+
+def test_the_op_refuses_a_bool_scale_under_compile():
+    f = torch.compile(lambda a, b: torch.ops.tile_ops.gemm_softmax(a, b, True), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"scale must be a real number .*got bool"):
+        f(torch.randn(3, 4), torch.randn(4, 5))
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.5), np.int64(2), 10**39])
+def test_the_op_takes_python_numbers_the_wrapper_any_real_number(scale):
+    """The op's ``Scalar scale`` takes Python ints (of int64) and floats; NumPy's float32 and int64 and larger ints
+    the dispatcher refuses, and the wrapper passes them to the op as floats."""
+    a, b = torch.randn(3, 4, dtype=F64), torch.randn(4, 5, dtype=F64)
+    with pytest.raises((RuntimeError, OverflowError)):
+        torch.ops.tile_ops.gemm_softmax(a, b, scale)
+    torch.testing.assert_close(tile_ops.gemm_softmax(a, b, scale), torch.ops.tile_ops.gemm_softmax(a, b, float(scale)))
+
+
+def test_int_scales_reach_the_op_as_ints():
+    """The wrapper passes a Python int or float as given (the fast path's plans key on its type)."""
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.tile_ops.gemm_softmax.default:
+                seen.append(args[2])
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        tile_ops.gemm_softmax(torch.randn(3, 4), torch.randn(4, 5), 2)
+        tile_ops.gemm_softmax(torch.randn(3, 4), torch.randn(4, 5), 0.5)
+    assert [(type(s), s) for s in seen] == [(int, 2), (float, 0.5)]
+
+
+@pytest.mark.parametrize("call", ["op", "wrapper"])
+def test_an_int_scale_compiles_symbolic(call):
+    """Under dynamic=True an int scale is traced as a SymInt, which the op's ``Scalar`` passes to the fake as is."""
+    torch._dynamo.reset()
+    run = torch.ops.tile_ops.gemm_softmax if call == "op" else tile_ops.gemm_softmax
+    f = torch.compile(lambda a, b, s: run(a, b, s), fullgraph=True, dynamic=True, backend="aot_eager")
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    for scale in (2, 3):
+        torch.testing.assert_close(f(a, b, scale), torch.softmax(scale * (a @ b), -1))

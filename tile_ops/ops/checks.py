@@ -154,11 +154,11 @@ def resolve_out_dtype(op: str, out_dtype: Optional[torch.dtype], in_dtype: torch
 def check_scale(op: str, scale, in_dtype: Optional[torch.dtype] = None) -> float:
     """A finite real number; for inputs other than float64, whose scores are float32, within float32's range.
     ``in_dtype`` None: the type and finiteness only."""
-    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat)):
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{op}: scale must be a real number (a Python or NumPy float or int), "
                         f"got {type(scale).__name__}")
-    if isinstance(scale, torch.SymFloat) or torch.compiler.is_compiling():  # traced: the op checks it when it runs
-        return scale
+    if isinstance(scale, (torch.SymFloat, torch.SymInt)) or torch.compiler.is_compiling():
+        return scale  # traced: the op checks it when it runs
     try:
         scale = float(scale)
     except OverflowError:  # an int past the largest float (which is below 2**1024)
@@ -171,6 +171,17 @@ def check_scale(op: str, scale, in_dtype: Optional[torch.dtype] = None) -> float
                          f"computed in float32, where it is inf (accepted: |scale| <= {f32_max:.7g}, or float64 "
                          f"inputs for a larger finite scale)")
     return scale
+
+
+def op_scale(scale):
+    """A checked ``scale`` as the ops' ``Scalar scale`` takes it: a Python int or float (or a traced one) as
+    given, since the fast path's plans key on its type; any other real number (NumPy's, an int past int64) as
+    a float, which the dispatcher would otherwise refuse."""
+    if type(scale) is float or isinstance(scale, (torch.SymFloat, torch.SymInt)):
+        return scale
+    if type(scale) is int and -2**63 <= scale < 2**63:
+        return scale
+    return float(scale)
 
 
 def check_alignment(op: str, name: str, t: torch.Tensor) -> None:

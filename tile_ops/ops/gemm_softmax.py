@@ -2,7 +2,11 @@
 
 Schema::
 
-    tile_ops::gemm_softmax(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dtype=None) -> Tensor
+    tile_ops::gemm_softmax(Tensor a, Tensor b, Scalar scale=1.0, ScalarType? out_dtype=None) -> Tensor
+
+``scale`` is a ``Scalar``, not a ``float``: the dispatcher converts a bool or a one-element tensor to a
+float before any implementation sees it, whereas a ``Scalar`` reaches the checks as given (a bool, refused)
+and the dispatcher refuses a tensor itself, naming ``scale``.
 
 Implementations:
 
@@ -332,6 +336,7 @@ def gemm_softmax(
             return out
     checks.check_argument_types(OP, out_dtype, a=a, b=b)
     checks.check_scale(OP, scale, a.dtype)
+    scale = checks.op_scale(scale)
     if casting:  # the product in the region's dtype; softmax runs in float32 under CUDA's autocast
         out_dtype = out_dtype or (torch.float32 if a.device.type == "cuda" else None)
         a, b = checks.autocast(a, b)
@@ -341,7 +346,7 @@ def gemm_softmax(
 
 GEMM_SOFTMAX = spec.register(spec.OpSpec(
     name="gemm_softmax",
-    schema="(Tensor a, Tensor b, float scale=1.0, ScalarType? out_dtype=None) -> Tensor",
+    schema="(Tensor a, Tensor b, Scalar scale=1.0, ScalarType? out_dtype=None) -> Tensor",
     reference=gemm_softmax_reference,
     fake=_gemm_softmax_fake,
     launch=_gemm_softmax_cuda_checked,
