@@ -43,5 +43,9 @@ def default_config(dim: int, arch: str | None = None) -> AttentionConfig:
 
 
 def backward_config(dim: int, arch: str | None = None) -> AttentionConfig:
-    """The backward's: 64 keys a block (their dK and dV stay in registers), 64 queries a step, one warpgroup."""
+    """The backward's, 64 queries a step: on sm_90a up to head dim 128, 128 keys a block over two consumer
+    warpgroups (each keeps 64 keys' dK and dV in registers; dQ's product splits across them); else 64 keys and
+    one warpgroup (a larger head dim's dK and dV fill the registers)."""
+    if (arch or default_arch()) == "sm_90a" and dim <= 128:
+        return AttentionConfig(64, 128, 2, 256)
     return AttentionConfig(64, 64, 2, 128)
