@@ -49,3 +49,8 @@ def backward_config(dim: int, arch: str | None = None) -> AttentionConfig:
     if (arch or default_arch()) == "sm_90a" and dim <= 128:
         return AttentionConfig(64, 128, 2, 256)
     return AttentionConfig(64, 64, 2, 128)
+
+
+def backward_dq_config(dim: int, arch: str | None = None) -> AttentionConfig:
+    """The deterministic backward's dQ kernel: 64 query rows a block over 64-key steps, one warpgroup."""
+    return AttentionConfig(64, 64, 2, 128)

@@ -9,7 +9,7 @@ from tile_ops.jit import default_arch
 
 from .attention import flash_attention_forward
 from .attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
-from .attention_config import backward_config, default_config
+from .attention_config import backward_config, backward_dq_config, default_config
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -59,7 +59,8 @@ def build_attention_backward(problem: dict, cfg=None, arch=None, deterministic=F
     arch = arch or default_arch()
     cfg = cfg or backward_config(problem["dim"], arch)
     main = flash_attention_backward(**problem, atomic_dq=not deterministic, cfg=cfg, target=arch)
-    return main, flash_attention_backward_dq(**problem, cfg=cfg, target=arch) if deterministic else None
+    dq_cfg = backward_dq_config(problem["dim"], arch)
+    return main, flash_attention_backward_dq(**problem, cfg=dq_cfg, target=arch) if deterministic else None
 
 
 def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causal=False, window=(-1, -1),
