@@ -40,6 +40,7 @@ non-zero shows in the workspace."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 
@@ -1120,6 +1121,10 @@ class Emulator:
         if _op(e) == "tirx.cuda.func_call" and e.args[0].value == "tile_ops_exp2":  # ex2.approx.ftz: exact
             y = np.exp2(np.asarray(self._eval(e.args[1], env), np.float32))  # here; under 2^-126 flushed to 0
             return np.where(y < np.float32(2.0 ** -126), np.float32(0), y)
+        if _op(e) == "tirx.pow":
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                x, y = (np.asarray(self._eval(a, env), _values(e.ty.dtype)) for a in e.args)
+                return np.power(x, y)[()]
         if _op(e) in _MATH:  # libdevice's float32 functions, to within their few ulp
             with np.errstate(divide="ignore", invalid="ignore"):
                 x = self._eval(e.args[0], env)
@@ -1128,6 +1133,9 @@ class Emulator:
 
 
 _MATH = {"tirx.tanh": np.tanh, "tirx.log": np.log, "prim.log2": np.log2, "tirx.exp": np.exp, "tirx.exp2": np.exp2,
-         "tirx.sqrt": np.sqrt}
+         "tirx.sqrt": np.sqrt, "tirx.rsqrt": lambda x: 1 / np.sqrt(x), "tirx.log1p": np.log1p,
+         "tirx.sigmoid": lambda x: 1 / (1 + np.exp(-x)), "tirx.erf": np.vectorize(math.erf, otypes=[np.float32]),
+         "tirx.sin": np.sin, "tirx.cos": np.cos, "tirx.tan": np.tan, "tirx.atan": np.arctan, "tirx.floor": np.floor,
+         "prim.ceil": np.ceil, "tirx.round": np.rint, "tirx.trunc": np.trunc}
 _WARPGROUP = {"wgmma.fence": Emulator._wgmma_fence, "wgmma.mma_async": Emulator._wgmma_issue,
               "wgmma.commit_group": Emulator._wgmma_commit, "wgmma.wait_group": Emulator._wgmma_wait}

@@ -17,10 +17,13 @@ MAX_CLUSTER = 8  # blocks in a thread-block cluster: the portable maximum (T.Ker
 MAX_ROW_TILES = 16
 
 _FRONTEND = {
-    "Kernel", "Parallel", "Pipelined", "Scalar", "Tensor", "abs", "atomic_add", "alloc_fragment", "alloc_local", "alloc_shared", "cast",
-    "ceildiv", "clear", "cluster_allreduce", "copy", "deferred", "dynamic", "exp", "exp2", "fill", "gemm", "if_then_else",
-    "infinity", "log", "log2", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial",
-    "sqrt", "tanh", "unroll", "use_swizzle", "where",
+    "Kernel", "Parallel", "Pipelined", "Scalar", "Tensor", "abs", "atomic_add", "alloc_fragment", "alloc_local",
+    "alloc_shared", "cast", "ceildiv", "clear", "cluster_allreduce", "copy", "deferred", "dynamic", "fill", "gemm",
+    "if_then_else", "infinity", "max", "min", "prim_func", "reduce_max", "reduce_sum", "row_reduce_store", "serial",
+    "unroll", "use_swizzle", "where",
+    # math on floating values
+    "atan", "ceil", "cos", "erf", "exp", "exp2", "floor", "log", "log1p", "log2", "pow", "round", "rsqrt", "sigmoid",
+    "sin", "sqrt", "tan", "tanh", "trunc",
 }
 
 
@@ -35,7 +38,7 @@ def __getattr__(name):
         from . import frontend
 
         return getattr(frontend, name)
-    raise AttributeError(f"module 'tile_ops.lang' has no attribute {name!r}")
+    raise AttributeError(f"tile_ops.lang has no {name!r}; the language's names: {', '.join(sorted(__dir__()))}")
 
 
 def __dir__():

@@ -578,17 +578,27 @@ def where(cond, a, b):
 
 def _floating(fn):
     """``fn`` (tirx.exp, ...) refusing a non-floating argument at the user's line, not in nvcc's output."""
-    def checked(x):
+    def checked(x, *rest):
         dtype = ir.expr_dtype(x)
         if dtype.startswith(("int", "uint", "bool")):
             raise error(user_loc(), f"T.{fn.__name__}: needs a floating point argument, got {dtype} "
                                     f"(T.cast(x, 'float32') first)")
-        return fn(x)
+        return fn(x, *rest)
 
     checked.__name__ = checked.__qualname__ = fn.__name__
     return checked
 
 
-# a float32 exp2 compiles to ex2.approx.ftz (2 ulp, subnormal results flushed to 0; compiler/lower.py)
-exp, exp2, log, log2, sqrt, tanh = map(_floating, (tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.sqrt, tirx.tanh))
+# a float32 exp2 compiles to ex2.approx.ftz (2 ulp, subnormal results flushed to 0; compiler/lower.py); the
+# others to CUDA's libdevice functions (expf, rsqrtf, erff, ...)
+exp, exp2, log, log2, log1p, sqrt, rsqrt = map(_floating, (tirx.exp, tirx.exp2, tirx.log, tirx.log2, tirx.log1p,
+                                                            tirx.sqrt, tirx.rsqrt))
+tanh, sigmoid, erf, sin, cos, tan, atan = map(_floating, (tirx.tanh, tirx.sigmoid, tirx.erf, tirx.sin, tirx.cos,
+                                                          tirx.tan, tirx.atan))
+floor, ceil, round, trunc = map(_floating, (tirx.floor, tirx.ceil, tirx.round, tirx.trunc))  # noqa: A001
+
+
+def pow(x, y):  # noqa: A001
+    """``x`` to the power ``y`` (floating ``x``; CUDA's powf)."""
+    return _floating(tirx.pow)(x, y)
 abs = tirx.abs  # noqa: A001
