@@ -4,9 +4,9 @@ A block owns ``block_M`` query rows of one head.  It walks the key/value tiles i
 sliding windows skip the rest) in a pipelined loop: S = Q K^T into a float32 fragment, the mask and the score
 transform (softcap, ALiBi) in one pass, the online softmax (running row max ``m`` and sum ``l`` in base 2, the
 accumulator rescaled by 2^(m_old - m_new)), then P V with P from registers.  Plain scores (no softcap, no ALiBi)
-stay unscaled until exp2, whose argument s * scale * log2(e) - m is then one FFMA (the scale is positive).  P V is deferred: the
-compiler may run it during the next iteration, where on sm_90a its wgmmas overlap the next tile's softmax
-(FlashAttention-3's in-warpgroup overlap).  Rows that see no key get O = 0 and LSE = -inf.
+stay unscaled until exp2, whose argument s * scale * log2(e) - m is then one FFMA (the scale is positive).  P V is
+deferred: the compiler may run it during the next iteration, where on sm_90a its wgmmas overlap the next tile's
+softmax (FlashAttention-3's in-warpgroup overlap).  Rows that see no key get O = 0 and LSE = -inf.
 
 Every size is a ``T.dynamic`` one (batch, heads, both lengths and every stride but the last) and every number
 of the mask and the scores a ``T.Scalar`` (scale, softcap, window sizes), so one kernel per (head dim, dtype,

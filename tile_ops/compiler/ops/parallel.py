@@ -49,20 +49,22 @@ class ParallelOp(Container):
         with T.If(conjunction([c for c in (whole, holds) if c is not None])):
             with T.Then():
                 with lw.bounds_known() if whole is not None else contextlib.nullcontext():
-                    _lower(lw, node, vm, settled)
+                    _lower(lw, node, vm, _true_sides(node.body, settled))
             with T.Else():
                 _lower(lw, node, vm)
 
 
-def _lower(lw, node, vm, settled=()):
+def _lower(lw, node, vm, body=None):
+    """``node``'s statements (``body``: others in their place, e.g. with settled selects) over its tile."""
+    body = node.body if body is None else body
     anchor = lw.infer.parallel.get(id(node))
     if anchor is None:  # no fragment: spread the iteration space over the threads, vec columns each
         vec = _vector_width(lw, node)
 
         def run(idx):
             inner = {**vm, **dict(zip(node.vars, idx))}
-            for st in node.body:
-                _store(lw, st, inner, None, node, vec, settled)
+            for st in body:
+                _store(lw, st, inner, None, node, vec)
         return lw.flat_loop(node.extents, run, vec)
     with T.unroll(0, anchor.local_size) as r:
         coords = anchor.coords(lw.tid, r)
@@ -76,8 +78,8 @@ def _lower(lw, node, vm, settled=()):
                 return lay.row_of_accum_local(_r, anchor)
             raise TileLangError(f"fragment {buf.name} does not share the loop's layout")
 
-        for st in node.body:
-            _store(lw, st, inner, frag_index, node, settled=settled)
+        for st in body:
+            _store(lw, st, inner, frag_index, node)
 
 
 # ---------------------------------------------------------------------- layouts
@@ -193,7 +195,7 @@ def _whole_tile_inside(lw, node, vm):
             for i, dim in zip(idx, buf.shape):
                 if isinstance(i, int):
                     continue
-                if not all(lw.ana.can_prove(rewrite(i, {v: v + 1}) - i >= 0) for v in node.vars):
+                if _rises(lw, node, i) != [True] * len(node.vars):
                     return None
                 lo, hi = (lw.ana.simplify(lw.expr(rewrite(i, at), vm)) for at in (first, last))
                 conds += [c for c in (lo >= 0, hi < dim) if not lw.ana.can_prove(c)]
@@ -239,23 +241,41 @@ def _holds_on_tile(lw, node, cond, vm):
         return None
     sign, least = _FLIPPED[type(cond)]
     slack = (cond.b - cond.a) if sign > 0 else (cond.a - cond.b)  # the comparison is slack >= least
-    corner = {}
-    for v, extent in zip(node.vars, node.extents):
-        step = rewrite(slack, {v: v + 1}) - slack
-        if lw.ana.can_prove(step >= 0):
-            corner[v] = 0
-        elif lw.ana.can_prove(step <= 0):
-            corner[v] = extent - 1
-        else:
-            return None
+    rises = _rises(lw, node, slack)
+    if rises is None:
+        return None
+    corner = {v: 0 if up else extent - 1 for v, extent, up in zip(node.vars, node.extents, rises)}  # its least
     return lw.ana.simplify(lw.expr(rewrite(slack, corner), vm) >= least)
 
 
-def _store(lw, st: Store, vm, frag_index, node, vec=1, settled=()):
-    if settled:  # a select that holds on the whole tile is its true side
-        loc, st = st.loc, Store(st.buffer, st.indices, rewrite(
-            st.value, on_select=lambda sel: sel.true_value if any(sel.same_as(s) for s in settled) else None))
-        st.loc = loc
+def _rises(lw, node, e):
+    """Per loop variable, whether ``e`` never falls (True) or never rises (False) as it steps; None where
+    neither is provable.  A monotone ``e``'s extremes over the tile are then at its corners."""
+    rises = []
+    for v in node.vars:
+        step = rewrite(e, {v: v + 1}) - e
+        if lw.ana.can_prove(step >= 0):
+            rises.append(True)
+        elif lw.ana.can_prove(step <= 0):
+            rises.append(False)
+        else:
+            return None
+    return rises
+
+
+def _true_sides(body: list, settled: tuple) -> list:
+    """``body``'s statements with each select of ``settled`` (it holds on the whole tile) its true side."""
+    def true_side(sel):
+        return sel.true_value if any(sel.same_as(s) for s in settled) else None
+
+    out = []
+    for st in body:
+        out.append(Store(st.buffer, st.indices, rewrite(st.value, on_select=true_side)))
+        out[-1].loc = st.loc
+    return out
+
+
+def _store(lw, st: Store, vm, frag_index, node, vec=1):
     if frag_index is not None:  # fragment indices must be the loop vars themselves (checked in inference)
         for buf_var, idx in collect_loads(st.value):
             buf = lw.buffers.get(buf_var)

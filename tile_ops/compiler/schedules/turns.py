@@ -23,8 +23,7 @@ class Turns:
         self.warpgroups = lw.threads // WARPGROUP
 
     def _warpgroup(self):
-        lw = self.lw
-        return lw.wgmma_warpgroup if lw.wgmma_warpgroup is not None else tirx.floordiv(lw.tid, WARPGROUP)
+        return self.lw.wgmma_warpgroup  # bound before the consumers' body wherever there are several
 
     def start(self):
         """The last warpgroup hands the first its first turn."""
