@@ -177,12 +177,14 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
             dP = T.alloc_fragment((bM, bN), "float32")  # dP, then dS
             dS = T.alloc_fragment((bM, bN), dtype)
             dQ_f = T.alloc_fragment((bM, dim), "float32")
-            lse = T.alloc_fragment((bM,), "float32")
+            lse = T.alloc_fragment((bM,), "float32")  # the rows' LSE, then in base 2
             delta = T.alloc_fragment((bM,), "float32")
             T.copy(Q[b, h, q0, 0], Q_s)
             T.copy(dO[b, h, q0, 0], dO_s)
             T.copy(LSE[b, h, q0], lse)
             T.copy(Delta[b, h, q0], delta)
+            for i in T.Parallel(bM):  # in base 2 once, not once an element
+                lse[i] = lse[i] * LOG2E
             T.clear(dQ_f)
             first, count = window.key_tiles(q0, bM, bN)
             for t in T.Pipelined(count, num_stages=cfg.num_stages):
@@ -192,8 +194,8 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
                 T.gemm(dO_s, V_s, dP, transpose_B=True, clear_accum=True, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
-                    p, ds = _ds(S[i, j], dP[i, j], q0 + i, k0 + j, window, Sq, Sk, lse[i] * LOG2E, delta[i], scale,
-                                softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
+                    p, ds = _ds(S[i, j], dP[i, j], q0 + i, k0 + j, window, Sq, Sk, lse[i], delta[i], scale, softcap,
+                                Slopes[b, h] if alibi else 0.0, capped, alibi)
                     dP[i, j] = ds
                     S[i, j] = p
                     dP[i, j] = dP[i, j] * S[i, j]
