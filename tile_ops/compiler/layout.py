@@ -154,10 +154,16 @@ class MmaRowLayout(FragmentLayout):
         self.shape = (accum.w.M,)
 
     def __eq__(self, other):
-        return isinstance(other, MmaRowLayout) and other.accum == self.accum
+        """Rows of accumulators of any width are one layout where the rows lie alike (``holds_rows_of``) and one
+        lane owns each (the same warp grid columns): FlashAttention's row statistics of S scale O."""
+        return isinstance(other, MmaRowLayout) and self._rows() == other._rows()
 
     def __hash__(self):
-        return hash(("row", self.accum))
+        return hash(("row",) + self._rows())
+
+    def _rows(self) -> tuple:
+        a = self.accum
+        return a.wgmma, a.w.M, a.w.wm, a.w.wn
 
     def coords(self, tid, r):
         lane = tid % 32
