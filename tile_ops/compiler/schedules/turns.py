@@ -39,11 +39,18 @@ class Turns:
         emit_ptx("bar.arrive", tirx.Cast("uint32", TURN_BARRIER + nxt), 2 * WARPGROUP)
 
 
-def leading_gemms(nodes: list):
-    """(first, last) of the gemms a statement list starts with (the step's tensor-core issue), or None."""
-    run = []
+def leading_gemms(nodes: list, touched):
+    """(first, last) of the gemms a statement list starts with (the step's tensor-core issue), or None.  The run
+    goes on over statements that leave its gemms' accumulators alone (``touched(node)``: the buffers a node
+    reads or writes), e.g. the rescale of one accumulator between the gemm of another and its own; it ends
+    before the first statement that would wait for one of them."""
+    if not nodes or not isinstance(nodes[0], Gemm):
+        return None
+    accumulators, last = set(), None
     for n in nodes:
-        if not isinstance(n, Gemm):
+        if accumulators & {id(b) for b in touched(n)}:
             break
-        run.append(n)
-    return (run[0], run[-1]) if run else None
+        if isinstance(n, Gemm):
+            accumulators.add(id(n.C))
+            last = n
+    return nodes[0], last

@@ -516,7 +516,9 @@ class WarpSpecialized:
     @contextmanager
     def _turn(self, nodes):
         """Lower ``nodes`` (a step's statements) with the gemms they start with taking a turn."""
-        self.turn = turns.leading_gemms(nodes) if self.turns else None
+        lw = self.lw
+        self.turn = turns.leading_gemms(nodes, lambda n: unit(n).reads(n, lw.buffers) + unit(n).writes(n)) \
+            if self.turns else None
         try:
             yield
         finally:
