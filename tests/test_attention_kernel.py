@@ -43,9 +43,10 @@ def _program(dim, dtype="float16", cfg=SMALL, **kw):
 
 
 def run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", slopes=None, seed=0, scale=None, softcap=0.0,
-                 window=(-1, -1)):
+                 window=(-1, -1), ctas=None):
     """(O, LSE) from the emulator and the float64 reference's, for (B, S, H, D) inputs read as (B, H, S, D)
-    views (strided), outputs poisoned with NaN first; the kernel's scalars as given."""
+    views (strided), outputs poisoned with NaN first; the kernel's scalars as given; ``ctas``: the persistent
+    grid (default CTAS)."""
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
     q = torch.randn(B, Sq, Hq, dim, generator=gen).to(dt)
@@ -68,7 +69,7 @@ def run_emulated(lk, B, Hq, Hkv, Sq, Sk, dim, dtype="float16", slopes=None, seed
     tensormaps = {n: dict(t, dims=at(t["dims"]), strides=at(t["strides"])) for n, t in lk.meta.tensormaps.items()}
     emu = Emulator(lk.func, {**arrays, **sizes, **scalars}, tensormaps=tensormaps)
     if lk.meta.persistent_tiles:
-        emu.run((CTAS, 1, 1), lk.meta.cluster_dims, resident=True)
+        emu.run((ctas or CTAS, 1, 1), lk.meta.cluster_dims, resident=True)
     else:
         emu.run(tuple(at(lk.meta.grid)))
     return out.double(), lse.double(), (q, k, v), emu.ran
@@ -158,6 +159,17 @@ def test_hopper_path_matches_float64(case):
     check(out, lse, ref_out, ref_lse, 8e-3 if dtype == "bfloat16" else 2e-3)
     el = "bf16" if dtype == "bfloat16" else "f16"
     assert ran["tma.load.4d.swizzle128"] and ran[f"wgmma.m64n64k16.{el}"] and ran[f"wgmma.m64n64k16.{el}.rs.trans-b"]
+
+
+@pytest.mark.parametrize("length", [192, 320])
+def test_causal_tiles_are_walked_in_snake_order(length):
+    """A causal tile's key loop runs as many steps as its query block's index: the persistent CTAs take round
+    r's tiles in order on even rounds and in reverse on odd ones, which evens out their steps.  Three tiles
+    over 2 CTAs (the last round odd: its tile goes to CTA 1) and five (even: CTA 0): every tile once."""
+    lk = lower(_program(64, causal=True), "sm_90a")
+    out, lse, (q, k, v), _ = run_emulated(lk, 1, 1, 1, length, length, 64, ctas=2)
+    ref_out, ref_lse = reference(q, k, v, causal=True)
+    check(out, lse, ref_out, ref_lse, 2e-3)
 
 
 def test_two_consumer_warpgroups_issue_their_gemms_in_turns():
