@@ -93,3 +93,42 @@ def test_what_it_cannot_add_is_an_error(src_scope, dtype, message):
     with pytest.raises(TileLangError, match=message) as e:
         program()
     assert "test_atomic_add.py" in str(e.value)
+
+
+def steps_added_by_tma(rows, steps, blocks):
+    """Out[:rows] += X[b, step] for every block and pipeline step: each step's tile through a wgmma and a shared
+    tile, whose T.atomic_add the warp-specialized sm_90a path issues as TMA's reduce-add."""
+    @T.prim_func
+    def main(X: T.Tensor((blocks, steps * 64, 64), "float16"), Eye: T.Tensor((64, 64), "float16"),
+             Out: T.Tensor((rows, 64), "float32")):
+        with T.Kernel(blocks, threads=128) as b:
+            X_s = T.alloc_shared((64, 64), "float16")
+            I_s = T.alloc_shared((64, 64), "float16")
+            F = T.alloc_fragment((64, 64), "float32")
+            F_s = T.alloc_shared((64, 64), "float32")
+            T.copy(Eye, I_s)
+            for s in T.Pipelined(steps, num_stages=2):
+                T.copy(X[b, s * 64, 0], X_s)
+                T.gemm(X_s, I_s, F, clear_accum=True)
+                T.copy(F, F_s)
+                T.atomic_add(Out[0, 0], F_s)
+    return main
+
+
+@pytest.mark.parametrize("rows", [64, 45])
+def test_a_shared_tile_is_added_by_tma_on_the_warp_specialized_path(rows):
+    """Three blocks of three steps add nine tiles into one window by cp.reduce.async.bulk.tensor (the rows past
+    the tensor's edge dropped); the staged tile is rewritten only after TMA has read it."""
+    blocks, steps = 3, 3
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((blocks, steps * 64, 64)).astype(np.float16)
+    base = rng.standard_normal((rows, 64)).astype(np.float32)
+    out = base.copy()
+    lk = lower(steps_added_by_tma(rows, steps, blocks), "sm_90a")
+    assert "Out_tmap" in lk.meta.tensormaps
+    emu = Emulator(lk.func, dict(X=x, Eye=np.eye(64, dtype=np.float16), Out=out), tensormaps=lk.meta.tensormaps)
+    emu.run((blocks, 1, 1))
+    ref = base + x.astype(np.float64).reshape(blocks * steps, 64, 64).sum(0)[:rows]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-4)
+    assert emu.ran["tma.reduce_add.2d.swizzle128"] == blocks * steps * 2  # two 32-column panels a tile
+    assert not any(k.startswith("red.add") for k in emu.ran)

@@ -306,11 +306,19 @@ def _tma_box_offsets(spec: dict, tensor, coords):
     return np.where(inside, offset, 0), inside
 
 
-def _tma_box_store(spec: dict, tensor, coords, data):
-    """A TMA store's global side: box elements ``data`` (box order) to ``tensor`` where in bounds."""
+def _tma_box_store(spec: dict, tensor, coords, data, add=False):
+    """A TMA store's global side: box elements ``data`` (box order) to ``tensor`` where in bounds (``add``: a
+    reduce-add, the sum rounded to the tensor's dtype)."""
     offset, inside = _tma_box_offsets(spec, tensor, coords)
     size = _storage(spec["dtype"]).itemsize
-    tensor.reshape(-1).view(data.dtype)[offset[inside] // size] = data[inside]
+    flat, at = tensor.reshape(-1).view(_storage(spec["dtype"])), offset[inside] // size
+    got = data.view(_storage(spec["dtype"]))[inside]
+    if not add:
+        flat[at] = got
+    elif _is_bf16(spec["dtype"]):
+        flat[at] = _bf16_bits(_bf16_values(flat[at]) + _bf16_values(got))
+    else:
+        flat[at] = (flat[at].astype(np.float32) + got.astype(np.float32)).astype(flat.dtype)
 
 
 def _tma_box(spec: dict, tensor, coords):
@@ -707,7 +715,9 @@ class Emulator:
         reads shared memory and writes global memory when a cp.async.bulk.wait_group covers it."""
         exprs, mods = _operands(call)
         dim = int(next(m for m in mods if m.endswith("d") and m[:-1].isdigit())[:-1])
-        if any(m.startswith("L2::") or m.startswith("tile::") for m in mods) or len(exprs) != 2 + dim:
+        add = "add" in mods  # cp.reduce.async.bulk.tensor...add: the box added into the tensor
+        if any(m.startswith("L2::") or m.startswith("tile::") for m in mods) or len(exprs) != 2 + dim or \
+                (not add and "reduce" in mods):
             raise NotImplementedError(f"emulator: cp.{'.'.join(m for m in mods if m)}")
         tmap, *coords, src = exprs
         spec = self._tensormap(tmap)
@@ -716,8 +726,8 @@ class Emulator:
         row = spec["box"][0] * _storage(spec["dtype"]).itemsize
         if d % 128 or (span > 16 and row != span) or row % 16 or len(spec["box"]) != dim:
             raise NotImplementedError(f"emulator: a TMA store from shared byte {d} of {row}-byte rows, swizzle {span}")
-        self._bulk_queue(env["tid"])["open"].append((spec, coords, d, span))
-        self.ran[f"tma.store.{dim}d" + (f".swizzle{span}" if span > 16 else "")] += 1
+        self._bulk_queue(env["tid"])["open"].append((spec, coords, d, span, add))
+        self.ran[f"tma.{'reduce_add' if add else 'store'}.{dim}d" + (f".swizzle{span}" if span > 16 else "")] += 1
 
     def _bulk_queue(self, tid):
         return self.bulk.setdefault(tid, {"open": [], "groups": []})
@@ -727,14 +737,14 @@ class Emulator:
         the older ones' TMA stores run now, in order."""
         groups = self._bulk_queue(tid)["groups"]
         while len(groups) > n:
-            for spec, coords, d, span in groups.pop(0):
+            for spec, coords, d, span, add in groups.pop(0):
                 size = _storage(spec["dtype"]).itemsize
                 n_bytes = int(np.prod(spec["box"])) * size
                 addrs = _swizzled(d + np.arange(0, n_bytes, 16), span)
                 if addrs.max() + 16 > self.smem.size:
                     raise IndexError(f"emulator: a TMA store box of {n_bytes} bytes at shared byte {d} passes the arena")
                 data = self.smem[addrs[:, None] + np.arange(16)].reshape(-1).view(_storage(spec["dtype"]))
-                _tma_box_store(spec, self.mem[spec["tensor"]], coords, data)
+                _tma_box_store(spec, self.mem[spec["tensor"]], coords, data, add)
 
     def _tensormap(self, ptr) -> dict:
         """The tensor map a TMA operand ``reinterpret(address_of(tmap_var))`` names (from ``tensormaps``)."""
@@ -841,7 +851,8 @@ class Emulator:
         elif isinstance(s, ts.Evaluate) and _op(s.value) in ("tirx.ptx.cp_async_bulk_tensor_g2s_cluster",
                                                              "tirx.ptx.cp_async_bulk_tensor_g2s_cta"):
             self._tma_load(s.value, env)
-        elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.cp_async_bulk_tensor_s2g":
+        elif isinstance(s, ts.Evaluate) and _op(s.value) in ("tirx.ptx.cp_async_bulk_tensor_s2g",
+                                                             "tirx.ptx.cp_reduce_async_bulk_tensor"):
             self._tma_store(s.value, env)
         elif isinstance(s, ts.Evaluate) and _op(s.value) == "tirx.ptx.cp_async_bulk_commit_group":
             q = self._bulk_queue(env["tid"])  # cp.async.bulk.commit_group: this thread's stores become a group

@@ -10,6 +10,7 @@ register layout the next products read them in:
     dP^T = V dO^T                 dS^T = P^T (dP^T - Delta) dscore/ds
     dV  += P^T dO                 dK  += dS^T Q                  (P^T, dS^T from registers)
     dQ   = dS K                   (dS^T through shared memory)   added into a float32 dQ with T.atomic_add
+                                  (up to head dim 128 a shared tile at a time: TMA's reduce-add on sm_90a)
 
 Every size and stride is launch-time, as in the forward (one kernel per head dim, dtype, mask kind, config).
 The torch side: ops/attention.py."""
@@ -85,6 +86,7 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
     caller), else dQ is flash_attention_backward_dq's.  ``cfg``: block_M queries a step, block_N keys a block."""
     bM, bN = cfg.block_M, cfg.block_N
     capped = softcap  # (the kernel's parameter ``softcap`` is the cap's value)
+    staged_dq = dim <= 128  # dQ's float32 tile through shared memory (a larger one does not fit beside the rest)
     q_side, k_side, rows, (B, Hq, Hkv, Sq, Sk) = _types(dim, dtype)
     tensors = {"Q": q_side("Q"), "K": k_side("K"), "V": k_side("V"), "dO": q_side("dO"), "LSE": rows, "Delta": rows}
     if atomic_dq:
@@ -113,6 +115,7 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
             if atomic_dq:
                 dS_s = T.alloc_shared((bN, bM), dtype)
                 dQ = T.alloc_fragment((bM, dim), "float32")
+                dQ_s = T.alloc_shared((bM, dim), "float32") if staged_dq else None
             T.copy(K[b, kv_head, k0, 0], K_s)
             T.copy(V[b, kv_head, k0, 0], V_s)
             T.clear(dK_f)
@@ -144,7 +147,11 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                     if atomic_dq:
                         T.copy(dST, dS_s)
                         T.gemm(dS_s, K_s, dQ, transpose_A=True, clear_accum=True)
-                        T.atomic_add(dQ_acc[b, h, q0, 0], dQ)
+                        if staged_dq:  # one reduce-add of the tile (TMA's on sm_90a), not one per element
+                            T.copy(dQ, dQ_s)
+                            T.atomic_add(dQ_acc[b, h, q0, 0], dQ_s)
+                        else:
+                            T.atomic_add(dQ_acc[b, h, q0, 0], dQ)
             T.copy(dK_f, dK[b, kv_head, k0, 0])
             T.copy(dV_f, dV[b, kv_head, k0, 0])
 

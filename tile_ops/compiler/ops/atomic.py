@@ -1,6 +1,7 @@
 """``T.atomic_add(dst, src)``: a float32 fragment or shared tile added into a global window, one atomic
 ``red.global.add`` per element (two or four consecutive ones per instruction on sm_90a), predicated at the
-tensor's edges."""
+tensor's edges; a shared tile on the warp-specialized sm_90a path by TMA's reduce-add instead (a box per
+swizzle panel, rows past the tensor's edge dropped: warp_specialized's stores)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class AtomicAddOp(TileOp):
         return [node.dst.buffer]
 
     def lower(self, lw, node, vm):
+        if lw.ws and lw.ws.is_tma_store(node):  # a shared tile on the warp-specialized path: TMA's reduce-add
+            lw.tma_written |= {node.dst.buffer}
+            return lw.ws.tma_store(node, vm)
         extents = copy_extents(lw, node)
         s_start = [lw.expr(x, vm) for x in node.src.starts]
         d_start = [lw.expr(x, vm) for x in node.dst.starts]

@@ -21,7 +21,7 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ...lang.ir import Copy, For, Gemm, error, walk
+from ...lang.ir import AtomicAdd, Copy, For, Gemm, error, walk
 from ..cuda import emit_ptx, warp_uniform
 from ..exprs import at_most, dtype_bits, reads_memory, stride_multiples, uses
 from ..layout import in_swizzled_panels, shared_layout
@@ -40,6 +40,7 @@ PRODUCER_THREADS = 128
 # physical registers, it does not lift the compile-time cap): only programs whose fragments fit co-reside.
 CORESIDENT_FRAGMENT_WORDS = 128
 PRODUCER_REGISTERS = 40  # per producer thread after setmaxnreg.dec: it only issues TMA and waits
+TMA_ADD_DTYPES = ("float32", "float16", "bfloat16")  # what TMA's reduce-add adds
 CONSUMER_BARRIER = 1  # named barrier id for consumer-only syncs (0 is __syncthreads); 2: pingpong's second
 
 
@@ -49,7 +50,9 @@ class WarpSpecialized:
         self.loop = loop  # the program's one T.Pipelined loop
         self.outer = outer  # the serial loops around it, outermost first (the producer walks the same nest)
         self.loads = loads  # its global->shared copies, issued by the producer as TMA loads
-        self.stores = stores  # shared->global tile copies outside the loop (the epilogue), issued as TMA stores
+        # shared->global tile copies outside the loop (the epilogue) and T.atomic_adds of shared tiles anywhere,
+        # issued as TMA stores and reduce-adds
+        self.stores = stores
         self.stages = max(loop.num_stages, 1)
         self.deferred_wait = deferred_wait  # the loop only issues gemms: one wgmma group stays in flight
         # (load, cluster axes): loads alike along those axes, each block loads 1/n of the rows for all n
@@ -92,6 +95,8 @@ class WarpSpecialized:
                                                                   for s in compute)
         stores = [c for c in walk(k.body) if isinstance(c, Copy) and not _contains(loop, c)
                   and c.src.buffer.scope == "shared" and c.dst.buffer.scope == "global" and _tma_ok(lw, c)]
+        stores += [a for a in walk(k.body) if isinstance(a, AtomicAdd) and a.src.buffer.scope == "shared"
+                   and a.dst.buffer.dtype in TMA_ADD_DTYPES and _tma_ok(lw, a)]
         return WarpSpecialized(lw, loop, outer, loads, stores, deferred)
 
     def _constant_steps(self, what: str) -> int:

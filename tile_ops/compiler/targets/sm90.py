@@ -11,6 +11,7 @@ from tvm import tirx
 from tvm.script import tirx as TS
 from tvm.tirx.script import builder as T
 
+from ...lang.ir import AtomicAdd
 from ..cuda import emit_ptx, helper, l2_cache_hint
 from ..exprs import as_int32, dtype_bits, strides_of, to_python
 from ..layout import MmaAccumLayout, SharedLayout, shared_layout
@@ -114,16 +115,18 @@ def tma_load(lw, c, vm, stage, tm: TensorMap, full, slices: int = 1, group=None)
 
 
 def tma_store(lw, c, vm, tm: TensorMap):
-    """A shared tile to global memory: thread 0 issues a box per panel and commits them as a bulk group."""
+    """A shared tile to global memory, or added into it (``T.atomic_add``: TMA's reduce-add, done in L2 a line at
+    a time): thread 0 issues a box per panel and commits them as a bulk group."""
     t = lw.shared[c.src.buffer]
     coords = list(reversed([lw.expr(x, vm) for x in c.dst.starts]))
+    kind = "cp.reduce.async.bulk.tensor.{}d.global.shared::cta.add.bulk_group" if isinstance(c, AtomicAdd) else \
+        "cp.async.bulk.tensor.{}d.global.shared::cta.bulk_group"
     with T.If(lw.tid == 0):
         with T.Then():
             for p in range(t.layout.cols // t.layout.panel):
                 src = t.view.ptr_to([lw.stage_base(t, lw.stage(c.src.buffer)) + p * t.layout.panel_elems])
                 cs = [coords[0] + p * t.layout.panel] + coords[1:]
-                emit_ptx(f"cp.async.bulk.tensor.{len(cs)}d.global.shared::cta.bulk_group",
-                         T.address_of(tm.var), *[as_int32(x) for x in cs], src)
+                emit_ptx(kind.format(len(cs)), T.address_of(tm.var), *[as_int32(x) for x in cs], src)
             emit_ptx("cp.async.bulk.commit_group")
 
 
