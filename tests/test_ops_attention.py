@@ -186,7 +186,21 @@ def test_varlen_matches_per_sequence_calls():
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softmax_scale=-0.5), "softmax_scale=-0.5.*float > 0"),
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softmax_scale=0.0), "softmax_scale=0.0.*float > 0"),
     (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, alibi_slopes=torch.rand(3)), "alibi_slopes has shape"),
-    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, alibi_slopes=torch.rand(4).double()), "float32 tensor"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, alibi_slopes=torch.rand(3, 4)), r"\(2, 4\)"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k[:1], v[:1]), "batch and head_dim must match"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v[:, :5]), "differ; accepted: the same shape"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v.to(torch.bfloat16)), "v is torch.bfloat16, q torch.float32"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k.to("meta"), v), "k is on meta, q on cpu"),
+    (lambda q, k, v: tile_ops.flash_attn_func([q], k, v), "Expected a value of type 'Tensor' for argument 'q'"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, causal="yes"), "causal='yes'; accepted: True or False"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, deterministic=2), "deterministic=2"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, return_attn_probs=None), "return_attn_probs=None"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softcap="1"), "softcap='1'"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softcap=math.inf), "softcap=inf"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, softmax_scale="0.1"), "softmax_scale='0.1'"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, window_size=True), "window_size=True"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, window_size=(1, 2, 3)), r"window_size=\(1, 2, 3\)"),
+    (lambda q, k, v: tile_ops.flash_attn_func(q, k, v, window_size=(1.5, 0)), r"window_size\[0\]=1.5"),
 ])
 def test_bad_input_is_named(call, match):
     with pytest.raises((TypeError, ValueError, RuntimeError, NotImplementedError), match=match):
@@ -204,6 +218,26 @@ def test_bad_cu_seqlens_are_named(cu_q, match):
     cu_k = torch.tensor([0, 3, 9], dtype=torch.int32)
     with pytest.raises((TypeError, ValueError), match=match):
         tile_ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
+
+
+@pytest.mark.parametrize("max_q, max_k, match", [
+    (5, 6, "max_seqlen_q=5; accepted: an int at least the longest sequence \\(6\\)"),
+    (6, 5.0, "max_seqlen_k=5.0"),
+    (6, True, "max_seqlen_k=True"),
+])
+def test_bad_max_seqlen_is_named(max_q, max_k, match):
+    """A bound below the longest sequence would leave flash-attn's rows past it unwritten: refused."""
+    q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, max_q, max_k)
+
+
+def test_max_seqlen_as_a_tensor_or_larger_is_accepted():
+    q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+    a = tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, torch.tensor(6), 100)
+    assert torch.equal(a, tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6))
 
 
 def test_batches_past_32_bit_offsets_run_in_parts():

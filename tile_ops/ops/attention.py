@@ -316,6 +316,27 @@ def _refuse(dropout_p, block_table=None):
         raise NotImplementedError(f"{OP}: block_table (a paged KV cache) is not supported; accepted: None")
 
 
+def _flag(name, value) -> bool:
+    """A keyword that is True or False (as flash-attn's pybind11 binding takes it): 0 and 1 too, not a string."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or \
+            (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{OP}: {name}={value!r}; accepted: True or False")
+
+
+def _scale(softmax_scale):
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
+        raise TypeError(f"{OP}: softmax_scale={softmax_scale!r}; accepted: None (1/sqrt(head_dim)) or a finite "
+                        f"float > 0")
+    return softmax_scale
+
+
+def _softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{OP}: softcap={softcap!r}; accepted: a finite float >= 0 (0: none)")
+    return float(softcap)
+
+
 def _window(window_size):
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"{OP}: window_size={window_size!r}; accepted: a pair (left, right) of ints >= -1")
@@ -331,9 +352,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     rather than atomic adds; the forward is deterministic either way)."""
     _refuse(dropout_p)
     left, right = _window(window_size)
-    out, lse = torch.ops.tile_ops.flash_attention(q, k, v, softmax_scale, bool(causal), left, right, float(softcap),
-                                                  alibi_slopes, bool(deterministic))
-    return (out, lse, None) if return_attn_probs else out
+    causal, deterministic, probs = (_flag(n, x) for n, x in (("causal", causal), ("deterministic", deterministic),
+                                                              ("return_attn_probs", return_attn_probs)))
+    out, lse = torch.ops.tile_ops.flash_attention(q, k, v, _scale(softmax_scale), causal, left, right,
+                                                  _softcap(softcap), alibi_slopes, deterministic)
+    return (out, lse, None) if probs else out
 
 
 def _check_cu_seqlens(name, cu, total, batch=None):
@@ -359,12 +382,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     of the packed tensors (no copies in); zero-length sequences are skipped."""
     _refuse(dropout_p, block_table)
     left, right = _window(window_size)
+    causal, deterministic, probs = (_flag(n, x) for n, x in (("causal", causal), ("deterministic", deterministic),
+                                                              ("return_attn_probs", return_attn_probs)))
+    softcap, softmax_scale = _softcap(softcap), _scale(softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{OP}: {name} must be a packed (total, nheads, headdim) tensor, got "
                              f"{list(getattr(t, 'shape', [])) or type(t).__name__}")
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], batch=len(cq) - 1)
+    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cq), ("max_seqlen_k", max_seqlen_k, ck)):
+        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        if isinstance(bound, torch.SymInt):  # traced: the offsets above were checked, the bound is a hint
+            continue
+        if isinstance(bound, torch.Tensor) and bound.numel() == 1 and not bound.is_floating_point():
+            bound = int(bound)  # transformers may hand the longest length over as a tensor
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral) or bound < longest:
+            raise ValueError(f"{OP}: {name}={bound!r}; accepted: an int at least the longest sequence ({longest}): "
+                             f"flash-attn sizes its grid by it and would leave the rows past it unwritten")
     if alibi_slopes is not None and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] != len(cq) - 1:
         raise ValueError(f"{OP}: alibi_slopes has shape {list(alibi_slopes.shape)}; accepted: (nheads,) or "
                          f"(batch, nheads) with batch = {len(cq) - 1}")
@@ -373,14 +408,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         o, lse = torch.ops.tile_ops.flash_attention(
             q[cq[i]:cq[i + 1]].unsqueeze(0), k[ck[i]:ck[i + 1]].unsqueeze(0), v[ck[i]:ck[i + 1]].unsqueeze(0),
-            softmax_scale, bool(causal), left, right, float(softcap), slopes, bool(deterministic))
+            softmax_scale, causal, left, right, softcap, slopes, deterministic)
         outs.append(o[0])
         lses.append(lse[0])
     tail = q.shape[0] - cq[-1]  # rows past the last sequence belong to none: zeros, as flash-attn leaves them
     out = torch.cat(outs + [q.new_zeros((tail, *q.shape[1:]))]) if outs else q.new_zeros(q.shape)
     lse = torch.cat(lses + [q.new_full((q.shape[1], tail), -math.inf, dtype=torch.float32)], dim=1) if lses else \
         q.new_full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, None) if probs else out
 
 
 flash_attention = torch.ops.tile_ops.flash_attention
