@@ -7,8 +7,6 @@ S = Q K^T and P V as wgmma with P from registers, a persistent tile walk), and i
 present."""
 
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -204,27 +202,3 @@ def test_forward_builds_for_sm90a(kw):
     mix = kernel.instruction_mix()
     assert mix.get("HGMMA", 0) >= 8 and mix.get("UTMALDG", 0) >= 2, mix
     assert kernel.meta.resources.get("spills", 0) == 0, kernel.meta.resources
-
-
-def _main_loop(sass: str) -> list:
-    """The SASS instructions of the listing's innermost loop that issues HGMMAs (the attention's main loop)."""
-    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    at = {a: i for i, (a, _) in enumerate(ins)}
-    loops = [ins[at[int(m.group(1), 16)]:i + 1] for i, (a, t) in enumerate(ins)
-             for m in [re.search(r"BRA\s+(?:`\(.*?\)\s*)?0x([0-9a-f]+)", t)] if m and int(m.group(1), 16) < a]
-    return [t for _, t in min((body for body in loops if any("HGMMA" in t for _, t in body)), key=len)]
-
-
-@needs_nvcc
-@needs_cuobjdump
-def test_the_softmax_stays_above_the_wait_for_the_previous_p_v():
-    """ptxas hoists a wgmma wait to the top of its scheduling block: above the softmax that the program placed
-    before it, to run while the previous tile's P V is in flight.  The compiler ends the block at the wait
-    (keep_above); every exp2 of the H100 config's main loop comes before the wait."""
-    from tile_ops.kernels.attention_config import default_config
-
-    kernel = tile_ops.compile(_program(128, "bfloat16", cfg=default_config(128, "sm_90a")), target="sm_90a")
-    loop = _main_loop(kernel.sass())
-    wait = max(i for i, t in enumerate(loop) if t.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
-    exps = [i for i, t in enumerate(loop) if re.sub(r"^@!?U?P\w+\s+", "", t).startswith("MUFU.EX2")]
-    assert len(exps) >= 64 and max(exps) < wait, (len(exps), max(exps), wait)

@@ -71,8 +71,7 @@ _POLICIES = {p: 0x7E57_0000_0000_0000 + i for i, p in enumerate(("evict_first", 
                                                                    "evict_unchanged"))}
 _POLICY_NAMES = {v: p for p, v in _POLICIES.items()}
 _ATOMIC_ADDS = {"tile_ops_atomic_add", "tile_ops_atomic_add2", "tile_ops_atomic_add4"}
-_NO_OP_HELPERS = {"tile_ops_fence_register",  # an empty asm that pins a register across wgmma fences
-                  "tile_ops_keep_above"}  # a never-taken branch that ends ptxas's scheduling block
+_NO_OP_HELPERS = {"tile_ops_fence_register"}  # an empty asm that pins a register across wgmma fences
 _HELD = "held"  # (stagger) a thread released whose block skips the scheduler round
 _SHUFFLED = "shuffled"  # env: the answers of the running statement's shuffles
 

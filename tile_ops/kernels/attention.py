@@ -4,10 +4,9 @@ A block owns ``block_M`` query rows of one head.  It walks the key/value tiles i
 sliding windows skip the rest) in a pipelined loop: S = Q K^T into a float32 fragment, the mask and the score
 transform (softcap, ALiBi) in one pass, the online softmax (running row max ``m`` and sum ``l`` in base 2, the
 accumulator rescaled by 2^(m_old - m_new)), then P V with P from registers.  Plain scores (no softcap, no ALiBi)
-stay unscaled until exp2, whose argument s * scale * log2(e) - m is then one FFMA (the scale is positive).  The
-rescale and P V are deferred: the compiler may run them during the next iteration, where on sm_90a the rescale
-overlaps the next S = Q K^T and P V's wgmmas the next tile's softmax (FlashAttention-3's in-warpgroup overlap).
-Rows that see no key get O = 0 and LSE = -inf.
+stay unscaled until exp2, whose argument s * scale * log2(e) - m is then one FFMA (the scale is positive).  P V is
+deferred: the compiler may run it during the next iteration, where on sm_90a its wgmmas overlap the next tile's
+softmax (FlashAttention-3's in-warpgroup overlap).  Rows that see no key get O = 0 and LSE = -inf.
 
 Every size is a ``T.dynamic`` one (batch, heads, both lengths and every stride but the last) and every number
 of the mask and the scores a ``T.Scalar`` (scale, softcap, window sizes), so one kernel per (head dim, dtype,
@@ -71,9 +70,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 T.copy(K[b, kv_head, k0, 0], K_s)  # keys past Sk load as 0; the mask hides them
                 T.copy(V[b, kv_head, k0, 0], V_s)
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
-                with T.deferred():  # the tile's rescale and P V: on sm_90a they run under the next tile's gemm
-                    for i, j in T.Parallel(bM, dim):
-                        acc[i, j] = acc[i, j] * rescale[i]
+                with T.deferred():  # the tile's P V ends the iteration: on sm_90a it runs under the next softmax
                     T.gemm(P, V_s, acc, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
                     q, k = bx * bM + i, k0 + j
@@ -89,6 +86,8 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 T.reduce_sum(S, l_tile, dim=1)
                 for i in T.Parallel(bM):
                     l[i] = l[i] * rescale[i] + l_tile[i]
+                for i, j in T.Parallel(bM, dim):
+                    acc[i, j] = acc[i, j] * rescale[i]
                 T.copy(S, P)  # in S's register layout: the A operand of P V
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.where(l[i] > 0, acc[i, j] / l[i], 0.0)

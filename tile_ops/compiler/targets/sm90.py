@@ -163,28 +163,22 @@ class WgmmaGroups:
         self.lw = lw
         self.pending = []  # (commit number, Gemm)
         self.commits = 0
-        self.overlapped = False  # a statement ran since the last commit, under the pending groups
 
     def commit(self, g):
         emit_ptx("wgmma.commit_group.sync.aligned")
         self.pending.append((self.commits, g))
         self.commits += 1
-        self.overlapped = False
 
     def before(self, reads: list, writes: list):
         """Wait for what a statement reading ``reads`` and writing ``writes`` needs done."""
         last = max((i for i, (_, g) in enumerate(self.pending) if _needs_done(g, reads, writes)), default=None)
         if last is not None:
             self.wait(len(self.pending) - 1 - last)
-        self.overlapped = bool(self.pending)
 
     def wait(self, younger: int):
         """Wait until at most ``younger`` groups are pending; the retired gemms' registers are then pinned
-        below the wait (``fence_operands``).  Where statements ran since the last commit, they stay above the
-        wait (``keep_above``): they are what the groups overlap."""
+        below the wait (``fence_operands``)."""
         retired = self.pending[:len(self.pending) - younger]
-        if self.overlapped:
-            keep_above()
         emit_ptx("wgmma.wait_group.sync.aligned", younger)
         self.pending = self.pending[len(self.pending) - younger:]
         fence_operands(self.lw, [g for _, g in retired])
@@ -205,21 +199,6 @@ def _needs_done(g, reads, writes) -> bool:
     """Whether a statement reading ``reads`` and writing ``writes`` must wait for gemm ``g``'s group: it reads
     or writes the accumulator, or writes an operand the wgmmas still read."""
     return any(b is g.C for b in reads + writes) or any(b is g.A or b is g.B for b in writes)
-
-
-_KEEP_ABOVE = """
-__forceinline__ __device__ void tile_ops_keep_above() {
-  unsigned never;  // the dynamic shared memory size is never all ones, and no compiler can know it
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(never));
-  if (never == 0xffffffffu) asm volatile("nanosleep.u32 0;");
-}
-"""
-
-
-def keep_above():
-    """End ptxas's scheduling block here (a branch it cannot fold, never taken): it hoists a wgmma wait to the
-    top of its block, above the work the program placed before the wait to overlap the wgmmas (CUDA 13.0)."""
-    T.evaluate(TS.cuda.func_call("tile_ops_keep_above", source_code=_KEEP_ABOVE))
 
 
 _FENCE_REGISTER = """
