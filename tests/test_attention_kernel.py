@@ -139,7 +139,9 @@ def test_a_window_skips_the_tiles_outside_it():
     # two consumer warpgroups on 128 rows; bf16; a window with softcap and ALiBi; 2 key tiles
     dict(shape=(1, 1, 1, 100, 120), cfg=AttentionConfig(128, 64, 2, 256), dtype="bfloat16",
          kw=dict(window=(70, 10), softcap=5.0, alibi=True)),
-], ids=["causal-gqa", "2-warpgroups-window-softcap-alibi-bf16"])
+    # clusters of two query blocks sharing each K/V load (multicast); 150 rows: the fourth block lies past Sq
+    dict(shape=(1, 2, 1, 150, 130), cfg=AttentionConfig(64, 64, 2, 128, cluster=2), kw=dict()),
+], ids=["causal-gqa", "2-warpgroups-window-softcap-alibi-bf16", "cluster-multicast"])
 def test_hopper_path_matches_float64(case):
     """The warp-specialized sm_90a kernel on the emulator: TMA loads of the strided K and V, the wgmma pair
     (P from registers), the persistent walk over (query block, head, batch)."""
@@ -156,7 +158,8 @@ def test_hopper_path_matches_float64(case):
                                  softcap=kw.get("softcap", 0.0), alibi_slopes=slopes)
     check(out, lse, ref_out, ref_lse, 8e-3 if dtype == "bfloat16" else 2e-3)
     el = "bf16" if dtype == "bfloat16" else "f16"
-    assert ran["tma.load.4d.swizzle128"] and ran[f"wgmma.m64n64k16.{el}"] and ran[f"wgmma.m64n64k16.{el}.rs.trans-b"]
+    loads = "tma.load.4d.swizzle128" + (".multicast" if case["cfg"].cluster > 1 else "")
+    assert ran[loads] and ran[f"wgmma.m64n64k16.{el}"] and ran[f"wgmma.m64n64k16.{el}.rs.trans-b"], ran
 
 
 @pytest.mark.parametrize("length", [192, 320])

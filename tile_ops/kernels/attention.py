@@ -46,7 +46,9 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
         window = Window(Sq, Sk, causal, local, left, right)
         plain = not softcap and not alibi
         c = scale * LOG2E if plain else 1.0  # what turns the scores in S (and m) into log2 units
-        with T.Kernel(T.ceildiv(Sq, bM), Hq, B, threads=cfg.threads) as (bx, h, b):
+        # a cluster's query blocks share the K/V loads (multicast) where they walk the same key tiles
+        n = cfg.cluster if not (causal or local) else 1
+        with T.Kernel(T.ceildiv(Sq, n * bM) * n, Hq, B, threads=cfg.threads, cluster=n) as (bx, h, b):
             kv_head = h // (Hq // Hkv)  # GQA/MQA: a group of query heads reads one K/V head
             slope = Slopes[b, h] if alibi else 0.0
             Q_s = T.alloc_shared((bM, dim), dtype)

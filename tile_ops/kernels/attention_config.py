@@ -14,12 +14,15 @@ class AttentionConfig:
     block_N: int = 64  # keys per tile of the loop
     num_stages: int = 2  # key/value tiles in flight
     threads: int = 128
+    cluster: int = 1  # neighbouring query blocks that share each K/V tile's load (TMA multicast; full masks only)
 
     def __post_init__(self):
         for name in ("block_M", "block_N"):
             v = getattr(self, name)
             if v < 16 or v % 16:
                 raise ValueError(f"AttentionConfig.{name}={v}: a multiple of 16, at least 16")
+        if self.cluster not in (1, 2, 4):
+            raise ValueError(f"AttentionConfig.cluster={self.cluster}: 1, 2 or 4 query blocks")
         if self.num_stages < 1 or self.threads % 128:
             raise ValueError(f"AttentionConfig: num_stages={self.num_stages} (>= 1), threads={self.threads} "
                              f"(a multiple of 128: whole warpgroups)")
@@ -33,13 +36,14 @@ def shared_memory_bytes(cfg: AttentionConfig, dim: int, esize: int = 2) -> int:
 def default_config(dim: int, arch: str | None = None) -> AttentionConfig:
     """On sm_90a three stages: the deferred P V holds the previous tile's stage while the producer fills the
     next; a block of 128 query rows (two warpgroups of 64) and 128 keys a tile where the accumulator fits the
-    registers beside the scores (FlashAttention-3's tile), 64 x 64 from head dim 192 on.  On the mma.sync
-    path, 64 x 64 and two stages."""
+    registers beside the scores (FlashAttention-3's tile), 64 x 64 from head dim 192 on; clusters of two query
+    blocks, which load each K/V tile once for both where every block walks the same keys (no causal or window
+    mask), halving the L2 -> SM traffic.  On the mma.sync path, 64 x 64 and two stages."""
     if (arch or default_arch()) != "sm_90a":
         return AttentionConfig(64, 64, 2, 128)
     if dim <= 128:
-        return AttentionConfig(128, 128, 3, 256)
-    return AttentionConfig(64, 64, 3, 128)
+        return AttentionConfig(128, 128, 3, 256, cluster=2)
+    return AttentionConfig(64, 64, 3, 128, cluster=2)
 
 
 def backward_config(dim: int, arch: str | None = None) -> AttentionConfig:
