@@ -142,7 +142,7 @@ def bench_backward(name, shape, dtype, causal, rep_ms):
             continue
         fns[label] = lambda o=o: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
         if label == "cudnn":
-            def step():
+            def step(backend=backend):  # bound now: the loop goes on to the flash backend
                 with sdpa_kernel(backend):
                     o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
                 return torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2))
