@@ -112,7 +112,7 @@ class TileWalk:
             self.tile_ordinal = it * every + first if every > 1 else it  # among the CTA's tiles
             o = self.tile_ordinal
             mine_in_round = tirx.Select(tirx.truncmod(o, 2) == 0, cta, ctas - 1 - cta) if snake else cta
-            self.enter(o * ctas + mine_in_round, gx, gy)
+            self.enter(mine_in_round + o * ctas, gx, gy)
             yield
 
     def _uneven(self) -> bool:
