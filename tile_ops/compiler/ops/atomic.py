@@ -40,7 +40,6 @@ class AtomicAddOp(TileOp):
 
     def lower(self, lw, node, vm):
         if lw.ws and lw.ws.is_tma_store(node):  # a shared tile on the warp-specialized path: TMA's reduce-add
-            lw.tma_written |= {node.dst.buffer}
             return lw.ws.tma_store(node, vm)
         extents = copy_extents(lw, node)
         s_start = [lw.expr(x, vm) for x in node.src.starts]

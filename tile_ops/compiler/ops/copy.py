@@ -45,7 +45,6 @@ def copy(lw, node: Copy, vm, stage=None, asynchronous=False):
     """Lower ``node``; ``stage``: the pipeline stage a global -> shared copy fills (default: the one being
     computed on); ``asynchronous``: leave its cp.async group uncommitted (the pipeline commits it)."""
     if lw.ws and lw.ws.is_tma_store(node):
-        lw.tma_written |= {node.dst.buffer}
         return lw.ws.tma_store(node, vm)
     src, dst = node.src, node.dst
     s_scope, d_scope = src.buffer.scope, dst.buffer.scope

@@ -402,11 +402,13 @@ class WarpSpecialized:
 
     # ------------------------------------------------------------------ TMA stores
 
-    def tma_store(self, c: Copy, vm):
-        """The epilogue's shared->global tile copy through TMA.  The body's barrier before it already
-        fenced the consumers' shared writes for the async proxy; one thread issues it and goes on: it
-        waits until TMA has read the tile only at the next consumer barrier (``wait_stores_read``), so
-        the next tile's main loop runs while TMA reads this one."""
+    def tma_store(self, c, vm):
+        """The epilogue's shared->global tile copy (or a shared tile's T.atomic_add) through TMA.  The body's
+        barrier before it already fenced the consumers' shared writes for the async proxy; one thread issues
+        it and goes on: it waits until TMA has read the tile only at the next consumer barrier
+        (``wait_stores_read``), so the next tile's main loop runs while TMA reads this one.  A later read of
+        the tensor by the block waits for the writes (``lw.tma_written``)."""
+        self.lw.tma_written |= {c.dst.buffer}
         sm90.tma_store(self.lw, c, vm, self.tensormaps.of(c))
 
     def wait_stores_read(self):
