@@ -95,7 +95,7 @@ class TileWalk:
         if lw.ws.stream_k:
             yield from lw.ws.stream_k.units(cta, ctas, total, lambda t: self.enter(t, gx, gy), self)
             return
-        snake = self._uneven()
+        snake = self._snake_order()
         if snake:
             rounds, rest = tirx.truncdiv(total, ctas), tirx.truncmod(total, ctas)
             last_ours = tirx.Select(tirx.truncmod(rounds, 2) == 0, cta < rest, cta >= ctas - rest)
@@ -115,7 +115,7 @@ class TileWalk:
             self.enter(mine_in_round + o * ctas, gx, gy)
             yield
 
-    def _uneven(self) -> bool:
+    def _snake_order(self) -> bool:
         """Whether the CTAs take the tiles in snake order (round r's tiles to CTAs 0, 1, ... on even rounds and
         ..., 1, 0 on odd ones): where the main loop's step count depends on the tile (causal or windowed
         attention), so that each CTA's sum of steps evens out; the plain order can leave one CTA 12 % (4k
