@@ -11,7 +11,7 @@ from test_attention_kernel import _bits
 from tile_ops.compiler.lower import lower
 from tile_ops.compiler.meta import evaluate
 from tile_ops.kernels.attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
-from tile_ops.kernels.attention_config import AttentionConfig
+from tile_ops.kernels.attention_config import AttentionConfig, splits_head_dim
 from tile_ops.ops.attention import attention_reference
 from tir_emulator import Emulator
 
@@ -132,3 +132,16 @@ def test_backward_matches_float64_on_sm90a(case, cfg):
     check(ours, refs, 2e-2 if case.get("dtype") == "bfloat16" else 5e-3)
     assert any(k.startswith("wgmma") and ".rs" in k for k in ran) and any(k.startswith("tma.load") for k in ran), ran
     assert any(k.startswith("tma.reduce_add") for k in ran) and not any(k.startswith("red.add") for k in ran), ran
+
+
+@pytest.mark.parametrize("arch, dim", [("sm_90a", 128), ("sm_80", 64)])
+def test_backward_with_warpgroups_splitting_the_head_dim(arch, dim):
+    """The large-head-dim layout (64 keys a block over two warpgroups, each half the head dim): P^T and dS^T
+    through shared memory, every product on wgmma (sm_90a) or warps side by side along N (sm_80)."""
+    cfg = AttentionConfig(64, 64, 2, 256)
+    assert splits_head_dim(cfg)
+    case = CASES[1]
+    ours, refs, ran = backward_emulated(arch, *case["shape"], dim, cfg=cfg, **case.get("kw", {}))
+    check(ours, refs, 5e-3)
+    if arch == "sm_90a":
+        assert any(k.startswith("wgmma") for k in ran) and not any(k.startswith("mma") for k in ran), ran

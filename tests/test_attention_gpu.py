@@ -12,7 +12,7 @@ import torch
 import tile_ops
 from tile_ops.kernels.attention_launch import (attention_problem, build_attention, launch_attention,
                                                launch_attention_backward)
-from tile_ops.ops.attention import BACKWARD_HEAD_DIMS, attention_reference
+from tile_ops.ops.attention import attention_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -129,9 +129,11 @@ def test_compiled_fullgraph_dynamic_and_autograd():
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
 
 
-BACKWARD_CASES = [c for c in CASES if c[0][-1] in BACKWARD_HEAD_DIMS] + [
+BACKWARD_CASES = CASES + [
     ((1, 4, 4, 333, 257, 64), dict(window_size=(50, 10))),
     ((2, 2, 2, 200, 200, 128), dict(softcap=10.0, causal=True)),
+    ((2, 4, 2, 301, 250, 256), dict(alibi=True, window_size=(90, 30))),  # the head-dim-split kernel: GQA, ragged
+    ((1, 2, 2, 130, 200, 192), dict(causal=True)),
 ]
 
 
@@ -164,12 +166,13 @@ def test_backward_matches_float64(shape, kw, dtype):
         assert err < tol, (name, err)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(64, 0), softcap=5.0)], ids=["causal", "window"])
-def test_deterministic_gradients_are_bit_identical(kw):
+@pytest.mark.parametrize("dim, kw", [(128, dict(causal=True)), (128, dict(window_size=(64, 0), softcap=5.0)),
+                                     (256, dict(causal=True))], ids=["causal", "window", "causal-d256"])
+def test_deterministic_gradients_are_bit_identical(dim, kw):
     """``deterministic=True``: dQ from the query-block kernel (no atomics): two runs give the same bits, and they
     match float64 autograd; the default (atomic dQ) matches too."""
-    q, k, v = (t.requires_grad_() for t in _inputs(2, 8, 2, 700, 900, 128, torch.bfloat16, seed=21))
-    dout = torch.randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 8, 2, 700, 900, dim, torch.bfloat16, seed=21))
+    dout = torch.randn(2, 700, 8, dim, device="cuda", dtype=torch.bfloat16)
     runs = []
     for deterministic in (True, True, False):
         out = tile_ops.flash_attn_func(q, k, v, deterministic=deterministic, **kw)

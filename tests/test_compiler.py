@@ -712,7 +712,8 @@ def test_wgmma_accumulator_layouts_cover_the_tile_once(M, N, threads, split_n):
 def test_full_col_policy_splits_wgmma_along_n_between_warpgroups():
     """64-row tiles with two consumer warpgroups: each issues m64n128 on its half of N (the fused softmax's
     two-warpgroup config), the row reductions combine the halves through shared memory; N blocks that
-    would start inside a B swizzle panel keep warpgroups along M (or fall back to mma.sync)."""
+    would start inside a B swizzle panel keep warpgroups along M (or fall back to mma.sync).  The default
+    policy splits N too where M is too short to stack the warpgroups."""
     import re
 
     from tile_ops.kernels.gemm_softmax import gemm_softmax
@@ -726,6 +727,9 @@ def test_full_col_policy_splits_wgmma_along_n_between_warpgroups():
     odd = gemm(1024, 1024, 1024, 1, 1, 1, False, False, False, "float16", "float16",
                GemmConfig(64, 192, 64, 3, 256, 8, "full_col"), target="sm_90a")  # 96-column halves, 64-wide panels
     assert "HGMMA.64x96x16" not in odd.sass()
+    square = gemm(1024, 1024, 1024, 1, 1, 1, False, False, False, "float16", "float16",
+                  GemmConfig(64, 128, 64, 3, 256, 8), target="sm_90a")  # the default policy: too short to stack
+    assert set(re.findall(r"H\w*MMA\.\w+", square.sass())) == {"HGMMA.64x64x16"}
 
 
 

@@ -95,38 +95,41 @@ class AttentionJob:
     def label(self) -> str:
         p = self.problem
         kind = [name for name in ("causal", "local", "softcap", "alibi") if p[name]]
-        name = {"forward": "flash_attention", "delta": "flash_attention delta", "backward": "flash_attention bwd"}
+        name = {"forward": "flash_attention", "delta": "flash_attention delta", "backward": "flash_attention bwd",
+                "dq": "flash_attention bwd dq"}
         return " ".join([f"{name[self.part]} d{p['dim']} {p['dtype']}", *kind])
 
     def key_and_builder(self):
         from .kernels.attention import flash_attention_forward
-        from .kernels.attention_backward import attention_delta, flash_attention_backward
-        from .kernels.attention_config import backward_config, default_config
-        from .kernels.attention_launch import build_attention, build_attention_backward
+        from .kernels.attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
+        from .kernels.attention_config import backward_config, backward_dq_config, default_config, dq_kernel_of
+        from .kernels.attention_launch import build_attention
 
         problem, arch = self.problem, self.arch
         if self.part == "delta":
             args = dict(dim=problem["dim"], dtype=problem["dtype"])
             return attention_delta.key((), args, arch), lambda: attention_delta(**args, target=arch)
-        if self.part == "backward":
-            cfg = backward_config(problem["dim"], arch)
-            return (flash_attention_backward.key((), dict(problem, cfg=cfg), arch),
-                    lambda: build_attention_backward(problem, cfg, arch)[0])
+        if self.part in ("backward", "dq"):
+            dq = self.part == "dq"
+            fn = flash_attention_backward_dq if dq else flash_attention_backward
+            args = dict(problem, cfg=(backward_dq_config if dq else backward_config)(problem["dim"], arch))
+            if not dq:
+                args["atomic_dq"] = not dq_kernel_of(problem["dim"], False)
+            return fn.key((), args, arch), lambda: fn(**args, target=arch)
         cfg = default_config(problem["dim"], arch)
         return (flash_attention_forward.key((), dict(problem, cfg=cfg), arch),
                 lambda: build_attention(problem, cfg, arch))
 
     @staticmethod
     def training(dim: int, dtype: str, causal: bool, arch: str) -> list:
-        """The kernels a training step launches for plain (or causal) attention: the forward, and where the head
-        dim has backward kernels, Delta and the key-block kernel."""
-        from .ops.attention import BACKWARD_HEAD_DIMS
+        """The kernels a training step launches for plain (or causal) attention: the forward, Delta, the key-block
+        kernel and, where it computes dQ (``dq_kernel_of``), the query-block one."""
+        from .kernels.attention_config import dq_kernel_of
 
         problem = dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False)
-        if dim not in BACKWARD_HEAD_DIMS:
-            return [AttentionJob(problem, arch)]
         delta = AttentionJob(dict(problem, causal=False), arch, "delta")  # (one per head dim and dtype)
-        return [AttentionJob(problem, arch), delta, AttentionJob(problem, arch, "backward")]
+        jobs = [AttentionJob(problem, arch), delta, AttentionJob(problem, arch, "backward")]
+        return jobs + [AttentionJob(problem, arch, "dq")] if dq_kernel_of(dim, False) else jobs
 
 
 @dataclasses.dataclass

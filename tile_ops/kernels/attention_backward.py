@@ -12,6 +12,11 @@ register layout the next products read them in:
     dQ   = dS K                   (dS^T through shared memory)   added into a float32 dQ with T.atomic_add
                                   (up to head dim 128 a shared tile at a time: TMA's reduce-add on sm_90a)
 
+Two consumer warpgroups split the block's keys (64 each) up to head dim 128; beyond it dK and dV of 64 keys each
+fill a warpgroup's registers, so the warpgroups split the head dim instead (FlashAttention-3's layout at head
+dim 256): each computes half of S^T's and dP^T's query columns, P^T and dS^T go through shared memory whole,
+and each warpgroup's dV, dK and dQ products take its half of the head dim.
+
 Every size and stride is launch-time, as in the forward (one kernel per head dim, dtype, mask kind, config).
 The torch side: ops/attention.py."""
 
@@ -19,7 +24,7 @@ The torch side: ops/attention.py."""
 import tile_ops
 import tile_ops.lang as T
 
-from .attention_config import AttentionConfig
+from .attention_config import AttentionConfig, splits_head_dim
 from .attention_mask import LOG2E, Window, kernel_function, score_log2, strided
 
 
@@ -87,6 +92,8 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
     bM, bN = cfg.block_M, cfg.block_N
     capped = softcap  # (the kernel's parameter ``softcap`` is the cap's value)
     staged_dq = dim <= 128  # dQ's float32 tile through shared memory (a larger one does not fit beside the rest)
+    split_dim = splits_head_dim(cfg)
+    policy = "full_col" if split_dim else "full_row"
     q_side, k_side, rows, (B, Hq, Hkv, Sq, Sk) = _types(dim, dtype)
     tensors = {"Q": q_side("Q"), "K": k_side("K"), "V": k_side("V"), "dO": q_side("dO"), "LSE": rows, "Delta": rows}
     if atomic_dq:
@@ -105,15 +112,19 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
             dO_s = T.alloc_shared((bM, dim), dtype)
             ST = T.alloc_fragment((bN, bM), "float32")  # S^T, then P^T
             dPT = T.alloc_fragment((bN, bM), "float32")  # dP^T, then dS^T
-            PT = T.alloc_fragment((bN, bM), dtype)
-            dST = T.alloc_fragment((bN, bM), dtype)
+            if split_dim:  # each warpgroup holds half of P^T's and dS^T's columns: the products read them whole
+                PT_s = T.alloc_shared((bN, bM), dtype)
+            else:
+                PT = T.alloc_fragment((bN, bM), dtype)
+                dST = T.alloc_fragment((bN, bM), dtype)
             dK_f = T.alloc_fragment((bN, dim), "float32")
             dV_f = T.alloc_fragment((bN, dim), "float32")
             # the step's LSE (base 2) and Delta by query, two slots: one barrier a step orders their reuse
             lse_s = T.alloc_shared((2, bM), "float32")
             delta_s = T.alloc_shared((2, bM), "float32")
-            if atomic_dq:
+            if atomic_dq or split_dim:
                 dS_s = T.alloc_shared((bN, bM), dtype)
+            if atomic_dq:
                 dQ = T.alloc_fragment((bM, dim), "float32")
                 dQ_s = T.alloc_shared((bM, dim), "float32") if staged_dq else None
             T.copy(K[b, kv_head, k0, 0], K_s)
@@ -132,20 +143,27 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                         row = T.min(q0 + i, Sq - 1)
                         lse_s[slot, i] = LSE[b, h, row] * LOG2E
                         delta_s[slot, i] = Delta[b, h, row]
-                    T.gemm(K_s, Q_s, ST, transpose_B=True, clear_accum=True, policy="full_row")
-                    T.gemm(V_s, dO_s, dPT, transpose_B=True, clear_accum=True, policy="full_row")
+                    T.gemm(K_s, Q_s, ST, transpose_B=True, clear_accum=True, policy=policy)
+                    T.gemm(V_s, dO_s, dPT, transpose_B=True, clear_accum=True, policy=policy)
                     for j, i in T.Parallel(bN, bM):
                         p, ds = _ds(ST[j, i], dPT[j, i], q0 + i, k0 + j, window, Sq, Sk, lse_s[slot, i],
                                     delta_s[slot, i], scale, softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
                         dPT[j, i] = ds
                         ST[j, i] = p
                         dPT[j, i] = dPT[j, i] * ST[j, i]
-                    T.copy(ST, PT)
-                    T.gemm(PT, dO_s, dV_f, policy="full_row")
-                    T.copy(dPT, dST)
-                    T.gemm(dST, Q_s, dK_f, policy="full_row")
+                    if split_dim:
+                        T.copy(ST, PT_s)
+                        T.copy(dPT, dS_s)
+                        T.gemm(PT_s, dO_s, dV_f, policy=policy)
+                        T.gemm(dS_s, Q_s, dK_f, policy=policy)
+                    else:
+                        T.copy(ST, PT)
+                        T.gemm(PT, dO_s, dV_f, policy=policy)
+                        T.copy(dPT, dST)
+                        T.gemm(dST, Q_s, dK_f, policy=policy)
+                        if atomic_dq:
+                            T.copy(dST, dS_s)
                     if atomic_dq:
-                        T.copy(dST, dS_s)
                         T.gemm(dS_s, K_s, dQ, transpose_A=True, clear_accum=True)
                         if staged_dq:  # one reduce-add of the tile (TMA's on sm_90a), not one per element
                             T.copy(dQ, dQ_s)

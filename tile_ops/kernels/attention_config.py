@@ -48,13 +48,30 @@ def default_config(dim: int, arch: str | None = None) -> AttentionConfig:
     return AttentionConfig(64, 64, 3, 128)
 
 
+def splits_head_dim(cfg: AttentionConfig) -> bool:
+    """Whether the backward's warpgroups split the head dim (each all of the block's keys) rather than the keys:
+    where the block has fewer than 64 keys a warpgroup (a wgmma's rows)."""
+    return cfg.block_N < 64 * (cfg.threads // 128)
+
+
 def backward_config(dim: int, arch: str | None = None) -> AttentionConfig:
     """The backward's, 64 queries a step: on sm_90a up to head dim 128, 128 keys a block over two consumer
-    warpgroups (each keeps 64 keys' dK and dV in registers; dQ's product splits across them); else 64 keys and
-    one warpgroup (a larger head dim's dK and dV fill the registers)."""
-    if (arch or default_arch()) == "sm_90a" and dim <= 128:
+    warpgroups (each keeps 64 keys' dK and dV in registers; dQ's product splits across them); beyond it 64 keys
+    over two warpgroups that split the head dim (``splits_head_dim``: 64 keys' whole dK and dV would fill one
+    warpgroup's registers).  On the mma.sync path 64 keys and one warpgroup, two above head dim 128."""
+    if dim > 128:
+        return AttentionConfig(64, 64, 2, 256)
+    if (arch or default_arch()) == "sm_90a":
         return AttentionConfig(64, 128, 2, 256)
     return AttentionConfig(64, 64, 2, 128)
+
+
+def dq_kernel_of(dim: int, deterministic: bool) -> bool:
+    """Whether dQ comes from its own query-block kernel rather than the key-block kernel's adds: for the same bits
+    every run, and above head dim 128, where dQ's float32 tile does not fit shared memory for one reduce-add and
+    an atomic add per element costs more than the query blocks' recomputed S and dP (H100, D256 bf16: 344
+    against 238 TFLOP/s)."""
+    return deterministic or dim > 128
 
 
 def backward_dq_config(dim: int, arch: str | None = None) -> AttentionConfig:

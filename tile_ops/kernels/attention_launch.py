@@ -9,7 +9,7 @@ from tile_ops.jit import default_arch
 
 from .attention import flash_attention_forward
 from .attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
-from .attention_config import backward_config, backward_dq_config, default_config
+from .attention_config import backward_config, backward_dq_config, default_config, dq_kernel_of
 
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -55,12 +55,13 @@ def slopes_view(alibi_slopes, B, Hq):
 
 def build_attention_backward(problem: dict, cfg=None, arch=None, deterministic=False):
     """(the key-block kernel, the dQ kernel or None) for ``problem`` (``attention_problem``'s) with ``cfg``
-    (default: the head dim's): dQ by atomic adds in the first, or (``deterministic``) by the second."""
+    (default: the head dim's): dQ by atomic adds in the first, or (``dq_kernel_of``) by the second."""
     arch = arch or default_arch()
     cfg = cfg or backward_config(problem["dim"], arch)
-    main = flash_attention_backward(**problem, atomic_dq=not deterministic, cfg=cfg, target=arch)
+    separate = dq_kernel_of(problem["dim"], deterministic)
+    main = flash_attention_backward(**problem, atomic_dq=not separate, cfg=cfg, target=arch)
     dq_cfg = backward_dq_config(problem["dim"], arch)
-    return main, flash_attention_backward_dq(**problem, cfg=dq_cfg, target=arch) if deterministic else None
+    return main, flash_attention_backward_dq(**problem, cfg=dq_cfg, target=arch) if separate else None
 
 
 def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causal=False, window=(-1, -1),
@@ -68,15 +69,17 @@ def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale
     """dq, dk, dv (B, S, H, D, written) of the checked forward inputs, its ``out`` and ``lse``, and the output's
     gradient ``dout`` (and the LSE's, ``grad_lse``, or None), on the current stream: Delta = rowsum(dout * out)
     (less grad_lse), then the key-block kernel (dK, dV), whose atomic adds into a zeroed float32 buffer give dQ,
-    or (``deterministic``) the query-block dQ kernel: no atomics, the same bits every run."""
+    or (``dq_kernel_of``: ``deterministic``, or a head dim over 128) the query-block dQ kernel: no atomics, the
+    same bits every run."""
     arch = arch or default_arch(q.device)
     problem = attention_problem(q, causal, window, softcap, alibi_slopes is not None)
     kernel, dq_kernel = build_attention_backward(problem, arch=arch, deterministic=deterministic)
+    separate = dq_kernel is not None
     delta_kernel = attention_delta(q.shape[-1], _DT[q.dtype], target=arch)
     B, Sq, Hq, D = q.shape
     delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    dq_acc = None if deterministic else torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
-    tensors = [q, k, v, dout, out, lse, delta, dq if deterministic else dq_acc, dk, dv]
+    dq_acc = None if separate else torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
+    tensors = [q, k, v, dout, out, lse, delta, dq if separate else dq_acc, dk, dv]
     if alibi_slopes is not None:
         tensors.append(slopes_view(alibi_slopes, B, Hq))
     scalars = _scalars(D, softmax_scale, softcap, window)
@@ -88,10 +91,10 @@ def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale
             delta_.sub_(grad_lse[b0:b1].masked_fill(lse_.isinf(), 0.0))
         inputs = [t.transpose(1, 2) for t in (q_, k_, v_, dout_)] + [lse_, delta_]
         dkv = [t.transpose(1, 2) for t in (dk_, dv_)]
-        _launch(kernel, inputs + ([] if deterministic else [dq_]) + dkv + part[10:], q.device, scalars)
-        if deterministic:
+        _launch(kernel, inputs + ([] if separate else [dq_]) + dkv + part[10:], q.device, scalars)
+        if separate:
             _launch(dq_kernel, inputs + [dq_.transpose(1, 2)] + part[10:], q.device, scalars)
-    if not deterministic:
+    if not separate:
         dq.copy_(dq_acc.transpose(1, 2))
 
 

@@ -20,8 +20,7 @@ Implementations:
 * CPU: the reference in plain torch (float32; float64 for float64 inputs).
 * Fake: shapes and dtypes, for ``torch.compile``.
 * Autograd: ``tile_ops::flash_attention_backward(dout, q, k, v, out, lse, grad_lse, ...same options) -> (dq, dk,
-  dv)``, itself a custom op: on CUDA ``tile_ops.kernels.attention_backward`` (head dims 64-128; larger ones the
-  reference's gradients in float32 for now), on the CPU the reference's gradients.
+  dv)``, itself a custom op: on CUDA ``tile_ops.kernels.attention_backward``, on the CPU the reference's gradients.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from . import checks, record
 
 OP = "tile_ops.flash_attention"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # the CUDA kernel's (any head dim on the CPU)
-BACKWARD_HEAD_DIMS = (64, 96, 128)  # the backward kernel's registers hold dK and dV up to 128 (beyond: float32 torch)
 
 
 # --------------------------------------------------------------------------- checks
@@ -271,9 +269,6 @@ def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softm
                                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
                                    deterministic=False):
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    if q.shape[-1] not in BACKWARD_HEAD_DIMS:  # (no kernel yet: the reference's gradients, in float32)
-        return _flash_attention_backward_reference(dout, q, k, v, out, lse, grad_lse, softmax_scale, causal,
-                                                   window_left, window_right, softcap, alibi_slopes)
     if q.numel() == 0 or k.numel() == 0:  # no query or no key: no gradient flows
         return dq.zero_(), dk.zero_(), dv.zero_()
     from ..kernels.attention_launch import launch_attention_backward

@@ -96,10 +96,13 @@ def check_operands(g: Gemm) -> None:
 
 
 def splits_n(g: Gemm, threads: int) -> bool:
-    """policy="full_col" with several warpgroups: each takes N / warpgroups columns of all M rows
-    (e.g. a 64-row tile, too short to stack warpgroups along M).  A register A operand would have to
-    be whole in every warpgroup, so those stack along M."""
-    return g.policy == "full_col" and threads >= 256 and g.A.scope == "shared"
+    """Several warpgroups each take N / warpgroups columns of all M rows: by policy="full_col", or by "square"
+    where M is too short to stack them (a 64-row tile over two).  A register A operand would have to be whole
+    in every warpgroup, so those stack along M."""
+    n_wg = threads // 128
+    if n_wg < 2 or g.A.scope != "shared":
+        return False
+    return g.policy == "full_col" or g.policy == "square" and g.C.shape[0] % (64 * n_wg) != 0
 
 
 def uses_wgmma(g: Gemm, threads: int) -> bool:
