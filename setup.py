@@ -118,7 +118,7 @@ setup(
         "pybind11",
         "triton",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "nvidia-cuda-cuobjdump",
+    extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "nvidia-cuda-cuobjdump",
                              "transformers==5.17.0"],
                     "transformers": ["transformers>=5.17"]},
     entry_points={"console_scripts": ["tile_ops = tile_ops.__main__:main"]},
