@@ -24,8 +24,9 @@ def emulate(prog, arch, **arrays):
     Emulator(lk.func, arrays).run(lk.meta.grid)
 
 
-def rescale(policy_s, policy_o, threads=128):
-    """O - rowmax(S), S (bM, bN) and O (bM, DIM) laid out by two gemms of the given policies."""
+def rescale(policy_s, policy_o, threads=128, kind="max"):
+    """O - rowmax(S) (or T.reduce_``kind``'s statistic), S (bM, bN) and O (bM, DIM) laid out by two gemms of the
+    given policies."""
     @T.prim_func
     def main(X: T.Tensor((bM, bN), "float32"), X2: T.Tensor((bM, DIM), "float32"), Y: T.Tensor((bM, DIM), "float32"),
              Z: T.Tensor((bM,), "float32")):
@@ -41,7 +42,7 @@ def rescale(policy_s, policy_o, threads=128):
                 T.gemm(Q_s, V_s, O, policy=policy_o)
             T.copy(X, S)
             T.copy(X2, O)
-            T.reduce_max(S, m, dim=1)
+            getattr(T, f"reduce_{kind}")(S, m, dim=1)
             for i, j in T.Parallel(bM, DIM):
                 O[i, j] = O[i, j] - m[i]
             T.copy(O, Y)
@@ -60,6 +61,20 @@ def test_a_row_statistic_of_one_accumulator_rescales_another_of_the_same_rows(ar
     emulate(rescale(policy_s, policy_o), arch, X=X, X2=X2, Y=Y, Z=Z)
     np.testing.assert_array_equal(Z, X.max(1))
     np.testing.assert_array_equal(Y, X2 - X.max(1)[:, None])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("kind", ["min", "sum"])
+def test_row_minimum_and_sum(arch, kind):
+    """T.reduce_min and T.reduce_sum fold like T.reduce_max: each thread's own columns, then the quad's lanes."""
+    rng = np.random.default_rng(1)
+    X, X2 = rng.standard_normal((bM, bN)).astype(np.float32), rng.standard_normal((bM, DIM)).astype(np.float32)
+    Y, Z = np.zeros((bM, DIM), np.float32), np.zeros(bM, np.float32)
+    policy = "full_row" if arch == "sm_80" else "square"  # (one row's threads in both accumulators)
+    emulate(rescale(policy, policy, kind=kind), arch, X=X, X2=X2, Y=Y, Z=Z)
+    want = X.min(1) if kind == "min" else X.astype(np.float64).sum(1)
+    np.testing.assert_allclose(Z, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(Y, X2 - Z[:, None], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("policy_s, policy_o", [("square", "square"), ("full_row", "square")])

@@ -343,6 +343,10 @@ def reduce_max(src, dst, dim=-1, clear=True):
     emit(Reduce("max", _whole(src, "T.reduce_max"), _whole(dst, "T.reduce_max"), dim, clear))
 
 
+def reduce_min(src, dst, dim=-1, clear=True):
+    emit(Reduce("min", _whole(src, "T.reduce_min"), _whole(dst, "T.reduce_min"), dim, clear))
+
+
 def reduce_sum(src, dst, dim=-1, clear=True):
     emit(Reduce("sum", _whole(src, "T.reduce_sum"), _whole(dst, "T.reduce_sum"), dim, clear))
 

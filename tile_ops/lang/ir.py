@@ -246,7 +246,7 @@ class Fill(Node):
 
 @dataclass
 class Reduce(Node):
-    kind: str  # "max" | "sum"
+    kind: str  # "max" | "min" | "sum"
     src: TileBuffer
     dst: TileBuffer
     dim: int

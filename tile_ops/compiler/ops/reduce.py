@@ -1,4 +1,4 @@
-"""``T.reduce_max`` / ``T.reduce_sum`` over the rows of a gemm accumulator: each thread folds its own columns,
+"""``T.reduce_max`` / ``T.reduce_min`` / ``T.reduce_sum`` over the rows of a gemm accumulator: each thread folds its own columns,
 a quad's shuffles the row's 4 lanes, and shared memory the warps that split a row."""
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ def tree_fold(op, values: list):
     return values[0]
 
 
+FOLDS = {  # kind -> (combine, identity)
+    "max": (tirx.max, -tirx.infinity("float32")),
+    "min": (tirx.min, tirx.infinity("float32")),
+    "sum": (lambda a, b: a + b, tirx.const(0.0, "float32")),
+}
+
+
 @tile_op(Reduce)
 class ReduceOp(TileOp):
     def reads(self, node, buffers):
@@ -77,8 +84,7 @@ class ReduceOp(TileOp):
     def lower(self, lw, node, vm):
         src_l: MmaAccumLayout = lw.infer.layouts[node.src]
         dst_l = lw.infer.layouts[node.dst]
-        op = tirx.max if node.kind == "max" else (lambda a, b: a + b)
-        init = -tirx.infinity("float32") if node.kind == "max" else tirx.const(0.0, "float32")
+        op, init = FOLDS[node.kind]
         src, dst = lw.frags[node.src], lw.frags[node.dst]
         ni = src_l.ni
         part = T.alloc_local([dst_l.local_size], "float32")
