@@ -58,20 +58,22 @@ def backward_config(dim: int, arch: str | None = None) -> AttentionConfig:
     """The backward's, 64 queries a step: on sm_90a up to head dim 128, 128 keys a block over two consumer
     warpgroups (each keeps 64 keys' dK and dV in registers; dQ's product splits across them); beyond it 64 keys
     over two warpgroups that split the head dim (``splits_head_dim``: 64 keys' whole dK and dV would fill one
-    warpgroup's registers).  On the mma.sync path 64 keys and one warpgroup, two above head dim 128."""
+    warpgroup's registers).  At 96 one warpgroup of 64 keys: two of 64 spilled 268-288 bytes a thread (a
+    96-wide tile is three 32-column panels).  On the mma.sync path 64 keys and one warpgroup, two above 128."""
     if dim > 128:
         return AttentionConfig(64, 64, 2, 256)
-    if (arch or default_arch()) == "sm_90a":
+    if (arch or default_arch()) == "sm_90a" and dim != 96:
         return AttentionConfig(64, 128, 2, 256)
     return AttentionConfig(64, 64, 2, 128)
 
 
 def dq_kernel_of(dim: int, deterministic: bool) -> bool:
     """Whether dQ comes from its own query-block kernel rather than the key-block kernel's adds: for the same bits
-    every run, and above head dim 128, where dQ's float32 tile does not fit shared memory for one reduce-add and
-    an atomic add per element costs more than the query blocks' recomputed S and dP (H100, D256 bf16: 344
-    against 238 TFLOP/s)."""
-    return deterministic or dim > 128
+    every run, and at every head dim but 128.  Above 128 dQ's float32 tile does not fit shared memory for one
+    reduce-add, and an atomic add per element costs more than the query blocks' recomputed S and dP (H100, D256
+    bf16: 344 against 238 TFLOP/s); at 64 and 96 each warpgroup's half of dQ's columns starts inside a swizzle
+    panel of K's tile, so the product falls back to mma.sync (H100, D64: 269 / 221 against 236 / 197)."""
+    return deterministic or dim != 128
 
 
 def backward_dq_config(dim: int, arch: str | None = None) -> AttentionConfig:
