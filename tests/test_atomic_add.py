@@ -10,7 +10,7 @@ from test_compiler import needs_nvcc
 from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
 from tile_ops.lang.errors import TileLangError
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 
 @pytest.fixture(autouse=True)

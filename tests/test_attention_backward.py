@@ -13,7 +13,7 @@ from tile_ops.compiler.meta import evaluate
 from tile_ops.kernels.attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
 from tile_ops.kernels.attention_config import AttentionConfig, splits_head_dim
 from tile_ops.ops.attention import attention_reference
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 SMALL = AttentionConfig(64, 64, 2, 128)
 

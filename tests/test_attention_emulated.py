@@ -1,7 +1,7 @@
 """A FlashAttention-2 forward kernel written in the tile language as the README describes it (S = Q K^T into a
 float32 fragment, online softmax with T.reduce_max / T.reduce_sum, O rescaled in a T.Parallel by a row statistic of
 S, P cast into a fragment that is the register A operand of P @ V), lowered for sm_80 and run on the CPU emulator
-(tests/tir_emulator.py) against a float64 softmax(Q K^T / sqrt(d)) V: several Q blocks and KV tiles, ragged
+(tile_ops/jit/emulator.py) against a float64 softmax(Q K^T / sqrt(d)) V: several Q blocks and KV tiles, ragged
 sequence lengths (keys past the end masked), a causal mask with a loop extent computed from the block index,
 float16 and bfloat16.  P is rounded to the input dtype before P @ V, so results match to a tolerance, not exactly;
 deliberately broken variants (no rescale of O, no mask of the padded keys) must miss it.  The same program also
@@ -21,7 +21,7 @@ from test_compiler import needs_cuobjdump, needs_nvcc
 from test_wgmma_rs import RS_PTX
 from tile_ops.compiler.lower import lower
 from tile_ops.compiler.meta import evaluate
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 LOG2E = math.log2(math.e)
 

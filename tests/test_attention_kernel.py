@@ -1,5 +1,5 @@
 """The library's FlashAttention forward (tile_ops/kernels/attention.py) on the CPU: its programs lowered for
-sm_80 and run on the emulator (tests/tir_emulator.py) against a float64 reference, over the features crossed
+sm_80 and run on the emulator (tile_ops/jit/emulator.py) against a float64 reference, over the features crossed
 with ragged lengths: batches and heads, GQA, Sq != Sk, causal (bottom-right), sliding windows, softcap,
 ALiBi, rows that see no key (O = 0, LSE = -inf), (B, S, H, D) tensors read through their strides; one lowered
 kernel at several shapes.  The sm_90a path too (warp-specialized: K and V by 4-D TMA through their strides,
@@ -19,7 +19,7 @@ from tile_ops.compiler.meta import evaluate
 from tile_ops.kernels.attention import flash_attention_forward
 from tile_ops.kernels.attention_config import AttentionConfig
 from tile_ops.ops.attention import attention_reference
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 SMALL = AttentionConfig(64, 32, 2, 128)
 CTAS = 2  # a persistent grid's CTAs on the emulator: each walks several (query block, head, batch) tiles

@@ -15,7 +15,7 @@ import tile_ops.lang as T
 from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
 from tile_ops.lang.errors import TileLangError
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 DIM = 64
 

@@ -19,7 +19,7 @@ from tile_ops.compiler.meta import KernelMeta, PlanExpr, evaluate
 from tile_ops.jit.kernel import DIM, PLAN_VALUE, EntryArgs, Kernel, LaunchDims, Sized
 from tile_ops.lang import TileLangError
 from programs import matmul_any_m
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 SM80_TILES = dict(block_M=32, block_N=32, block_K=32, num_stages=2, threads=64)
 SM90_TILES = dict(block_M=64, block_N=64, block_K=64, num_stages=2, threads=128)

@@ -1,4 +1,4 @@
-"""Fragment programs run on the CPU emulator (tests/tir_emulator.py: registers, warp shuffles): row
+"""Fragment programs run on the CPU emulator (tile_ops/jit/emulator.py: registers, warp shuffles): row
 reductions, a row statistic of one accumulator applied to another (FlashAttention's rescale), casts
 between fragments.  A gemm in a loop of no iterations only fixes the fragments' layouts; their values
 come from global memory through T.copy."""
@@ -9,7 +9,7 @@ import pytest
 import tile_ops.lang as T
 from tile_ops.compiler.lower import lower
 from tile_ops.lang.errors import TileLangError
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 bM, bN, DIM = 64, 64, 128
 

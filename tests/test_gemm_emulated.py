@@ -1,5 +1,5 @@
 """The README's tensor-core GEMM (tests/programs.py's matmul) lowered for sm_80 and run on the CPU emulator
-(tests/tir_emulator.py: cp.async, ldmatrix, mma.sync m16n8k16): several blocks and at least two pipeline
+(tile_ops/jit/emulator.py: cp.async, ldmatrix, mma.sync m16n8k16): several blocks and at least two pipeline
 iterations each, ragged M, N and K, rows too narrow for cp.async, transposed operands, float16 and bfloat16.
 Inputs are multiples of 1/8 in [-2, 2], exact in both dtypes, so the float32 accumulation is exact and C is
 the float64 reference rounded once to C's dtype: every element must match."""
@@ -12,7 +12,7 @@ import torch
 
 from tile_ops.compiler.lower import lower
 from programs import matmul
-from tir_emulator import Emulator, _ldmatrix, _mma
+from tile_ops.jit.emulator import Emulator, _ldmatrix, _mma
 
 TILE_32 = dict(block_M=32, block_N=32, block_K=16, num_stages=2, threads=64)  # 1x2 warps of 32x16
 

@@ -17,7 +17,7 @@ from tile_ops.kernels.gemm_defaults import default_config
 from tile_ops.jit.kernel import Sized
 from tile_ops.kernels.gemm_launch import PaddedGemm, SplitKGemm, build_gemm
 from fake_kernels import FakeKernel, record_allocations
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 CFG = GemmConfig(128, 128, 64, 4, 128, 8, epilogue="shared")
 

@@ -1,5 +1,5 @@
 """The README's GEMM (tests/programs.py's matmul) lowered for sm_90a and run on the CPU emulator
-(tests/tir_emulator.py): a producer warpgroup issuing TMA tile loads onto mbarriers, consumer warpgroups
+(tile_ops/jit/emulator.py): a producer warpgroup issuing TMA tile loads onto mbarriers, consumer warpgroups
 waiting on their phases and running wgmma m64nNk16 on 128B-swizzled shared tiles through matrix
 descriptors, stages released back to the producer.  Several blocks, more k-steps than stages, ragged M, N
 and K (TMA's out-of-bounds zero fill), K-major and M/N-major operands; the library gemm's thread-block
@@ -16,7 +16,7 @@ import pytest
 from tile_ops.compiler.lower import lower
 from tile_ops.compiler.meta import evaluate
 from programs import matmul
-from tir_emulator import (_PEER_SHIFT, Emulator, _Cta, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store,
+from tile_ops.jit.emulator import (_PEER_SHIFT, Emulator, _Cta, _descriptor_addresses, _swizzled, _tma_box, _tma_box_store,
                           _wgmma)
 
 HOPPER = dict(block_M=128, block_N=128, block_K=64, num_stages=3, threads=256)  # 2 consumer warpgroups

@@ -11,7 +11,7 @@ import tile_ops.lang as T
 from test_compiler import needs_nvcc
 from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 N = 256
 X = np.linspace(-3.0, 3.0, N, dtype=np.float32)

@@ -12,7 +12,7 @@ from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
 from tile_ops.jit.kernel import EntryArgs, Kernel, encode_scalar
 from tile_ops.lang.errors import TileLangError
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 
 def axpb():

@@ -1,5 +1,5 @@
 """The library's fused GEMM + softmax (tile_ops.kernels.gemm_softmax) lowered for sm_90a and run on the CPU
-emulator (tests/tir_emulator.py), in each of its three ways of combining a row's statistics across blocks:
+emulator (tile_ops/jit/emulator.py), in each of its three ways of combining a row's statistics across blocks:
 
 - a thread-block cluster splitting the row (T.cluster_allreduce of (max, sum) pairs): every block sends its (max, sum) pairs
   into each peer's exchange slots with st.async, completing on the peer's mbarrier, and merges them;
@@ -18,7 +18,7 @@ from tile_ops.compiler.lower import lower
 from tile_ops.kernels.gemm_softmax import gemm_softmax
 from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 from tile_ops.kernels.gemm_softmax_defaults import default_config
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 WORKSPACE = "tile_ops_workspace"
 SMALL = dict(block_M=64, block_N=64, block_K=64, threads=128, policy="full_row")  # one consumer warpgroup
@@ -130,7 +130,7 @@ def test_deferred_softmax_without_its_warp_sync_deadlocks(monkeypatch):
     """The statistics warp's __syncwarp keeps every lane past its spin on the row block's flag before lane 0,
     the row block's last reader, resets it. Without it lane 0 runs ahead and resets the flag, and the lanes still
     to leave their spin read 0 and wait for good: the hang the GPU would show."""
-    import tir_emulator
+    from tile_ops.jit import emulator as tir_emulator
 
     monkeypatch.setattr(tir_emulator, "_NO_OPS", tir_emulator._NO_OPS | {"tirx.cuda.warp_sync"})
     with pytest.raises(RuntimeError, match=r"deadlock.*flag\.wait"):

@@ -12,7 +12,7 @@ from tile_ops.compiler.lower import lower
 from tile_ops.compiler.meta import evaluate
 from tile_ops.jit.kernel import LaunchDims, extent
 from tile_ops.lang.errors import TileLangError
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 
 def transpose_copy(D=32, rows=32):

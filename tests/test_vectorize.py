@@ -13,7 +13,7 @@ import tile_ops.lang as T
 from tile_ops.compiler import compile_program
 from tile_ops.compiler.lower import lower
 from tile_ops.jit.build import _find_tool
-from tir_emulator import Emulator
+from tile_ops.jit.emulator import Emulator
 
 needs_sass = pytest.mark.skipif(_find_tool("nvcc", "TILE_OPS_NVCC") is None or
                                 _find_tool("cuobjdump", "TILE_OPS_CUOBJDUMP") is None, reason="no nvcc/cuobjdump")
