@@ -22,7 +22,7 @@ def interpret(program, *tensors, arch: str = "sm_90a", **scalars):
     from ..compiler.lower import lower
     from ..compiler.meta import evaluate
     from .emulator import Emulator
-    from .kernel import LaunchDims
+    from .kernel import LaunchDims, check_layouts
 
     lk = lower(program, arch)
     m = lk.meta
@@ -39,7 +39,7 @@ def interpret(program, *tensors, arch: str = "sm_90a", **scalars):
                                   f"T.row_reduce_store); the interpreter does not allocate one")
     dims = LaunchDims(m, list(range(len(m.params))))
     named = dims.named(dims.read(tensors))
-    _check(m, tensors, named, evaluate)
+    check_layouts(m, tensors, named, "interpret")
     missing = [name for name, _ in m.scalars if name not in scalars]
     if missing:
         raise TypeError(f"interpret: {m.name} needs the T.Scalars {', '.join(missing)} by name")
@@ -51,22 +51,6 @@ def interpret(program, *tensors, arch: str = "sm_90a", **scalars):
     if 0 not in grid:
         emulator.run(grid, m.cluster_dims, resident=bool(m.persistent_tiles))  # a persistent grid is all resident
     return emulator.ran
-
-
-def _check(m, tensors, named, evaluate):
-    """What a launch checks: each tensor's dtype and shape, and its strides where the program gives them."""
-    for (name, shape, dtype), t in zip(m.params, tensors):
-        shape = [evaluate(d, named) for d in shape]
-        if tuple(t.shape) != tuple(shape) or str(t.dtype) != f"torch.{dtype}":
-            raise ValueError(f"interpret: parameter {name} must be {dtype}{shape}, got {str(t.dtype)[6:]}"
-                             f"{list(t.shape)}")
-        strides = m.strides.get(name)
-        if strides is None and not t.is_contiguous():
-            raise ValueError(f"interpret: parameter {name} must be contiguous (row-major)")
-        if strides is not None and any(n > 1 and t.stride(i) != evaluate(s, named)
-                                       for i, (n, s) in enumerate(zip(t.shape, strides))):
-            raise ValueError(f"interpret: parameter {name} must have strides "
-                             f"{[evaluate(s, named) for s in strides]}, got {list(t.stride())}")
 
 
 def _memory(t, flat: bool):

@@ -386,23 +386,14 @@ class Kernel:
         dims = self.dims.read(tensors)
         named = self.dims.named(dims)
         device = None
-        for (name, shape, dtype), t in zip(m.params, tensors):
-            shape = [evaluate(d, named) for d in shape]
+        for (name, _, _), t in zip(m.params, tensors):
             if t.device.type != "cuda":
                 raise ValueError(f"{m.name}: parameter {name} is on {t.device}; tile_ops kernels take CUDA tensors")
             device = device or t.device
             if t.device != device:
                 raise ValueError(f"{m.name}: parameter {name} is on {t.device}, others on {device}")
-            if tuple(t.shape) != tuple(shape) or str(t.dtype) != f"torch.{dtype}":
-                raise ValueError(f"{m.name}: parameter {name} must be {dtype}{list(shape)}, "
-                                 f"got {str(t.dtype)[6:]}{list(t.shape)}")
-            strides = m.strides.get(name)
-            if strides is None and not t.is_contiguous():
-                raise ValueError(f"{m.name}: parameter {name} must be contiguous (row-major)")
-            if strides is not None and any(n > 1 and t.stride(i) != evaluate(s, named)
-                                           for i, (n, s) in enumerate(zip(t.shape, strides))):
-                raise ValueError(f"{m.name}: parameter {name} must have strides {[evaluate(s, named) for s in strides]} "
-                                 f"(elements), got {list(t.stride())}")
+        check_layouts(m, tensors, named, m.name)
+        for (name, _, _), t in zip(m.params, tensors):
             if t.data_ptr() % 16:
                 raise ValueError(f"{m.name}: parameter {name} must be 16-byte aligned (data_ptr % 16 == 0)")
         ptrs = [t.data_ptr() for t in tensors]
@@ -419,6 +410,23 @@ class Kernel:
                 ws = workspace(index, stream, self.workspace_bytes(grid, dims))
         self._fn().launch(grid, m.block, self._entry_args.build(ptrs, index, ws.data_ptr() if ws is not None else 0,
                                                                 dims), stream, index)
+
+
+def check_layouts(meta: KernelMeta, tensors, named: dict, who: str) -> None:
+    """ValueError unless each tensor has its parameter's dtype and shape at the sizes ``named``, and its strides
+    where the program gives them (else row-major)."""
+    for (name, shape, dtype), t in zip(meta.params, tensors):
+        shape = [evaluate(d, named) for d in shape]
+        if tuple(t.shape) != tuple(shape) or str(t.dtype) != f"torch.{dtype}":
+            raise ValueError(f"{who}: parameter {name} must be {dtype}{list(shape)}, got {str(t.dtype)[6:]}"
+                             f"{list(t.shape)}")
+        strides = meta.strides.get(name)
+        if strides is None and not t.is_contiguous():
+            raise ValueError(f"{who}: parameter {name} must be contiguous (row-major)")
+        if strides is not None and any(n > 1 and t.stride(i) != evaluate(s, named)
+                                       for i, (n, s) in enumerate(zip(t.shape, strides))):
+            raise ValueError(f"{who}: parameter {name} must have strides {[evaluate(s, named) for s in strides]} "
+                             f"(elements), got {list(t.stride())}")
 
 
 def extent(meta: KernelMeta, pos: int, named: dict) -> int:
