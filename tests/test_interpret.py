@@ -66,3 +66,22 @@ def test_a_missing_scalar_is_named():
     t = torch.zeros(1, 2, 64, 64, dtype=torch.float16)
     with pytest.raises(TypeError, match="needs the T.Scalars softcap, window_left, window_right by name"):
         tile_ops.interpret(prog, t, t, t, t.clone(), torch.zeros(1, 2, 64), scale=0.1)
+
+
+def test_a_stream_k_gemm_gets_a_zeroed_workspace_and_leaves_its_flags_zero():
+    """128 x 128 x 512 in 64 x 64 tiles on 3 CTAs: a tile is split between two, one adding the other's partial
+    from the workspace after its flag."""
+    from tile_ops.kernels.gemm import gemm
+    from tile_ops.kernels.gemm_config import GemmConfig
+
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(1, 128, 512, generator=gen).half(), torch.randn(1, 512, 128, generator=gen).half()
+    c = torch.full((1, 128, 128), math.nan, dtype=torch.float16)
+    prog = gemm.fn(128, 128, 512, 1, 1, 1, False, False, False, "float16", "float16",
+                   GemmConfig(64, 64, 64, 3, 128, stream_k=2))
+    ran = tile_ops.interpret(prog, a, b, torch.zeros(128, dtype=torch.float16), c, ctas=3)
+    assert rel_err(c, a.double() @ b.double()) < 5e-3
+    assert {"tile_ops_flag_signal", "tile_ops_flag_wait"} <= set(ran), sorted(ran)
+    with pytest.raises(ValueError, match="ctas=3 sets a persistent kernel's CTA count"):
+        tile_ops.interpret(matmul.fn(64, 64, 64), *(torch.zeros(64, 64, dtype=torch.float16) for _ in range(3)),
+                           arch="sm_80", ctas=3)

@@ -2,25 +2,29 @@
 emulator (``emulator.py``), so a kernel can be written and debugged without a GPU.
 
     import tile_ops
-    prog = my_kernel.fn(1024, 1024, 1024)                 # a @tile_ops.jit factory's program, or a T.prim_func
-    c = torch.empty(1024, 1024, dtype=torch.float16)
+    prog = my_kernel.fn(128, 128, 64)                     # a @tile_ops.jit factory's program, or a T.prim_func
+    c = torch.empty(128, 128, dtype=torch.float16)
     tile_ops.interpret(prog, a, b, c)                      # every parameter, outputs too; T.Scalars by name
 
 The tensors are written in place, as a launch writes CUDA tensors; the result is the count of PTX-level
-instructions that ran (``mma.sync.m16n8k16``, ``tma.load.2d.swizzle128``, ...).  Shared memory starts as NaN,
+instructions that ran (``mma.f16``, ``tma.load.2d.swizzle128``, ``wgmma.m64n64k16.f16``, ...).  Shared memory starts as NaN,
 so a read of shared memory nothing wrote shows; an index past a tensor's end raises.  Slow (numpy, Python
 generators per thread): sizes of a few tiles."""
 
 from __future__ import annotations
 
 
-def interpret(program, *tensors, arch: str = "sm_90a", **scalars):
+def interpret(program, *tensors, arch: str = "sm_90a", ctas: int | None = None, **scalars):
     """Lower ``program`` for ``arch`` and run it over ``tensors`` (CPU torch tensors, one per parameter, in
-    order, with the shapes, dtypes and strides the program declares); returns the instructions that ran."""
+    order, with the shapes, dtypes and strides the program declares); returns the instructions that ran.
+    ``ctas``: a persistent kernel's CTA count (default: the launch's, up to the SM count; fewer run faster
+    here, and stream-K splits its work by it).  A workspace (stream-K's partials and flags) is allocated zeroed,
+    and its flags must be zero again at the end, as the next launch sharing it needs."""
+    import numpy as np
     import torch
 
     from ..compiler.lower import lower
-    from ..compiler.meta import evaluate
+    from ..compiler.meta import FLAG_SLOTS, WORKSPACE, evaluate
     from .emulator import Emulator
     from .kernel import LaunchDims, check_layouts
 
@@ -34,9 +38,6 @@ def interpret(program, *tensors, arch: str = "sm_90a", **scalars):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             what = f"a tensor on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"interpret: parameter {name} must be a CPU torch.Tensor, got {what}")
-    if m.needs_workspace:
-        raise NotImplementedError(f"interpret: {m.name} keeps partials in a workspace (stream-K, "
-                                  f"T.row_reduce_store); the interpreter does not allocate one")
     dims = LaunchDims(m, list(range(len(m.params))))
     named = dims.named(dims.read(tensors))
     check_layouts(m, tensors, named, "interpret")
@@ -46,10 +47,24 @@ def interpret(program, *tensors, arch: str = "sm_90a", **scalars):
     arrays = {name: _memory(t, flat=name in m.strides) for (name, _, _), t in zip(m.params, tensors)}
     maps = {n: dict(spec, dims=[evaluate(d, named) for d in spec["dims"]],
                     strides=[evaluate(s, named) for s in spec["strides"]]) for n, spec in m.tensormaps.items()}
-    emulator = Emulator(lk.func, {**arrays, **named, **scalars}, tensormaps=maps)
     grid = tuple(evaluate(g, named) for g in m.grid)
+    if ctas is not None:
+        if not m.persistent_tiles:
+            raise ValueError(f"interpret: ctas={ctas} sets a persistent kernel's CTA count; {m.name} launches a "
+                             f"grid of {grid}")
+        grid = (ctas, 1, 1)
+    workspace = None
+    if any(p.name == WORKSPACE for p in lk.func.params):
+        workspace = np.zeros(FLAG_SLOTS + evaluate(m.workspace_fixed_floats, named) + grid[0] * m.workspace_floats,
+                             np.float32)
+        arrays[WORKSPACE] = workspace
+    emulator = Emulator(lk.func, {**arrays, **named, **scalars}, tensormaps=maps)
     if 0 not in grid:
         emulator.run(grid, m.cluster_dims, resident=bool(m.persistent_tiles))  # a persistent grid is all resident
+    if workspace is not None and workspace[:FLAG_SLOTS].view(np.int32).any():
+        raise RuntimeError(f"interpret: {m.name} left workspace flags set (at "
+                           f"{np.flatnonzero(workspace[:FLAG_SLOTS].view(np.int32))[:8].tolist()}): the next launch "
+                           f"sharing the workspace would read them")
     return emulator.ran
 
 
