@@ -101,20 +101,16 @@ class AttentionJob:
 
     def key_and_builder(self):
         from .kernels.attention import flash_attention_forward
-        from .kernels.attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
-        from .kernels.attention_config import backward_config, backward_dq_config, default_config, dq_kernel_of
-        from .kernels.attention_launch import build_attention
+        from .kernels.attention_backward import attention_delta
+        from .kernels.attention_config import default_config
+        from .kernels.attention_launch import backward_kernels, build_attention
 
         problem, arch = self.problem, self.arch
         if self.part == "delta":
             args = dict(dim=problem["dim"], dtype=problem["dtype"])
             return attention_delta.key((), args, arch), lambda: attention_delta(**args, target=arch)
-        if self.part in ("backward", "dq"):
-            dq = self.part == "dq"
-            fn = flash_attention_backward_dq if dq else flash_attention_backward
-            args = dict(problem, cfg=(backward_dq_config if dq else backward_config)(problem["dim"], arch))
-            if not dq:
-                args["atomic_dq"] = not dq_kernel_of(problem["dim"], False)
+        if self.part in ("backward", "dq"):  # the launch's own kernels and arguments
+            fn, args = backward_kernels(problem, arch=arch)[self.part == "dq"]
             return fn.key((), args, arch), lambda: fn(**args, target=arch)
         cfg = default_config(problem["dim"], arch)
         return (flash_attention_forward.key((), dict(problem, cfg=cfg), arch),
@@ -122,14 +118,14 @@ class AttentionJob:
 
     @staticmethod
     def training(dim: int, dtype: str, causal: bool, arch: str) -> list:
-        """The kernels a training step launches for plain (or causal) attention: the forward, Delta, the key-block
-        kernel and, where it computes dQ (``dq_kernel_of``), the query-block one."""
-        from .kernels.attention_config import dq_kernel_of
+        """The kernels a training step launches for plain (or causal) attention: the forward, Delta, and the
+        backward's (``backward_kernels``: the key-block kernel, and where it computes dQ the query-block one)."""
+        from .kernels.attention_launch import backward_kernels
 
         problem = dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False)
         delta = AttentionJob(dict(problem, causal=False), arch, "delta")  # (one per head dim and dtype)
-        jobs = [AttentionJob(problem, arch), delta, AttentionJob(problem, arch, "backward")]
-        return jobs + [AttentionJob(problem, arch, "dq")] if dq_kernel_of(dim, False) else jobs
+        parts = ["backward", "dq"][:len(backward_kernels(problem, arch=arch))]
+        return [AttentionJob(problem, arch), delta] + [AttentionJob(problem, arch, part) for part in parts]
 
 
 @dataclasses.dataclass

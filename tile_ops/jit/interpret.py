@@ -7,9 +7,9 @@ emulator (``emulator.py``), so a kernel can be written and debugged without a GP
     tile_ops.interpret(prog, a, b, c)                      # every parameter, outputs too; T.Scalars by name
 
 The tensors are written in place, as a launch writes CUDA tensors; the result is the count of PTX-level
-instructions that ran (``mma.f16``, ``tma.load.2d.swizzle128``, ``wgmma.m64n64k16.f16``, ...).  Shared memory starts as NaN,
-so a read of shared memory nothing wrote shows; an index past a tensor's end raises.  Slow (numpy, Python
-generators per thread): sizes of a few tiles."""
+instructions that ran (``mma.f16``, ``tma.load.2d.swizzle128``, ``wgmma.m64n64k16.f16``, ...).  Shared memory
+starts as NaN, so a read of shared memory nothing wrote shows; an index past a tensor's end raises.  Slow
+(numpy, Python generators per thread): sizes of a few tiles."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def interpret(program, *tensors, arch: str = "sm_90a", ctas: int | None = None, 
     from ..compiler.lower import lower
     from ..compiler.meta import FLAG_SLOTS, WORKSPACE, evaluate
     from .emulator import Emulator
-    from .kernel import LaunchDims, check_layouts
+    from .kernel import EntryArgs, LaunchDims, check_layouts, workspace_bytes
 
     lk = lower(program, arch)
     m = lk.meta
@@ -38,15 +38,16 @@ def interpret(program, *tensors, arch: str = "sm_90a", ctas: int | None = None, 
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             what = f"a tensor on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"interpret: parameter {name} must be a CPU torch.Tensor, got {what}")
-    dims = LaunchDims(m, list(range(len(m.params))))
-    named = dims.named(dims.read(tensors))
+    launch_dims = LaunchDims(m, list(range(len(m.params))))
+    dims = launch_dims.read(tensors)
+    named = launch_dims.named(dims)
     check_layouts(m, tensors, named, "interpret")
     missing = [name for name, _ in m.scalars if name not in scalars]
     if missing:
         raise TypeError(f"interpret: {m.name} needs the T.Scalars {', '.join(missing)} by name")
     arrays = {name: _memory(t, flat=name in m.strides) for (name, _, _), t in zip(m.params, tensors)}
-    maps = {n: dict(spec, dims=[evaluate(d, named) for d in spec["dims"]],
-                    strides=[evaluate(s, named) for s in spec["strides"]]) for n, spec in m.tensormaps.items()}
+    entry = EntryArgs(m)
+    maps = {name: entry.spec(name, dims) for name in m.tensormaps}
     grid = tuple(evaluate(g, named) for g in m.grid)
     if ctas is not None:
         if not m.persistent_tiles:
@@ -55,8 +56,7 @@ def interpret(program, *tensors, arch: str = "sm_90a", ctas: int | None = None, 
         grid = (ctas, 1, 1)
     workspace = None
     if any(p.name == WORKSPACE for p in lk.func.params):
-        workspace = np.zeros(FLAG_SLOTS + evaluate(m.workspace_fixed_floats, named) + grid[0] * m.workspace_floats,
-                             np.float32)
+        workspace = np.zeros(workspace_bytes(m, launch_dims, grid, dims) // 4, np.float32)
         arrays[WORKSPACE] = workspace
     emulator = Emulator(lk.func, {**arrays, **named, **scalars}, tensormaps=maps)
     if 0 not in grid:

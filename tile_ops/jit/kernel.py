@@ -329,18 +329,7 @@ class Kernel:
         return bound
 
     def workspace_bytes(self, grid, dims: tuple = ()) -> int:
-        """A kernel's workspace for a launch of ``grid``: the flags, then a slot of partials per CTA (stream-K)
-        or the row statistics of every tile (T.row_reduce_store)."""
-        m, named = self.meta, self.dims.named(dims)
-        if grid[0] > FLAG_SLOTS:
-            raise ValueError(f"{m.name}: a stream-K launch of {grid[0]} CTAs; the workspace has flags for "
-                             f"{FLAG_SLOTS}")
-        flags = evaluate(m.workspace_flags, named)
-        if flags > FLAG_SLOTS:
-            raise ValueError(f"{m.name}: {self.dims.describe(dims)}: its ops need {flags} workspace flags, more than "
-                             f"the {FLAG_SLOTS} there are (e.g. T.row_reduce_store: two per row of tiles); split the "
-                             f"problem along its rows")
-        return (FLAG_SLOTS + evaluate(m.workspace_fixed_floats, named) + grid[0] * m.workspace_floats) * 4
+        return workspace_bytes(self.meta, self.dims, grid, dims)
 
     def plan(self, device, buffers, scratch=None, dims: tuple = ()):
         """This kernel's launch as a plan program for the ops' fast path (csrc/plans.cpp):
@@ -410,6 +399,21 @@ class Kernel:
                 ws = workspace(index, stream, self.workspace_bytes(grid, dims))
         self._fn().launch(grid, m.block, self._entry_args.build(ptrs, index, ws.data_ptr() if ws is not None else 0,
                                                                 dims), stream, index)
+
+
+def workspace_bytes(meta: KernelMeta, launch_dims: "LaunchDims", grid, dims: tuple = ()) -> int:
+    """A kernel's workspace for a launch of ``grid`` at the T.dynamic sizes ``dims``: the flags, then a slot of
+    partials per CTA (stream-K) or the row statistics of every tile (T.row_reduce_store)."""
+    named = launch_dims.named(dims)
+    if grid[0] > FLAG_SLOTS:
+        raise ValueError(f"{meta.name}: a stream-K launch of {grid[0]} CTAs; the workspace has flags for "
+                         f"{FLAG_SLOTS}")
+    flags = evaluate(meta.workspace_flags, named)
+    if flags > FLAG_SLOTS:
+        raise ValueError(f"{meta.name}: {launch_dims.describe(dims)}: its ops need {flags} workspace flags, more than "
+                         f"the {FLAG_SLOTS} there are (e.g. T.row_reduce_store: two per row of tiles); split the "
+                         f"problem along its rows")
+    return (FLAG_SLOTS + evaluate(meta.workspace_fixed_floats, named) + grid[0] * meta.workspace_floats) * 4
 
 
 def check_layouts(meta: KernelMeta, tensors, named: dict, who: str) -> None:

@@ -53,15 +53,24 @@ def slopes_view(alibi_slopes, B, Hq):
     return slopes.expand(B, Hq)
 
 
-def build_attention_backward(problem: dict, cfg=None, arch=None, deterministic=False):
-    """(the key-block kernel, the dQ kernel or None) for ``problem`` (``attention_problem``'s) with ``cfg``
-    (default: the head dim's): dQ by atomic adds in the first, or (``dq_kernel_of``) by the second."""
+def backward_kernels(problem: dict, cfg=None, arch=None, deterministic=False) -> list:
+    """[(factory, arguments)] of the backward's kernels for ``problem`` (``attention_problem``'s): the key-block
+    kernel with ``cfg`` (default: the head dim's), dQ by its atomic adds, or (``dq_kernel_of``) then the
+    query-block dQ kernel.  What the launch builds and ``precompile`` fills the cache with."""
     arch = arch or default_arch()
-    cfg = cfg or backward_config(problem["dim"], arch)
     separate = dq_kernel_of(problem["dim"], deterministic)
-    main = flash_attention_backward(**problem, atomic_dq=not separate, cfg=cfg, target=arch)
-    dq_cfg = backward_dq_config(problem["dim"], arch)
-    return main, flash_attention_backward_dq(**problem, cfg=dq_cfg, target=arch) if separate else None
+    kernels = [(flash_attention_backward, dict(problem, atomic_dq=not separate,
+                                               cfg=cfg or backward_config(problem["dim"], arch)))]
+    if separate:
+        kernels.append((flash_attention_backward_dq, dict(problem, cfg=backward_dq_config(problem["dim"], arch))))
+    return kernels
+
+
+def build_attention_backward(problem: dict, cfg=None, arch=None, deterministic=False):
+    """(the key-block kernel, the dQ kernel or None): ``backward_kernels``' built."""
+    arch = arch or default_arch()
+    built = [fn(**args, target=arch) for fn, args in backward_kernels(problem, cfg, arch, deterministic)]
+    return built[0], built[1] if len(built) > 1 else None
 
 
 def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causal=False, window=(-1, -1),
@@ -69,7 +78,7 @@ def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale
     """dq, dk, dv (B, S, H, D, written) of the checked forward inputs, its ``out`` and ``lse``, and the output's
     gradient ``dout`` (and the LSE's, ``grad_lse``, or None), on the current stream: Delta = rowsum(dout * out)
     (less grad_lse), then the key-block kernel (dK, dV), whose atomic adds into a zeroed float32 buffer give dQ,
-    or (``dq_kernel_of``: ``deterministic``, or a head dim over 128) the query-block dQ kernel: no atomics, the
+    or (``dq_kernel_of``: ``deterministic``, or any head dim but 128) the query-block dQ kernel: no atomics, the
     same bits every run."""
     arch = arch or default_arch(q.device)
     problem = attention_problem(q, causal, window, softcap, alibi_slopes is not None)

@@ -1,5 +1,5 @@
-"""``T.reduce_max`` / ``T.reduce_min`` / ``T.reduce_sum`` over the rows of a gemm accumulator: each thread folds its own columns,
-a quad's shuffles the row's 4 lanes, and shared memory the warps that split a row."""
+"""``T.reduce_max`` / ``T.reduce_min`` / ``T.reduce_sum`` over the rows of a gemm accumulator: each thread folds
+its own columns, a quad's shuffles the row's 4 lanes, and shared memory the warps that split a row."""
 
 from __future__ import annotations
 
