@@ -3,9 +3,13 @@ reductions, a row statistic of one accumulator applied to another (FlashAttentio
 between fragments.  A gemm in a loop of no iterations only fixes the fragments' layouts; their values
 come from global memory through T.copy."""
 
+import math
+
 import numpy as np
 import pytest
+import torch
 
+import tile_ops
 import tile_ops.lang as T
 from tile_ops.compiler.lower import lower
 from tile_ops.lang.errors import TileLangError
@@ -131,3 +135,103 @@ def test_a_row_value_in_a_loop_over_fragments_no_gemm_laid_out_is_refused_at_its
     with pytest.raises(TileLangError, match=r"fragment m is read by row in a T.Parallel whose 2-D fragments no gemm "
                                             r"laid out: a row value \(what T.reduce_\* writes\) applies to a gemm's"):
         lower(main, "sm_80")
+
+
+def masked_rows(vectorized: bool):
+    """Y[r0 + i, j] = X[i, j] (through a fragment, or a plain tile) only where i < n: T.when; Z[0] = 1 where n > 4."""
+    n, r0 = T.dynamic("n"), T.dynamic("r0")
+
+    @T.prim_func
+    def main(X: T.Tensor((32, 16), "float32"), Y: T.Tensor((r0, 16), "float32"), Z: T.Tensor((n,), "float32")):
+        with T.Kernel(1, threads=64) as bx:
+            F = T.alloc_fragment((32, 16), "float32")
+            T.copy(X, F)
+            start = Y.shape[0] - 32
+            for i, j in T.Parallel(32, 16):
+                with T.when(i < Z.shape[0]):
+                    if vectorized:
+                        Y[start + i, j] = X[i, j]
+                    else:
+                        Y[start + i, j] = F[i, j]
+            with T.when(Z.shape[0] > 4):
+                Z[0] = 1.0
+    return main
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("vectorized", [False, True])
+@pytest.mark.parametrize("n", [3, 32])
+def test_when_writes_only_where_its_condition_holds(arch, vectorized, n):
+    """Rows at or past n keep what they held (NaN), on the interior-tile path (n = 32: settled once a tile) and
+    the masked one; the top-level store too."""
+    X = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16)
+    Y, Z = torch.full((40, 16), math.nan), torch.zeros(n)
+    tile_ops.interpret(masked_rows(vectorized), X, Y, Z, arch=arch)
+    assert torch.equal(Y[8:8 + n], X[:n])
+    assert Y[:8].isnan().all() and Y[8 + n:].isnan().all()
+    assert Z[0] == (1.0 if n > 4 else 0.0)
+
+
+@pytest.mark.parametrize("body, match", [
+    (lambda X, F: T.copy(X, F), r"test_fragments_emulated.py:\d+: a T.when block holds element assignments .* \(Copy\)"),
+    (lambda X, F: T.fill(F, 0.0), r"not a tile op or loop \(Fill\); put the T.when inside the T.Parallel"),
+])
+def test_when_around_a_tile_op_is_refused_at_its_line(body, match):
+    with pytest.raises(TileLangError, match=match):
+        @T.prim_func
+        def main(X: T.Tensor((32, 16), "float32")):
+            with T.Kernel(1, threads=64) as bx:
+                F = T.alloc_fragment((32, 16), "float32")
+                with T.when(bx == 0):
+                    body(X, F)
+
+
+def test_when_takes_a_condition():
+    with pytest.raises(TileLangError, match=r"T.when: the condition .* is int32; accepted: a comparison"):
+        @T.prim_func
+        def main(X: T.Tensor((32,), "float32")):
+            with T.Kernel(1, threads=32) as bx:
+                for i in T.Parallel(32):
+                    with T.when(i + 1):
+                        X[i] = 0.0
+
+
+def gather_rows(n_rows):
+    """Out[i] = X[Rows[bx] + i] over blocks of 16 rows whose starts a table gives: T.bind reads them once."""
+    n = T.dynamic("n")
+
+    @T.prim_func
+    def main(X: T.Tensor((n, 8), "float32"), Rows: T.Tensor((4,), "int32"), Out: T.Tensor((64, 8), "float32")):
+        with T.Kernel(4, threads=32) as bx:
+            start = T.bind(Rows[bx], "start")
+            count = T.bind(T.min(n - start, n_rows), "count")
+            for i, j in T.Parallel(16, 8):
+                with T.when(i < count):
+                    Out[bx * 16 + i, j] = X[start + i, j]
+    return main
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_bind_computes_a_value_once_a_block_from_global_memory(arch):
+    X = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)
+    Rows, Out = torch.tensor([3, 30, 0, 36], dtype=torch.int32), torch.full((64, 8), math.nan)
+    tile_ops.interpret(gather_rows(16), X, Rows, Out, arch=arch)
+    for b, start in enumerate(Rows.tolist()):
+        count = min(40 - start, 16)
+        assert torch.equal(Out[b * 16:b * 16 + count], X[start:start + count])
+        assert Out[b * 16 + count:(b + 1) * 16].isnan().all()
+
+
+@pytest.mark.parametrize("where, match", [
+    ("loop", r"T.bind belongs at the top of the T.Kernel body"),
+    ("float", r"T.bind: .* is float32; accepted: an integer value"),
+])
+def test_bind_is_refused_inside_a_loop_and_for_a_float(where, match):
+    with pytest.raises(TileLangError, match=match):
+        @T.prim_func
+        def main(X: T.Tensor((32,), "float32")):
+            with T.Kernel(1, threads=32) as bx:
+                if where == "float":
+                    T.bind(X[0])
+                for i in T.serial(2):
+                    T.bind(i)

@@ -29,7 +29,7 @@ from .meta import FLAG_SLOTS, WORKSPACE, KernelMeta, span
 from .ops import Container, deferred, present, unit
 from .ops import setup as setup_ops
 from .ops.gemm import is_wgmma
-from .schedules.persistent import tile_indices
+from .schedules.persistent import bind_values, tile_indices
 from .schedules.pingpong import CONSUMERS
 from .schedules.warp_specialized import WarpSpecialized, bind_warpgroup
 from .targets import Target
@@ -115,6 +115,7 @@ class Lowering:
                 else:
                     ids = T.cta_id(grid[: len(k.grid)]) if len(k.grid) > 1 else [T.cta_id([grid[0]])]
                     self.block_vars = dict(zip(k.block_vars, tile_indices(self, list(ids))))
+                    bind_values(self)
                 block = ws.block_threads() if ws else self.threads
                 self.tid = T.thread_id([block])
                 if self.target.hopper:  # a programmatic launch (Kernel.dependent) may start while the stream's
@@ -218,8 +219,9 @@ class Lowering:
         pred = self.in_bounds(buf, [0] * len(idx), idx)
         return value if pred is None else tirx.if_then_else(pred, value, broadcast(tirx.const(0, buf.dtype), vec))
 
-    def guarded_store(self, buf, idx, value, frag_index=None, stage=None, vec=1):
-        pred = self.in_bounds(buf, [0] * len(idx), idx)
+    def guarded_store(self, buf, idx, value, frag_index=None, stage=None, vec=1, mask=None):
+        """buf[idx] = value where ``mask`` (a ``T.when``'s, lowered) holds and, in a global tensor, idx is inside."""
+        pred = conjunction([c for c in (mask, self.in_bounds(buf, [0] * len(idx), idx)) if c is not None] or [None])
         if pred is None:
             return self.store(buf, idx, value, frag_index, stage, vec)
         with T.If(pred):

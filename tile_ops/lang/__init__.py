@@ -18,9 +18,9 @@ MAX_ROW_TILES = 16
 
 _FRONTEND = {
     "Kernel", "Parallel", "Pipelined", "Scalar", "Tensor", "abs", "atomic_add", "alloc_fragment", "alloc_local",
-    "alloc_shared", "cast", "ceildiv", "clear", "cluster_allreduce", "copy", "deferred", "dynamic", "fill", "gemm",
+    "alloc_shared", "bind", "cast", "ceildiv", "clear", "cluster_allreduce", "copy", "deferred", "dynamic", "fill", "gemm",
     "if_then_else", "infinity", "max", "min", "prim_func", "reduce_max", "reduce_min", "reduce_sum", "row_reduce_store", "serial",
-    "unroll", "use_swizzle", "where",
+    "unroll", "use_swizzle", "when", "where",
     # math on floating values
     "atan", "ceil", "cos", "erf", "exp", "exp2", "floor", "log", "log1p", "log2", "pow", "round", "rsqrt", "sigmoid",
     "sin", "sqrt", "tan", "tanh", "trunc",

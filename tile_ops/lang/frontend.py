@@ -286,6 +286,50 @@ def Parallel(*extents):
         bodies.pop()
 
 
+def bind(value, name: str = "v"):
+    """``seq = T.bind(Tiles[bx, 0])``: an integer value computed once for the block's tile, at the kernel's start,
+    and used by name wherever it appears (a value read from global memory or a long expression would otherwise
+    be recomputed, and its loads issued again, at every use).  It may use the block indices, the T.dynamic
+    sizes, the T.Scalars, earlier T.bind values and loads from global tensors; it belongs at the top of the
+    ``T.Kernel`` body, outside any loop."""
+    t = ir.tracer()
+    if t.kernel is None or len(t.bodies) != 1:
+        raise error(user_loc(), "T.bind belongs at the top of the T.Kernel body (outside loops and T.Parallel): "
+                                "its value is computed once a tile")
+    value = value.asobject() if hasattr(value, "asobject") else value
+    value = tirx.const(value, "int32") if isinstance(value, int) and not isinstance(value, bool) else value
+    dtype = ir.expr_dtype(value)
+    if not dtype.startswith("int"):
+        raise error(user_loc(), f"T.bind: {value} is {dtype or type(value).__name__}; accepted: an integer value "
+                                f"(int32)")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise error(user_loc(), f"T.bind: name={name!r}; accepted: a Python identifier")
+    var = tirx.Var(ir.fresh_name(name), "int32")
+    t.kernel.bindings.append((var, tirx.Cast("int32", value) if dtype != "int32" else value))
+    return var
+
+
+class when:
+    """``with T.when(cond):`` — the element assignments inside write only where ``cond`` holds, e.g. the rows of
+    a tile that belong to a sequence (``with T.when(row < seq_len): O[start + row, j] = acc[i, j]``); elsewhere
+    the element keeps what it held.  Inside ``T.Parallel`` ``cond`` may use the loop variables; nested blocks
+    combine with and.  A store past a global tensor's end is skipped whether or not a mask says so."""
+
+    def __init__(self, cond):
+        cond = cond.asobject() if hasattr(cond, "asobject") else cond  # (a == b is built lazily)
+        dtype = ir.expr_dtype(cond) if not isinstance(cond, bool) else "bool"
+        if dtype != "bool":
+            raise error(user_loc(), f"T.when: the condition {cond} is {dtype}; accepted: a comparison or a "
+                                    f"boolean expression (i < n, T.And(...))")
+        self.cond = tirx.const(cond, "bool") if isinstance(cond, bool) else cond
+
+    def __enter__(self):
+        ir.tracer().masks.append(self.cond)
+
+    def __exit__(self, *exc):
+        ir.tracer().masks.pop()
+
+
 # ----------------------------------------------------------------------------- tile ops
 
 

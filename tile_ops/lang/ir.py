@@ -8,6 +8,7 @@ tree into TIRx.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -145,7 +146,8 @@ class TileBuffer:
 
     def __setitem__(self, idx, value):
         idx = self._indices(idx)
-        emit(Store(self, idx, value))
+        masks = tracer().masks
+        emit(Store(self, idx, value, functools.reduce(tirx.And, masks) if masks else None))
 
 
 @dataclass
@@ -210,6 +212,7 @@ class Store(Node):
     buffer: TileBuffer
     indices: list
     value: Any
+    mask: Any = None  # a boolean expression: the element is written only where it holds (``T.when``)
 
 
 @dataclass
@@ -329,6 +332,7 @@ class Kernel(Node):
     persistent: bool = True  # may the compiler make CTAs walk the tiles (sm_90a, more than one wave)
     pingpong: bool = False  # two consumer warpgroups per CTA, each running the program on alternate tiles
     stream_k: int = 0  # >= 2: the last wave's tiles split along K into up to this many parts (sm_90a)
+    bindings: list = field(default_factory=list)  # (int32 Var, value): T.bind's, computed once a tile, in order
 
 
 @dataclass
@@ -352,6 +356,7 @@ class _Tracer:
         self.names: dict[str, int] = {}
         self.buffers: dict = {}
         self.dims: list = []  # the program's T.dynamic sizes
+        self.masks: list = []  # the conditions of the enclosing ``T.when`` blocks
 
 
 _STATE = threading.local()  # programs may be traced concurrently (parallel compiles)
@@ -373,6 +378,10 @@ def emit(node: Node) -> Node:
     t = tracer()
     if not t.bodies:
         raise error(user_loc(), f"{type(node).__name__.lower()} outside `with T.Kernel(...)`")
+    if t.masks and not isinstance(node, Store):
+        raise error(user_loc(), f"a T.when block holds element assignments (buf[i] = value) only, not a tile op or "
+                                f"loop ({type(node).__name__}); put the T.when inside the T.Parallel, around the "
+                                f"assignments")
     node.loc = user_loc()
     t.bodies[-1].append(node)
     return node

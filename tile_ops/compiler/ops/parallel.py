@@ -105,7 +105,7 @@ def _fragments_in(inf, node: Parallel):
         if not isinstance(st, Store):
             raise error(st.loc, "only element assignments are allowed inside T.Parallel")
         classify(st.buffer, st.indices, st.loc)
-        for buf_var, idx in collect_loads(st.value):
+        for buf_var, idx in _loads(st):
             buf = inf.buffers.get(buf_var)
             if buf is not None:
                 classify(buf, idx, st.loc)
@@ -165,7 +165,7 @@ def _check_inside(lw, node: Parallel):
     its start) at some iteration, the first or the last, would write or read a neighbouring tile."""
     ends = [{v: 0 for v in node.vars}, {v: e - 1 for v, e in zip(node.vars, node.extents)}]
     for st in (n for n in walk(node.body) if isinstance(n, Store)):
-        accesses = [(st.buffer, st.indices)] + [(lw.buffers.get(b), idx) for b, idx in collect_loads(st.value)]
+        accesses = [(st.buffer, st.indices)] + [(lw.buffers.get(b), idx) for b, idx in _loads(st)]
         for buf, idx in accesses:
             if buf is None or buf.scope not in ("shared", "local"):
                 continue
@@ -189,7 +189,7 @@ def _whole_tile_inside(lw, node, vm):
     last = {v: e - 1 for v, e in zip(node.vars, node.extents)}
     conds = []
     for st in (n for n in walk(node.body) if isinstance(n, Store)):
-        for buf, idx in [(st.buffer, st.indices)] + [(lw.buffers.get(b), i) for b, i in collect_loads(st.value)]:
+        for buf, idx in [(st.buffer, st.indices)] + [(lw.buffers.get(b), i) for b, i in _loads(st)]:
             if buf is None or buf.scope != "global":
                 continue
             for i, dim in zip(idx, buf.shape):
@@ -206,20 +206,21 @@ def _whole_tile_inside(lw, node, vm):
 
 
 def _selects_settled_on_tile(lw, node, vm):
-    """(selects, test): the ``T.where`` selects of the body whose condition is a conjunction of integer
-    comparisons, each monotone in the loop variables, and the test that every one of them holds on the whole
-    tile (a comparison's worst corner bounds it): a mask's interior tiles then skip it."""
+    """(settled, test): the ``T.where`` selects and ``T.when`` masks of the body whose condition is a conjunction
+    of integer comparisons, each monotone in the loop variables, and the test that every one of them holds on
+    the whole tile (a comparison's worst corner bounds it): a mask's interior tiles then skip it."""
     settled, tests = [], []
 
-    def on_select(sel):
-        test = _holds_on_tile(lw, node, sel.condition, vm)
-        if test is not None and not any(sel.same_as(s) for s in settled):
-            settled.append(sel)
+    def settle(e, cond):
+        test = _holds_on_tile(lw, node, cond, vm)
+        if test is not None and not any(e.same_as(s) for s in settled):
+            settled.append(e)
             tests.append(test)
-        return None
 
     for st in (n for n in walk(node.body) if isinstance(n, Store)):
-        rewrite(st.value, on_select=on_select)
+        rewrite(st.value, on_select=lambda sel: settle(sel, sel.condition))
+        if st.mask is not None:
+            settle(st.mask, st.mask)
     return tuple(settled), conjunction(tests) if tests else None
 
 
@@ -264,20 +265,22 @@ def _rises(lw, node, e):
 
 
 def _true_sides(body: list, settled: tuple) -> list:
-    """``body``'s statements with each select of ``settled`` (it holds on the whole tile) its true side."""
+    """``body``'s statements with each select of ``settled`` (it holds on the whole tile) its true side, and
+    each mask of ``settled`` gone."""
     def true_side(sel):
         return sel.true_value if any(sel.same_as(s) for s in settled) else None
 
     out = []
     for st in body:
-        out.append(Store(st.buffer, st.indices, rewrite(st.value, on_select=true_side)))
+        mask = None if st.mask is not None and any(st.mask.same_as(s) for s in settled) else st.mask
+        out.append(Store(st.buffer, st.indices, rewrite(st.value, on_select=true_side), mask))
         out[-1].loc = st.loc
     return out
 
 
 def _store(lw, st: Store, vm, frag_index, node, vec=1):
     if frag_index is not None:  # fragment indices must be the loop vars themselves (checked in inference)
-        for buf_var, idx in collect_loads(st.value):
+        for buf_var, idx in _loads(st):
             buf = lw.buffers.get(buf_var)
             if buf is not None and buf.scope == "fragment" and not (
                     is_vars(idx, node.vars) or is_vars(idx, node.vars[:1])):
@@ -286,7 +289,13 @@ def _store(lw, st: Store, vm, frag_index, node, vec=1):
         value = _lanes(lw, st.value, vm, node.vars[-1], vec)
     else:
         value = lw.expr(st.value, vm, frag_index, guard=True)
-    lw.guarded_store(st.buffer, [lw.expr(i, vm) for i in st.indices], value, frag_index, vec=vec)
+    mask = None if st.mask is None else lw.expr(st.mask, vm, frag_index, guard=True)  # one per vector (vec > 1)
+    lw.guarded_store(st.buffer, [lw.expr(i, vm) for i in st.indices], value, frag_index, vec=vec, mask=mask)
+
+
+def _loads(st: Store) -> list:
+    """The (buffer var, indices) that a statement's value and mask load."""
+    return collect_loads(st.value) + (collect_loads(st.mask) if st.mask is not None else [])
 
 
 def _vector_width(lw, node: Parallel) -> int:
@@ -296,7 +305,7 @@ def _vector_width(lw, node: Parallel) -> int:
     widths = [dtype_bits(b.dtype) for st in node.body for b in [st.buffer] + loaded(st.value, lw.buffers)]
     return widest(max(widths), lambda v: node.extents[-1] % v == 0 and broadcastable(min(widths), v) and all(
         _contiguous(lw, st.buffer, st.indices, j, v) and _lanes(lw, st.value, {}, j, v) is not None
-        for st in node.body))
+        and (st.mask is None or not uses(st.mask, j)) for st in node.body))
 
 
 def _lanes(lw, e, vm, j, vec):

@@ -15,7 +15,7 @@ def loaded(expr, buffers) -> list:
 @tile_op(Store)
 class StoreOp(TileOp):
     def reads(self, node, buffers):
-        return loaded(node.value, buffers)
+        return loaded(node.value, buffers) + ([] if node.mask is None else loaded(node.mask, buffers))
 
     def writes(self, node):
         return [node.buffer]
@@ -24,4 +24,5 @@ class StoreOp(TileOp):
         if node.buffer.scope == "fragment":
             raise error(node.loc, f"fragment {node.buffer.name} can only be written inside T.Parallel or by tile ops")
         # predicated as in T.Parallel: global indices past the end read 0 and write nothing
-        lw.guarded_store(node.buffer, [lw.expr(i, vm) for i in node.indices], lw.expr(node.value, vm, guard=True))
+        lw.guarded_store(node.buffer, [lw.expr(i, vm) for i in node.indices], lw.expr(node.value, vm, guard=True),
+                         mask=None if node.mask is None else lw.expr(node.mask, vm, guard=True))

@@ -27,6 +27,15 @@ def tile_indices(lw, ids):
             for i, (e, extent) in enumerate(zip(indices, lw.kernel.grid))]
 
 
+def bind_values(lw):
+    """The program's ``T.bind`` values for the tile the block indices name, each bound once to a variable that
+    its uses then read."""
+    for var, value in lw.kernel.bindings:
+        bound = T.Var(var.name, "int32")
+        T.Bind(once(lw.expr(value)), var=bound)
+        lw.block_vars[var] = bound
+
+
 def _bound_once(lw, e, name, extent):
     var = T.Var(name, "int32")
     T.Bind(once(e), var=var)
@@ -121,8 +130,8 @@ class TileWalk:
         attention), so that each CTA's sum of steps evens out; the plain order can leave one CTA 12 % (4k
         tokens) to 65 % (short sequences) more steps than the mean, the snake about 3 %."""
         lw = self.lw
-        return lw.ws.loop is not None and not lw.walks_tiles and \
-            any(uses(lw.ws.loop.extent, v) for v in lw.kernel.block_vars)
+        per_tile = lw.kernel.block_vars + [var for var, _ in lw.kernel.bindings]
+        return lw.ws.loop is not None and not lw.walks_tiles and any(uses(lw.ws.loop.extent, v) for v in per_tile)
 
     def enter(self, t, gx, gy):
         """Set the program's block indices to tile t's (in grid order, then rasterized)."""
@@ -133,3 +142,4 @@ class TileWalk:
         ids = [tirx.floormod(c, ccx) * cx + tirx.floormod(r, cx),
                tirx.floormod(tirx.floordiv(c, ccx), ccy) * cy + tirx.floordiv(r, cx), tirx.floordiv(c, ccx * ccy)]
         lw.block_vars = dict(zip(lw.kernel.block_vars, tile_indices(lw, ids[: len(lw.kernel.grid)])))
+        bind_values(lw)
