@@ -323,19 +323,21 @@ def test_console_script(tmp_path):
 
 
 def test_precompile_builds_attention_kernels_for_every_length(tmp_path):
-    """--attention D: the kernels of head dim D, causal and not: the forward, the backward's Delta (one),
-    key-block kernel and (at D64) dQ kernel; a recorded run's attention calls (any lengths, scales) name the same
-    forward kernels, whose keys are the op path's own."""
+    """--attention D: the kernels of head dim D, causal and not, on padded and packed sequences: the forward, the
+    backward's Delta (one), key-block kernel and (at D64) dQ kernel; a recorded run's attention calls (any lengths, scales)
+    name the same forward kernels, whose keys are the op path's own."""
     cache = tmp_path / "cache"
     out = run_cli(cache, "precompile", "--arch", "sm_90a", "--attention", "64", "--dtype", "float16")
     assert "flash_attention d64 float16 causal" in out and "flash_attention bwd d64 float16 causal" in out, out
     assert "flash_attention bwd dq d64 float16 causal" in out, out
-    assert "flash_attention delta d64 float16" in out and "7 built, 0 already cached, 0 failed" in out, out
+    assert "flash_attention d64 float16 causal varlen" in out and "flash_attention bwd dq d64 float16 varlen" in out
+    assert "flash_attention delta d64 float16" in out and "13 built, 0 already cached, 0 failed" in out, out
     script = ("import torch, tile_ops; q = torch.randn(2, 33, 4, 64).half(); k = torch.randn(2, 70, 2, 64).half(); "
               "tile_ops.flash_attn_func(q, k, k, causal=True); "
               "tile_ops.flash_attn_func(q[:, :5], k, k, causal=True, softmax_scale=0.3)")
     entries_, record = _problems_launched_by(cache, script)
     assert entries_ == [{"op": "flash_attention", "problem": {"dim": 64, "dtype": "float16", "causal": True,
-                                                              "local": False, "softcap": False, "alibi": False}}]
+                                                              "local": False, "softcap": False, "alibi": False,
+                                                              "varlen": False}}]
     out = run_cli(cache, "precompile", "--arch", "sm_90a", "--record", str(record))
     assert "0 built, 1 already cached" in out, out

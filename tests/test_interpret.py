@@ -2,6 +2,7 @@
 README's matmul on both paths; the FlashAttention forward through strided views, TMA, wgmma and its scalars),
 and its refusals."""
 
+import itertools
 import math
 
 import pytest
@@ -47,6 +48,88 @@ def test_flash_attention_forward_through_strided_views():
     ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, return_lse=True)
     assert rel_err(out, ref) < 4e-3 and (lse.double() - ref_lse).abs().max() < 2e-3
     assert any(k.startswith("tma.load") for k in ran) and any(k.startswith("wgmma") for k in ran), ran
+
+
+VARLEN = dict(lq=[5, 0, 67], lk=[9, 0, 66], Hq=2, Hkv=1, D=32)  # Sq != Sk, an empty sequence, lengths off the tiles
+SCALARS = dict(scale=32 ** -0.5, softcap=0.0, window_left=-1, window_right=-1)
+
+
+def packed_inputs(seed=3):
+    """q (7 rows past the last sequence), k, v and the offsets of VARLEN's sequences."""
+    lq, lk, Hq, Hkv, D = (VARLEN[n] for n in ("lq", "lk", "Hq", "Hkv", "D"))
+    oq, ok = [0] + list(itertools.accumulate(lq)), [0] + list(itertools.accumulate(lk))
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(oq[-1] + 7, Hq, D, generator=gen).half()
+    k, v = (torch.randn(ok[-1] + 3, Hkv, D, generator=gen).half() for _ in range(2))
+    return q, k, v, oq, ok
+
+
+def packed(t):
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def sequences(oq, ok):
+    return [(q0, q1, k0, k1) for q0, q1, k0, k1 in zip(oq, oq[1:], ok, ok[1:]) if q1 > q0]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_varlen_forward_writes_each_sequence_and_nothing_past_it(arch):
+    """Packed sequences in one launch over their query tiles, GQA and causal: each matches float64 alone, and the
+    rows past the last sequence stay as poisoned (a tile's rows past its sequence are never stored: T.when)."""
+    from tile_ops.kernels.attention_launch import varlen_tiles
+
+    q, k, v, oq, ok = packed_inputs()
+    out, lse = torch.full_like(q, math.nan), torch.full((q.shape[1], q.shape[0]), math.nan)
+    cfg = AttentionConfig(64, 64, 2, 128)
+    tiles = torch.tensor(varlen_tiles(oq, ok, cfg.block_M, True), dtype=torch.int32)
+    prog = flash_attention_forward.fn(VARLEN["D"], "float16", causal=True, varlen=True, cfg=cfg)
+    tile_ops.interpret(prog, *map(packed, (q, k, v, out)), lse.unsqueeze(0), tiles, torch.tensor(oq, dtype=torch.int32),
+                       torch.tensor(ok, dtype=torch.int32), arch=arch, **SCALARS)
+    for q0, q1, k0, k1 in sequences(oq, ok):
+        ref, ref_lse = attention_reference(q[None, q0:q1].double(), k[None, k0:k1].double(), v[None, k0:k1].double(),
+                                           causal=True, return_lse=True)
+        assert (out[q0:q1].double() - ref[0]).abs().max() < 4e-3
+        assert torch.allclose(lse[:, q0:q1].double(), ref_lse[0], atol=2e-3)
+    assert out[oq[-1]:].isnan().all() and lse[:, oq[-1]:].isnan().all()
+
+
+def test_varlen_backward_kernels_match_each_sequence():
+    """The key-block kernel (dK, dV stored only for its sequence's keys; dQ by atomic adds, of 0 past a sequence)
+    and the query-block dQ kernel over the packed sequences of the forward test, against float64 autograd."""
+    from tile_ops.kernels.attention_backward import attention_delta, flash_attention_backward, flash_attention_backward_dq
+    from tile_ops.kernels.attention_launch import varlen_tiles
+
+    q, k, v, oq, ok = packed_inputs()
+    cfg, D = AttentionConfig(64, 64, 2, 128), VARLEN["D"]
+    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), -math.inf)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).half()
+    refs = {}
+    for q0, q1, k0, k1 in sequences(oq, ok):
+        qs, ks, vs = (t[None, a:b].double().requires_grad_() for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        o, l_ = attention_reference(qs, ks, vs, causal=True, return_lse=True)
+        out[q0:q1], lse[:, q0:q1] = o[0].detach().half(), l_[0].detach().float()
+        o.backward(dout[None, q0:q1].double())
+        refs[q0, k0] = (qs.grad[0], ks.grad[0], vs.grad[0])
+    delta = torch.full((1,) + lse.shape, math.nan)
+    tile_ops.interpret(attention_delta.fn(D, "float16"), packed(out), packed(dout), delta, arch="sm_90a")
+    cu = [torch.tensor(o, dtype=torch.int32) for o in (oq, ok)]
+    inputs = [*map(packed, (q, k, v, dout)), lse.unsqueeze(0), delta]
+    dq_acc = torch.zeros(1, q.shape[1], q.shape[0], D)
+    dk, dv = (torch.full_like(k, math.nan) for _ in range(2))
+    key_tiles = torch.tensor(varlen_tiles(ok, oq, cfg.block_N, False), dtype=torch.int32)
+    tile_ops.interpret(flash_attention_backward.fn(D, "float16", causal=True, varlen=True, cfg=cfg), *inputs,
+                       dq_acc, packed(dk), packed(dv), key_tiles, *cu, arch="sm_90a", **SCALARS)
+    dq_acc = dq_acc[0].transpose(0, 1)
+    dq = torch.full_like(q, math.nan)
+    query_tiles = torch.tensor(varlen_tiles(oq, ok, cfg.block_M, True), dtype=torch.int32)
+    tile_ops.interpret(flash_attention_backward_dq.fn(D, "float16", causal=True, varlen=True, cfg=cfg), *inputs,
+                       packed(dq), query_tiles, *cu, arch="sm_80", **SCALARS)
+    for q0, q1, k0, k1 in sequences(oq, ok):
+        rq, rk, rv = refs[q0, k0]
+        for got, want in ((dq_acc[q0:q1], rq), (dq[q0:q1], rq), (dk[k0:k1], rk), (dv[k0:k1], rv)):
+            assert (got.double() - want).abs().max() < 1e-2 * want.abs().max(), (q0, k0)
+    assert dq[oq[-1]:].isnan().all() and dk[ok[-1]:].isnan().all() and dv[ok[-1]:].isnan().all()
+    assert torch.equal(dq_acc[oq[-1]:], torch.zeros_like(dq_acc[oq[-1]:]))  # (adds of 0 past the last sequence)
 
 
 @pytest.mark.parametrize("args, kw, error, match", [

@@ -76,6 +76,19 @@ def test_opcheck():
     opcheck(torch.ops.tile_ops.flash_attention, (q, k, v, 0.3, False, 2, 3, 5.0, torch.rand(4)))
 
 
+def test_varlen_opcheck():
+    """The packed ops (forward and backward): schemas, fakes and autograd registrations, an empty sequence and a
+    row past the last one included."""
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    q, k, v = (torch.randn(9, 4, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    opcheck(torch.ops.tile_ops.flash_attention_varlen, (q, k, v, cu, cu, None, True, -1, -1, 0.0, None))
+    opcheck(torch.ops.tile_ops.flash_attention_varlen, (q, k, v, cu, cu, 0.3, False, 2, 1, 5.0, torch.rand(3, 4)))
+    q, k, v = (t.detach() for t in (q, k, v))  # (the backward op has no backward of its own)
+    out, lse = torch.ops.tile_ops.flash_attention_varlen(q, k, v, cu, cu, None, True, -1, -1, 0.0, None)
+    opcheck(torch.ops.tile_ops.flash_attention_varlen_backward,
+            (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), cu, cu, None, True, -1, -1, 0.0, None))
+
+
 def test_compiles_fullgraph_dynamic():
     f = torch.compile(lambda q, k, v: tile_ops.flash_attn_func(q, k, v, causal=True), fullgraph=True, dynamic=True)
     for Sq, Sk in ((7, 11), (5, 13)):

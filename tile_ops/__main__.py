@@ -94,7 +94,7 @@ class AttentionJob:
     @property
     def label(self) -> str:
         p = self.problem
-        kind = [name for name in ("causal", "local", "softcap", "alibi") if p[name]]
+        kind = [name for name in ("causal", "local", "softcap", "alibi", "varlen") if p.get(name)]
         name = {"forward": "flash_attention", "delta": "flash_attention delta", "backward": "flash_attention bwd",
                 "dq": "flash_attention bwd dq"}
         return " ".join([f"{name[self.part]} d{p['dim']} {p['dtype']}", *kind])
@@ -118,14 +118,17 @@ class AttentionJob:
 
     @staticmethod
     def training(dim: int, dtype: str, causal: bool, arch: str) -> list:
-        """The kernels a training step launches for plain (or causal) attention: the forward, Delta, and the
-        backward's (``backward_kernels``: the key-block kernel, and where it computes dQ the query-block one)."""
+        """The kernels a training step launches for plain (or causal) attention, on padded and on packed
+        sequences: Delta, the forward and the backward's (``backward_kernels``: the key-block kernel, and where
+        it computes dQ the query-block one)."""
         from .kernels.attention_launch import backward_kernels
 
-        problem = dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False)
-        delta = AttentionJob(dict(problem, causal=False), arch, "delta")  # (one per head dim and dtype)
-        parts = ["backward", "dq"][:len(backward_kernels(problem, arch=arch))]
-        return [AttentionJob(problem, arch), delta] + [AttentionJob(problem, arch, part) for part in parts]
+        problem = dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False, varlen=False)
+        jobs = [AttentionJob(dict(problem, causal=False), arch, "delta")]  # (one per head dim and dtype)
+        for packed in (dict(problem), dict(problem, varlen=True)):
+            parts = ["forward", "backward", "dq"][:1 + len(backward_kernels(packed, arch=arch))]
+            jobs += [AttentionJob(packed, arch, part) for part in parts]
+        return jobs
 
 
 @dataclasses.dataclass

@@ -21,36 +21,47 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig
-from .attention_mask import LN2, LOG2E, Window, score_log2, strided
+from .attention_mask import LN2, LOG2E, Window, kernel_function, score_log2, strided
 
 
 @tile_ops.jit(out_idx=[])
 def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = False, local: bool = False,
-                            softcap: bool = False, alibi: bool = False, cfg: AttentionConfig = AttentionConfig()):
+                            softcap: bool = False, alibi: bool = False, varlen: bool = False,
+                            cfg: AttentionConfig = AttentionConfig()):
     """The mask kind and score transform are compile-time, their numbers launch-time scalars: ``scale``;
     ``softcap`` (with ``softcap=True``: scores become softcap * tanh(scores / softcap), before the ALiBi bias
     -slope * |distance to the diagonal| is added); ``window_left`` / ``window_right`` (with ``local=True``: a
     query row sees keys within left before and right after its diagonal, -1 unbounded; ``causal`` fixes right
-    at 0)."""
+    at 0).  ``varlen``: packed sequences, flash-attn's varlen layout: Q, K, V and O are (1, H, total, D) views of
+    (total, H, D) tensors, sequence s their rows CuQ[s]:CuQ[s + 1] (CuK[s]:CuK[s + 1] of K and V), LSE (1, H,
+    total_q); a block computes the query tile ``Tiles[bx]`` = (sequence, query block), so the grid holds
+    only tiles that exist, in the order the launch chooses (longest first).  Rows past a sequence's end are
+    read (a neighbour's, masked as keys past its length) but never written."""
     bM, bN = cfg.block_M, cfg.block_N
     vec = 16 // (2 if dtype in ("float16", "bfloat16") else 4)  # a 16-byte row chunk: TMA's and cp.async's unit
     B, Hq, Hkv, Sq, Sk = T.dynamic("B"), T.dynamic("Hq"), T.dynamic("Hkv"), T.dynamic("Sq"), T.dynamic("Sk")
     inf = T.infinity("float32")
+    capped = softcap
 
-    q_type, o_type = strided("Q", (B, Hq, Sq, dim), dtype, vec), strided("O", (B, Hq, Sq, dim), dtype, vec)
-    k_type, v_type = strided("K", (B, Hkv, Sk, dim), dtype, vec), strided("V", (B, Hkv, Sk, dim), dtype, vec)
-    lse_type = T.Tensor((B, Hq, Sq), "float32")
-    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
-
-    def attention(Q, K, V, O, LSE, scale, cap, left, right, Slopes=None):
-        window = Window(Sq, Sk, causal, local, left, right)
-        plain = not softcap and not alibi
+    def attention(Q, K, V, O, LSE, scale, softcap, window_left, window_right, Slopes=None, Tiles=None, CuQ=None,
+                  CuK=None):
+        plain = not capped and not alibi
         c = scale * LOG2E if plain else 1.0  # what turns the scores in S (and m) into log2 units
         # a cluster's query blocks share the K/V loads (multicast) where they walk the same key tiles
-        n = cfg.cluster if not (causal or local) else 1
-        with T.Kernel(T.ceildiv(Sq, n * bM) * n, Hq, B, threads=cfg.threads, cluster=n) as (bx, h, b):
+        n = cfg.cluster if not (causal or local or varlen) else 1
+        grid = (Tiles.shape[0], Hq) if varlen else (T.ceildiv(Sq, n * bM) * n, Hq, B)
+        with T.Kernel(*grid, threads=cfg.threads, cluster=n) as blocks:
+            if varlen:
+                (tile, h), b = blocks, 0
+                seq, bx = T.bind(Tiles[tile, 0], "seq"), T.bind(Tiles[tile, 1], "block")
+                q_start, k_start = T.bind(CuQ[seq], "q_start"), T.bind(CuK[seq], "k_start")
+                seq_q, seq_k = T.bind(CuQ[seq + 1] - q_start, "seq_q"), T.bind(CuK[seq + 1] - k_start, "seq_k")
+            else:
+                bx, h, b = blocks
+                seq, q_start, k_start, seq_q, seq_k = b, 0, 0, Sq, Sk
+            window = Window(seq_q, seq_k, causal, local, window_left, window_right)
             kv_head = h // (Hq // Hkv)  # GQA/MQA: a group of query heads reads one K/V head
-            slope = Slopes[b, h] if alibi else 0.0
+            slope = Slopes[seq, h] if alibi else 0.0
             Q_s = T.alloc_shared((bM, dim), dtype)
             K_s = T.alloc_shared((bN, dim), dtype)
             V_s = T.alloc_shared((bN, dim), dtype)
@@ -62,22 +73,22 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
             rescale = T.alloc_fragment((bM,), "float32")  # the previous max, then 2^(previous - new)
             l = T.alloc_fragment((bM,), "float32")  # running row sum of 2^(score - m)
             l_tile = T.alloc_fragment((bM,), "float32")
-            T.copy(Q[b, h, bx * bM, 0], Q_s)
+            T.copy(Q[b, h, q_start + bx * bM, 0], Q_s)
             T.clear(acc)
             T.clear(l)
             T.fill(m, -inf)
             first, count = window.key_tiles(bx * bM, bM, bN)
             for t in T.Pipelined(count, num_stages=cfg.num_stages, mma_turns=True):
                 k0 = (first + t) * bN
-                T.copy(K[b, kv_head, k0, 0], K_s)  # keys past Sk load as 0; the mask hides them
-                T.copy(V[b, kv_head, k0, 0], V_s)
+                T.copy(K[b, kv_head, k_start + k0, 0], K_s)  # keys past the sequence: masked (0 past the tensor)
+                T.copy(V[b, kv_head, k_start + k0, 0], V_s)
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
                 with T.deferred():  # the tile's P V ends the iteration: on sm_90a it runs under the next softmax
                     T.gemm(P, V_s, acc, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
                     q, k = bx * bM + i, k0 + j
-                    S[i, j] = T.where(window.visible(q, k), S[i, j] if plain else
-                                      score_log2(S[i, j], q, k, Sq, Sk, scale, cap, slope, softcap, alibi), -inf)
+                    S[i, j] = T.where(window.visible(q, k), S[i, j] if plain else score_log2(
+                        S[i, j], q, k, seq_q, seq_k, scale, softcap, slope, capped, alibi), -inf)
                 T.copy(m, rescale)
                 T.reduce_max(S, m, dim=1, clear=False)
                 for i in T.Parallel(bM):
@@ -93,20 +104,26 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 T.copy(S, P)  # in S's register layout: the A operand of P V
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.where(l[i] > 0, acc[i, j] / l[i], 0.0)
-            T.copy(acc, O[b, h, bx * bM, 0])
+            if varlen:  # the sequence's rows only: the next sequence's follow them
+                for i, j in T.Parallel(bM, dim):
+                    with T.when(bx * bM + i < seq_q):
+                        O[b, h, q_start + bx * bM + i, j] = acc[i, j]
+            else:
+                T.copy(acc, O[b, h, bx * bM, 0])
             for i in T.Parallel(bM):  # natural log, as flash-attn's
-                LSE[b, h, bx * bM + i] = T.where(l[i] > 0, (m_sub[i] + T.log2(l[i])) * LN2, -inf)
+                with T.when(bx * bM + i < seq_q):
+                    LSE[b, h, q_start + bx * bM + i] = T.where(l[i] > 0, (m_sub[i] + T.log2(l[i])) * LN2, -inf)
 
-    if alibi:  # one slope per (batch, head): a (B, Hq) view, a (Hq,) one expanded over the batch (stride 0)
-        @T.prim_func
-        def flash_attention(Q: q_type, K: k_type, V: v_type, O: o_type, LSE: lse_type,
-                            Slopes: T.Tensor((B, Hq), "float32", strides=(T.dynamic("slopes_stride_b"), 1)),
-                            scale: f32, softcap: f32, window_left: i32, window_right: i32):
-            attention(Q, K, V, O, LSE, scale, softcap, window_left, window_right, Slopes)
-    else:
-        @T.prim_func
-        def flash_attention(Q: q_type, K: k_type, V: v_type, O: o_type, LSE: lse_type, scale: f32, softcap: f32,
-                            window_left: i32, window_right: i32):
-            attention(Q, K, V, O, LSE, scale, softcap, window_left, window_right)
-
-    return flash_attention
+    params = dict(Q=strided("Q", (B, Hq, Sq, dim), dtype, vec), K=strided("K", (B, Hkv, Sk, dim), dtype, vec),
+                  V=strided("V", (B, Hkv, Sk, dim), dtype, vec), O=strided("O", (B, Hq, Sq, dim), dtype, vec),
+                  LSE=T.Tensor((B, Hq, Sq), "float32"))
+    if alibi:  # one slope per (sequence, head): a (B, Hq) view, a (Hq,) one expanded over the batch (stride 0)
+        params["Slopes"] = T.Tensor((T.dynamic("sequences") if varlen else B, Hq), "float32",
+                                    strides=(T.dynamic("slopes_stride_b"), 1))
+    if varlen:
+        cu = T.dynamic("sequences_1")
+        params.update(Tiles=T.Tensor((T.dynamic("tiles"), 2), "int32"), CuQ=T.Tensor((cu,), "int32"),
+                      CuK=T.Tensor((cu,), "int32"))
+    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
+    params.update(scale=f32, softcap=f32, window_left=i32, window_right=i32)
+    return T.prim_func(kernel_function("flash_attention", params, attention))

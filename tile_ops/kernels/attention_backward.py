@@ -52,13 +52,32 @@ def attention_delta(dim: int, dtype: str = "float16", block_M: int = 64):
     return delta
 
 
-def _signature(B, Hq, alibi, tensors: dict):
-    """The parameters of a backward kernel: ``tensors`` (name -> T.Tensor), ALiBi's (B, Hq) slopes, the scalars."""
+def _signature(B, Hq, alibi, varlen, tensors: dict):
+    """The parameters of a backward kernel: ``tensors`` (name -> T.Tensor), ALiBi's (B, Hq) slopes (a slope per
+    sequence and head with ``varlen``), the packed sequences' tile table and offsets, the scalars."""
     params = dict(tensors)
     if alibi:
-        params["Slopes"] = T.Tensor((B, Hq), "float32", strides=(T.dynamic("slopes_stride_b"), 1))
+        params["Slopes"] = T.Tensor((T.dynamic("sequences") if varlen else B, Hq), "float32",
+                                    strides=(T.dynamic("slopes_stride_b"), 1))
+    if varlen:
+        cu = T.dynamic("sequences_1")
+        params.update(Tiles=T.Tensor((T.dynamic("tiles"), 2), "int32"), CuQ=T.Tensor((cu,), "int32"),
+                      CuK=T.Tensor((cu,), "int32"))
     f32, i32 = T.Scalar("float32"), T.Scalar("int32")
     return {**params, "scale": f32, "softcap": f32, "window_left": i32, "window_right": i32}
+
+
+def _sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk):
+    """(block index, head, batch entry, sequence, query start, key start, query length, key length) of a block:
+    with ``varlen`` its tile's (sequence, block) from ``Tiles`` and the sequence's rows in the packed tensors."""
+    if not varlen:
+        bx, h, b = blocks
+        return bx, h, b, b, 0, 0, Sq, Sk
+    tile, h = blocks
+    seq, block = T.bind(Tiles[tile, 0], "seq"), T.bind(Tiles[tile, 1], "block")
+    q_start, k_start = T.bind(CuQ[seq], "q_start"), T.bind(CuK[seq], "k_start")
+    return block, h, 0, seq, q_start, k_start, T.bind(CuQ[seq + 1] - q_start, "seq_q"), \
+        T.bind(CuK[seq + 1] - k_start, "seq_k")
 
 
 def _types(dim, dtype):
@@ -84,11 +103,13 @@ def _ds(S, dP, q, k, window, Sq, Sk, lse2, delta, scale, cap, slope, softcap, al
 
 @tile_ops.jit(out_idx=[])
 def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = False, local: bool = False,
-                             softcap: bool = False, alibi: bool = False, atomic_dq: bool = True,
+                             softcap: bool = False, alibi: bool = False, atomic_dq: bool = True, varlen: bool = False,
                              cfg: AttentionConfig = AttentionConfig(64, 64, 2, 128)):
     """dK, dV (B, Hkv, Sk, D views) for the forward of the same mask kind and scalars, from its LSE (natural log)
     and Delta (attention_delta's); with ``atomic_dq`` also dQ_acc += dQ (float32 (B, Hq, Sq, D), zeroed by the
-    caller), else dQ is flash_attention_backward_dq's.  ``cfg``: block_M queries a step, block_N keys a block."""
+    caller), else dQ is flash_attention_backward_dq's.  ``cfg``: block_M queries a step, block_N keys a block.
+    ``varlen``: packed sequences as the forward's (B = 1, a block per ``Tiles`` entry: (sequence, key block));
+    dQ's rows past a sequence get adds of 0 (their dS is 0), dK's and dV's are not stored."""
     bM, bN = cfg.block_M, cfg.block_N
     capped = softcap  # (the kernel's parameter ``softcap`` is the cap's value)
     staged_dq = dim <= 128  # dQ's float32 tile through shared memory (a larger one does not fit beside the rest)
@@ -101,9 +122,11 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
     tensors.update(dK=k_side("dK"), dV=k_side("dV"))
 
     def backward(Q, K, V, dO, LSE, Delta, dK, dV, scale, softcap, window_left, window_right, dQ_acc=None,
-                 Slopes=None):
-        window = Window(Sq, Sk, causal, local, window_left, window_right)
-        with T.Kernel(T.ceildiv(Sk, bN), Hkv, B, threads=cfg.threads) as (bx, kv_head, b):
+                 Slopes=None, Tiles=None, CuQ=None, CuK=None):
+        grid = (Tiles.shape[0], Hkv) if varlen else (T.ceildiv(Sk, bN), Hkv, B)
+        with T.Kernel(*grid, threads=cfg.threads) as blocks:
+            bx, kv_head, b, seq, q_start, k_start, seq_q, seq_k = _sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk)
+            window = Window(seq_q, seq_k, causal, local, window_left, window_right)
             group = Hq // Hkv  # the query heads that read this K/V head
             k0 = bx * bN
             K_s = T.alloc_shared((bN, dim), dtype)
@@ -127,8 +150,8 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
             if atomic_dq:
                 dQ = T.alloc_fragment((bM, dim), "float32")
                 dQ_s = T.alloc_shared((bM, dim), "float32") if staged_dq else None
-            T.copy(K[b, kv_head, k0, 0], K_s)
-            T.copy(V[b, kv_head, k0, 0], V_s)
+            T.copy(K[b, kv_head, k_start + k0, 0], K_s)
+            T.copy(V[b, kv_head, k_start + k0, 0], V_s)
             T.clear(dK_f)
             T.clear(dV_f)
             first, count = window.query_tiles(k0, bN, bM)
@@ -137,17 +160,17 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                     h = kv_head * group + g
                     q0 = (first + t) * bM
                     slot = (g * count + t) % 2  # alternate across the heads' steps too
-                    T.copy(Q[b, h, q0, 0], Q_s)
-                    T.copy(dO[b, h, q0, 0], dO_s)
+                    T.copy(Q[b, h, q_start + q0, 0], Q_s)
+                    T.copy(dO[b, h, q_start + q0, 0], dO_s)
                     for i in T.Parallel(bM):  # once a step, not once an element (queries are S^T's columns)
-                        row = T.min(q0 + i, Sq - 1)
+                        row = q_start + T.min(q0 + i, seq_q - 1)
                         lse_s[slot, i] = LSE[b, h, row] * LOG2E
                         delta_s[slot, i] = Delta[b, h, row]
                     T.gemm(K_s, Q_s, ST, transpose_B=True, clear_accum=True, policy=policy)
                     T.gemm(V_s, dO_s, dPT, transpose_B=True, clear_accum=True, policy=policy)
                     for j, i in T.Parallel(bN, bM):
-                        p, ds = _ds(ST[j, i], dPT[j, i], q0 + i, k0 + j, window, Sq, Sk, lse_s[slot, i],
-                                    delta_s[slot, i], scale, softcap, Slopes[b, h] if alibi else 0.0, capped, alibi)
+                        p, ds = _ds(ST[j, i], dPT[j, i], q0 + i, k0 + j, window, seq_q, seq_k, lse_s[slot, i],
+                                    delta_s[slot, i], scale, softcap, Slopes[seq, h] if alibi else 0.0, capped, alibi)
                         dPT[j, i] = ds
                         ST[j, i] = p
                         dPT[j, i] = dPT[j, i] * ST[j, i]
@@ -167,18 +190,29 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                         T.gemm(dS_s, K_s, dQ, transpose_A=True, clear_accum=True)
                         if staged_dq:  # one reduce-add of the tile (TMA's on sm_90a), not one per element
                             T.copy(dQ, dQ_s)
-                            T.atomic_add(dQ_acc[b, h, q0, 0], dQ_s)
+                            T.atomic_add(dQ_acc[b, h, q_start + q0, 0], dQ_s)
                         else:
-                            T.atomic_add(dQ_acc[b, h, q0, 0], dQ)
-            T.copy(dK_f, dK[b, kv_head, k0, 0])
-            T.copy(dV_f, dV[b, kv_head, k0, 0])
+                            T.atomic_add(dQ_acc[b, h, q_start + q0, 0], dQ)
+            _store_rows(varlen, dK_f, dK, b, kv_head, k_start, k0, seq_k)
+            _store_rows(varlen, dV_f, dV, b, kv_head, k_start, k0, seq_k)
 
-    return T.prim_func(kernel_function("flash_attention_bwd", _signature(B, Hq, alibi, tensors), backward))
+    return T.prim_func(kernel_function("flash_attention_bwd", _signature(B, Hq, alibi, varlen, tensors), backward))
+
+
+def _store_rows(varlen, tile, dst, b, h, start, r0, length):
+    """dst[b, h, start + r0 + i] = tile[i] for the tile's rows: with ``varlen`` only those before ``length`` (the
+    next sequence's rows follow)."""
+    if not varlen:
+        T.copy(tile, dst[b, h, r0, 0])
+        return
+    for i, d in T.Parallel(*tile.shape):
+        with T.when(r0 + i < length):
+            dst[b, h, start + r0 + i, d] = tile[i, d]
 
 
 @tile_ops.jit(out_idx=[])
 def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool = False, local: bool = False,
-                                softcap: bool = False, alibi: bool = False,
+                                softcap: bool = False, alibi: bool = False, varlen: bool = False,
                                 cfg: AttentionConfig = AttentionConfig(64, 64, 2, 128)):
     """dQ (a (B, Hq, Sq, D) view, written) without atomics: a block owns ``block_M`` query rows and walks the key
     tiles they see, as the forward does, recomputing P and dP: dQ += dS K with dS from registers.  With the
@@ -189,9 +223,12 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
     tensors = {"Q": q_side("Q"), "K": k_side("K"), "V": k_side("V"), "dO": q_side("dO"), "LSE": rows, "Delta": rows,
                "dQ": q_side("dQ")}
 
-    def backward_dq(Q, K, V, dO, LSE, Delta, dQ, scale, softcap, window_left, window_right, Slopes=None):
-        window = Window(Sq, Sk, causal, local, window_left, window_right)
-        with T.Kernel(T.ceildiv(Sq, bM), Hq, B, threads=cfg.threads) as (bx, h, b):
+    def backward_dq(Q, K, V, dO, LSE, Delta, dQ, scale, softcap, window_left, window_right, Slopes=None, Tiles=None,
+                    CuQ=None, CuK=None):
+        grid = (Tiles.shape[0], Hq) if varlen else (T.ceildiv(Sq, bM), Hq, B)
+        with T.Kernel(*grid, threads=cfg.threads) as blocks:
+            bx, h, b, seq, q_start, k_start, seq_q, seq_k = _sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk)
+            window = Window(seq_q, seq_k, causal, local, window_left, window_right)
             kv_head = h // (Hq // Hkv)
             q0 = bx * bM
             Q_s = T.alloc_shared((bM, dim), dtype)
@@ -204,28 +241,29 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
             dQ_f = T.alloc_fragment((bM, dim), "float32")
             lse = T.alloc_fragment((bM,), "float32")  # the rows' LSE, then in base 2
             delta = T.alloc_fragment((bM,), "float32")
-            T.copy(Q[b, h, q0, 0], Q_s)
-            T.copy(dO[b, h, q0, 0], dO_s)
-            T.copy(LSE[b, h, q0], lse)
-            T.copy(Delta[b, h, q0], delta)
+            T.copy(Q[b, h, q_start + q0, 0], Q_s)
+            T.copy(dO[b, h, q_start + q0, 0], dO_s)
+            T.copy(LSE[b, h, q_start + q0], lse)  # (rows past the sequence: the next one's, masked by q < seq_q)
+            T.copy(Delta[b, h, q_start + q0], delta)
             for i in T.Parallel(bM):  # in base 2 once, not once an element
                 lse[i] = lse[i] * LOG2E
             T.clear(dQ_f)
             first, count = window.key_tiles(q0, bM, bN)
             for t in T.Pipelined(count, num_stages=cfg.num_stages):
                 k0 = (first + t) * bN
-                T.copy(K[b, kv_head, k0, 0], K_s)
-                T.copy(V[b, kv_head, k0, 0], V_s)
+                T.copy(K[b, kv_head, k_start + k0, 0], K_s)
+                T.copy(V[b, kv_head, k_start + k0, 0], V_s)
                 T.gemm(Q_s, K_s, S, transpose_B=True, clear_accum=True, policy="full_row")
                 T.gemm(dO_s, V_s, dP, transpose_B=True, clear_accum=True, policy="full_row")
                 for i, j in T.Parallel(bM, bN):
-                    p, ds = _ds(S[i, j], dP[i, j], q0 + i, k0 + j, window, Sq, Sk, lse[i], delta[i], scale, softcap,
-                                Slopes[b, h] if alibi else 0.0, capped, alibi)
+                    p, ds = _ds(S[i, j], dP[i, j], q0 + i, k0 + j, window, seq_q, seq_k, lse[i], delta[i], scale,
+                                softcap, Slopes[seq, h] if alibi else 0.0, capped, alibi)
                     dP[i, j] = ds
                     S[i, j] = p
                     dP[i, j] = dP[i, j] * S[i, j]
                 T.copy(dP, dS)
                 T.gemm(dS, K_s, dQ_f, policy="full_row")
-            T.copy(dQ_f, dQ[b, h, q0, 0])
+            _store_rows(varlen, dQ_f, dQ, b, h, q_start, q0, seq_q)
 
-    return T.prim_func(kernel_function("flash_attention_bwd_dq", _signature(B, Hq, alibi, tensors), backward_dq))
+    return T.prim_func(kernel_function("flash_attention_bwd_dq", _signature(B, Hq, alibi, varlen, tensors),
+                                       backward_dq))

@@ -2,6 +2,8 @@
 the op's (B, S, H, D) tensors (tile_ops/ops/attention.py)."""
 
 
+import functools
+
 import torch
 
 from tile_ops.compiler.meta import span
@@ -14,12 +16,13 @@ from .attention_config import backward_config, backward_dq_config, default_confi
 _DT = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def attention_problem(q, causal=False, window=(-1, -1), softcap=0.0, alibi=False) -> dict:
-    """The kernel's compile-time arguments for a call: the head dim, dtype and mask kind (never a size, nor the
-    scale, softcap or window sizes, which the kernel takes at launch)."""
+def attention_problem(q, causal=False, window=(-1, -1), softcap=0.0, alibi=False, varlen=False) -> dict:
+    """The kernel's compile-time arguments for a call: the head dim, dtype and mask kind, and whether the
+    sequences are packed (never a size, nor the scale, softcap or window sizes, which the kernel takes at
+    launch)."""
     left, right = window
     return dict(dim=q.shape[-1], dtype=_DT[q.dtype], causal=bool(causal), local=left >= 0 or (right >= 0 and not causal),
-                softcap=softcap > 0, alibi=bool(alibi))
+                softcap=softcap > 0, alibi=bool(alibi), varlen=bool(varlen))
 
 
 def build_attention(problem: dict, cfg=None, arch=None):
@@ -44,6 +47,45 @@ def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window
         # the op checked dtypes, shapes and alignment; the sizes and strides come from these very tensors
         _launch(kernel, [t[b0:b1].transpose(1, 2) for t in tensors[:4]] + [t[b0:b1] for t in tensors[4:]], q.device,
                 scalars)
+
+
+def launch_attention_varlen(q, k, v, out, lse, offsets_q, offsets_k, cu_seqlens_q, cu_seqlens_k, softmax_scale=None,
+                            causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None, arch=None):
+    """out (total_q, Hq, D), lse (Hq, total_q) of packed sequences (``offsets_q``/``offsets_k``: the host copies of
+    the checked ``cu_seqlens_q``/``cu_seqlens_k``), in one launch over the query tiles that exist."""
+    problem = attention_problem(q, causal, window, softcap, alibi_slopes is not None, varlen=True)
+    arch = arch or default_arch(q.device)
+    cfg = default_config(problem["dim"], arch)
+    kernel = build_attention(problem, cfg, arch)
+    tiles = _tile_table(tuple(offsets_q), tuple(offsets_k), cfg.block_M, bool(causal), q.device)
+    if tiles is None:
+        return
+    k, v = k[:offsets_k[-1]], v[:offsets_k[-1]]  # rows of no sequence (say, uninitialized) then read as 0
+    tensors = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, out)] + [lse.unsqueeze(0)]
+    if alibi_slopes is not None:
+        tensors.append(slopes_view(alibi_slopes, len(offsets_q) - 1, q.shape[1]))
+    tensors += [tiles, cu_seqlens_q, cu_seqlens_k]
+    _launch(kernel, tensors, q.device, _scalars(q.shape[-1], softmax_scale, softcap, window))
+
+
+@functools.lru_cache(maxsize=32)
+def _tile_table(offsets_q: tuple, offsets_k: tuple, block_M: int, causal: bool, device):
+    """``varlen_tiles`` on ``device`` (None: no tile), built once for the offsets every layer of a model shares."""
+    tiles = varlen_tiles(offsets_q, offsets_k, block_M, causal)
+    return torch.tensor(tiles, dtype=torch.int32).to(device) if tiles else None
+
+
+def varlen_tiles(offsets_q, offsets_k, block_M: int, causal: bool) -> list:
+    """[(sequence, query block)] of every query tile of the packed sequences: a sequence's tiles side by side (the
+    blocks running together share its K/V in L2), the sequences with the most work first and, within one, the
+    blocks that walk the most keys first (the last wave then holds the short ones)."""
+    tiles = []
+    for s, (q0, q1, k0, k1) in enumerate(zip(offsets_q, offsets_q[1:], offsets_k, offsets_k[1:])):
+        sq, sk = q1 - q0, k1 - k0
+        keys = [min(sk, max(0, (b + 1) * block_M + sk - sq)) if causal else sk for b in range(-(-sq // block_M))]
+        tiles += [(-sum(keys), -n, s, b) for b, n in enumerate(keys)]
+    tiles.sort()
+    return [(s, b) for _, _, s, b in tiles]
 
 
 def slopes_view(alibi_slopes, B, Hq):
@@ -105,6 +147,45 @@ def launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale
             _launch(dq_kernel, inputs + [dq_.transpose(1, 2)] + part[10:], q.device, scalars)
     if not separate:
         dq.copy_(dq_acc.transpose(1, 2))
+
+
+def launch_attention_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, offsets_q, offsets_k, cu_seqlens_q,
+                                     cu_seqlens_k, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None, grad_lse=None, deterministic=False, arch=None):
+    """dq, dk, dv (total, H, D, written whole: 0 on rows of no sequence) of packed sequences, as
+    ``launch_attention_backward`` computes them (Delta, the key-block kernel over every sequence's key blocks, dQ
+    by its atomic adds or the query-block kernel over the query tiles), each in one launch."""
+    arch = arch or default_arch(q.device)
+    problem = attention_problem(q, causal, window, softcap, alibi_slopes is not None, varlen=True)
+    (kernel, kernel_args), *dq_part = backward_kernels(problem, arch=arch, deterministic=deterministic)
+    for t, end in ((dq, offsets_q[-1]), (dk, offsets_k[-1]), (dv, offsets_k[-1])):
+        t[end:].zero_()
+    # the kernels see the rows of the sequences only: others (say, uninitialized) then read as 0
+    tq, tk = offsets_q[-1], offsets_k[-1]
+    dout, q, out, dq = (t[:tq] for t in (dout, q, out, dq))
+    k, v, dk, dv = (t[:tk] for t in (k, v, dk, dv))
+    lse = lse[:, :tq] if tq == lse.shape[1] else lse[:, :tq].contiguous()
+    _, Hq, D = q.shape
+    packed = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  (total, H, D) as the kernels' (1, H, total, D)
+    delta = torch.empty(1, Hq, tq, dtype=torch.float32, device=q.device)
+    _launch(attention_delta(D, _DT[q.dtype], target=arch), [packed(out), packed(dout), delta], q.device, {})
+    if grad_lse is not None:
+        delta[0].sub_(grad_lse[:, :tq].masked_fill(lse.isinf(), 0.0))
+    dq_acc = None if dq_part else torch.zeros(1, Hq, tq, D, dtype=torch.float32, device=q.device)
+    inputs = [packed(t) for t in (q, k, v, dout)] + [lse.unsqueeze(0), delta]
+    slopes = [] if alibi_slopes is None else [slopes_view(alibi_slopes, len(offsets_q) - 1, Hq)]
+    scalars, offsets, device = _scalars(D, softmax_scale, softcap, window), [cu_seqlens_q, cu_seqlens_k], q.device
+    key_tiles = _tile_table(tuple(offsets_k), tuple(offsets_q), kernel_args["cfg"].block_N, False, device)
+    if key_tiles is not None:
+        _launch(kernel(**kernel_args, target=arch), inputs + ([] if dq_part else [dq_acc]) +
+                [packed(dk), packed(dv)] + slopes + [key_tiles] + offsets, device, scalars)
+    if not dq_part:
+        dq.copy_(dq_acc[0].transpose(0, 1))
+        return
+    fn, args = dq_part[0]
+    query_tiles = _tile_table(tuple(offsets_q), tuple(offsets_k), args["cfg"].block_M, bool(causal), device)
+    if query_tiles is not None:
+        _launch(fn(**args, target=arch), inputs + [packed(dq)] + slopes + [query_tiles] + offsets, device, scalars)
 
 
 def _scalars(dim, softmax_scale, softcap, window) -> dict:

@@ -87,15 +87,21 @@ def check_inputs(q, k, v, softmax_scale=None, window_left=-1, window_right=-1, s
     _check_window(window_left, window_right)
     if not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"{OP}: softcap={softcap!r}; accepted: a finite float >= 0 (0: none)")
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            raise TypeError(f"{OP}: alibi_slopes must be a float32 tensor, got "
-                            f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
-        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
-            raise ValueError(f"{OP}: alibi_slopes has shape {list(alibi_slopes.shape)}; accepted: ({Hq},) or "
-                             f"({B}, {Hq}) (nheads, or batch x nheads)")
-        if alibi_slopes.device != q.device:
-            raise RuntimeError(f"{OP}: alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+    _check_slopes(alibi_slopes, B, Hq, q.device)
+
+
+def _check_slopes(alibi_slopes, B, Hq, device):
+    """ALiBi's slopes: None, or float32 of shape (Hq,) or (B, Hq) on ``device``."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"{OP}: alibi_slopes must be a float32 tensor, got "
+                        f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
+    if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+        raise ValueError(f"{OP}: alibi_slopes has shape {list(alibi_slopes.shape)}; accepted: ({Hq},) or "
+                         f"({B}, {Hq}) (nheads, or batch x nheads)")
+    if alibi_slopes.device != device:
+        raise RuntimeError(f"{OP}: alibi_slopes is on {alibi_slopes.device}, q on {device}")
 
 
 def _check_cuda_layout(q, k, v):
@@ -185,12 +191,12 @@ def attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax
     return tuple(g.to(t.dtype).contiguous() for g, t in ((dq.transpose(1, 2), q), (dk, k), (dv, v)))
 
 
-def _note(q, softmax_scale, causal, window, softcap, alibi_slopes):
+def _note(q, softmax_scale, causal, window, softcap, alibi_slopes, varlen=False):
     """While recording (record.py): the kernel a CUDA call on these inputs launches."""
     if record.active() and q.dtype in checks.CUDA_INPUT_DTYPES and q.shape[-1] in HEAD_DIMS:
         from ..kernels.attention_launch import attention_problem
 
-        record.add("flash_attention", attention_problem(q, causal, window, softcap, alibi_slopes is not None))
+        record.add("flash_attention", attention_problem(q, causal, window, softcap, alibi_slopes is not None, varlen))
 
 
 def _flash_attention_reference(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
@@ -299,6 +305,165 @@ _backward_op.register_kernel("cuda", _flash_attention_backward_cuda)
 _backward_op.register_fake(_flash_attention_backward_fake)
 
 
+# --------------------------------------------------------------------------- packed sequences (varlen)
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap,
+                  alibi_slopes):
+    """check_inputs on packed (total, H, D) tensors and their offsets' dtypes and shapes (not their values)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{OP}: {name} must be a packed (total, nheads, headdim) tensor, got "
+                             f"{list(getattr(t, 'shape', [])) or type(t).__name__}")
+    check_inputs(q[None], k[None], v[None], softmax_scale, window_left, window_right, softcap)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise TypeError(f"{OP}: {name} must be a 1-D int32 tensor of batch + 1 offsets, got "
+                            f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
+        if cu.device != q.device:
+            raise RuntimeError(f"{OP}: {name} is on {cu.device}, q on {q.device}; accepted: all on one device")
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(f"{OP}: cu_seqlens_k has {cu_seqlens_k.numel()} offsets, cu_seqlens_q "
+                         f"{cu_seqlens_q.numel()}; accepted: the same count")
+    _check_slopes(alibi_slopes, cu_seqlens_q.numel() - 1, q.shape[1], q.device)
+
+
+def _offsets(name, cu, total):
+    """The host copy of a cu_seqlens tensor, checked: from 0, non-decreasing, ending within ``total``."""
+    offsets = cu.tolist()
+    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[-1] > total:
+        raise ValueError(f"{OP}: {name}={offsets[:8]}{'...' if len(offsets) > 8 else ''}; accepted: offsets from 0, "
+                         f"non-decreasing, the last at most the tensor's {total} tokens")
+    return offsets
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    """[(sequence index, (q0, q1), (k0, k1))] of the non-empty query sequences, offsets checked."""
+    oq = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    ok = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    return oq, ok, [(i, (oq[i], oq[i + 1]), (ok[i], ok[i + 1])) for i in range(len(oq) - 1) if oq[i + 1] > oq[i]]
+
+
+def _slopes_of(alibi_slopes, i):
+    return alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+
+
+def _flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                                      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                                      deterministic=False):
+    """Each sequence through the reference; rows past the last sequence: out 0, lse -inf."""
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    _, _, seqs = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
+    for i, (q0, q1), (k0, k1) in seqs:
+        o, l_ = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal,
+                                    (window_left, window_right), softcap, _slopes_of(alibi_slopes, i), return_lse=True)
+        out[q0:q1], lse[:, q0:q1] = o[0], l_[0]
+    return out, lse
+
+
+def _flash_attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                                 window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+def _flash_attention_varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                                 window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes)
+    _check_cuda_layout(q[None], k[None], v[None])
+    _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, varlen=True)
+    oq, ok, _ = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    out[oq[-1]:].zero_()  # rows past the last sequence belong to none, as flash-attn leaves them
+    lse[:, oq[-1]:].fill_(-math.inf)
+    if out.numel():
+        from ..kernels.attention_launch import launch_attention_varlen
+
+        launch_attention_varlen(q, k, v, out, lse, oq, ok, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                                softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
+    return out, lse
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, \
+        deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.options = (softmax_scale, causal, window_left, window_right, softcap)
+    ctx.deterministic = deterministic
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    dq, dk, dv = torch.ops.tile_ops.flash_attention_varlen_backward(
+        grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
+        ctx.deterministic)
+    needs = ctx.needs_input_grad[:3]
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 9
+
+
+def _flash_attention_varlen_backward_reference(dout, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
+                                               softmax_scale=None, causal=False, window_left=-1, window_right=-1,
+                                               softcap=0.0, alibi_slopes=None, deterministic=False):
+    """Each sequence's gradients by the reference; 0 on rows of no sequence."""
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
+    for i, (q0, q1), (k0, k1) in _sequences(q, k, cu_seqlens_q, cu_seqlens_k)[2]:
+        glse = None if grad_lse is None else grad_lse[None, :, q0:q1]
+        grads = attention_backward_reference(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                             out[None, q0:q1], lse[None, :, q0:q1], glse, softmax_scale, causal,
+                                             (window_left, window_right), softcap, _slopes_of(alibi_slopes, i))
+        for acc, g, (a, b) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
+            acc[a:b] += g[0]
+    return dq, dk, dv
+
+
+def _flash_attention_varlen_backward_fake(dout, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
+                                          softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                                          alibi_slopes=None, deterministic=False):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _flash_attention_varlen_backward_cuda(dout, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
+                                          softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                                          alibi_slopes=None, deterministic=False):
+    oq, ok, _ = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if dout.stride(-1) != 1 or dout.data_ptr() % checks.POINTER_ALIGNMENT or \
+            any(s * dout.element_size() % checks.POINTER_ALIGNMENT for s in dout.stride()[:2]):
+        dout = dout.contiguous()  # (what autograd hands over: an expanded or sliced gradient)
+    from ..kernels.attention_launch import launch_attention_backward_varlen
+
+    launch_attention_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, oq, ok, cu_seqlens_q.contiguous(),
+                                     cu_seqlens_k.contiguous(), softmax_scale, causal, (window_left, window_right),
+                                     softcap, alibi_slopes, grad_lse, deterministic)
+    return dq, dk, dv
+
+
+_varlen_op = torch.library.custom_op(
+    "tile_ops::flash_attention_varlen", _flash_attention_varlen_reference, mutates_args=(), device_types="cpu",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float? softmax_scale=None, "
+           "bool causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+           "bool deterministic=False) -> (Tensor, Tensor)")
+_varlen_op.register_kernel("cuda", _flash_attention_varlen_cuda)
+_varlen_op.register_fake(_flash_attention_varlen_fake)
+_varlen_op.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+_varlen_backward_op = torch.library.custom_op(
+    "tile_ops::flash_attention_varlen_backward", _flash_attention_varlen_backward_reference, mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, Tensor cu_seqlens_q, "
+           "Tensor cu_seqlens_k, float? softmax_scale=None, bool causal=False, int window_left=-1, "
+           "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, bool deterministic=False) -> "
+           "(Tensor, Tensor, Tensor)")
+_varlen_backward_op.register_kernel("cuda", _flash_attention_varlen_backward_cuda)
+_varlen_backward_op.register_fake(_flash_attention_varlen_backward_fake)
+
+
 # --------------------------------------------------------------------------- flash-attn's API
 
 
@@ -354,62 +519,32 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return (out, lse, None) if probs else out
 
 
-def _check_cu_seqlens(name, cu, total, batch=None):
-    """The host copy of a cu_seqlens tensor, checked: int32, 1-D, from 0, non-decreasing, ending within ``total``."""
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-        raise TypeError(f"{OP}: {name} must be a 1-D int32 tensor of batch + 1 offsets, got "
-                        f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
-    if batch is not None and cu.numel() != batch + 1:
-        raise ValueError(f"{OP}: {name} has {cu.numel()} offsets, cu_seqlens_q {batch + 1}; accepted: the same count")
-    offsets = cu.tolist()
-    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[-1] > total:
-        raise ValueError(f"{OP}: {name}={offsets[:8]}{'...' if len(offsets) > 8 else ''}; accepted: offsets from 0, "
-                         f"non-decreasing, the last at most the tensor's {total} tokens")
-    return offsets
-
-
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn 2's ``flash_attn_varlen_func`` on packed (total, nheads, headdim) tensors, sequence i being
     rows ``cu_seqlens[i]:cu_seqlens[i + 1]``: ``out`` (total_q, nheads, headdim), with ``return_attn_probs``
-    ``(out, softmax_lse, None)``, lse (nheads, total_q).  Each sequence runs as a batch of one through its view
-    of the packed tensors (no copies in); zero-length sequences are skipped."""
+    ``(out, softmax_lse, None)``, lse (nheads, total_q); rows past the last sequence get 0 (lse -inf).  On CUDA
+    one launch over every sequence's query tiles (``torch.ops.tile_ops.flash_attention_varlen``); the offsets
+    are checked on the host (one copy of each), ``max_seqlen_*`` against them."""
     _refuse(dropout_p, block_table)
     left, right = _window(window_size)
     causal, deterministic, probs = (_flag(n, x) for n, x in (("causal", causal), ("deterministic", deterministic),
                                                               ("return_attn_probs", return_attn_probs)))
     softcap, softmax_scale = _softcap(softcap), _scale(softmax_scale)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{OP}: {name} must be a packed (total, nheads, headdim) tensor, got "
-                             f"{list(getattr(t, 'shape', [])) or type(t).__name__}")
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], batch=len(cq) - 1)
-    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cq), ("max_seqlen_k", max_seqlen_k, ck)):
-        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-        if isinstance(bound, torch.SymInt):  # traced: the offsets above were checked, the bound is a hint
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, alibi_slopes)
+    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+        if isinstance(bound, torch.SymInt):  # traced: the op checks the offsets, the bound is a hint
             continue
+        offsets = _offsets(name.replace("max_seqlen", "cu_seqlens"), cu, (q if name.endswith("q") else k).shape[0])
+        longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
         if isinstance(bound, torch.Tensor) and bound.numel() == 1 and not bound.is_floating_point():
             bound = int(bound)  # transformers may hand the longest length over as a tensor
         if isinstance(bound, bool) or not isinstance(bound, numbers.Integral) or bound < longest:
             raise ValueError(f"{OP}: {name}={bound!r}; accepted: an int at least the longest sequence ({longest}): "
                              f"flash-attn sizes its grid by it and would leave the rows past it unwritten")
-    if alibi_slopes is not None and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] != len(cq) - 1:
-        raise ValueError(f"{OP}: alibi_slopes has shape {list(alibi_slopes.shape)}; accepted: (nheads,) or "
-                         f"(batch, nheads) with batch = {len(cq) - 1}")
-    outs, lses = [], []
-    for i in range(len(cq) - 1):
-        slopes = alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-        o, lse = torch.ops.tile_ops.flash_attention(
-            q[cq[i]:cq[i + 1]].unsqueeze(0), k[ck[i]:ck[i + 1]].unsqueeze(0), v[ck[i]:ck[i + 1]].unsqueeze(0),
-            softmax_scale, causal, left, right, softcap, slopes, deterministic)
-        outs.append(o[0])
-        lses.append(lse[0])
-    tail = q.shape[0] - cq[-1]  # rows past the last sequence belong to none: zeros, as flash-attn leaves them
-    out = torch.cat(outs + [q.new_zeros((tail, *q.shape[1:]))]) if outs else q.new_zeros(q.shape)
-    lse = torch.cat(lses + [q.new_full((q.shape[1], tail), -math.inf, dtype=torch.float32)], dim=1) if lses else \
-        q.new_full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
+    out, lse = torch.ops.tile_ops.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                                         left, right, softcap, alibi_slopes, deterministic)
     return (out, lse, None) if probs else out
 
 
