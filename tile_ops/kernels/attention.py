@@ -21,7 +21,7 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig
-from .attention_mask import LN2, LOG2E, Window, kernel_function, score_log2, strided
+from .attention_mask import LN2, LOG2E, Window, kernel_function, score_log2, sequence, signature, strided
 
 
 @tile_ops.jit(out_idx=[])
@@ -51,14 +51,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
         n = cfg.cluster if not (causal or local or varlen) else 1
         grid = (Tiles.shape[0], Hq) if varlen else (T.ceildiv(Sq, n * bM) * n, Hq, B)
         with T.Kernel(*grid, threads=cfg.threads, cluster=n) as blocks:
-            if varlen:
-                (tile, h), b = blocks, 0
-                seq, bx = T.bind(Tiles[tile, 0], "seq"), T.bind(Tiles[tile, 1], "block")
-                q_start, k_start = T.bind(CuQ[seq], "q_start"), T.bind(CuK[seq], "k_start")
-                seq_q, seq_k = T.bind(CuQ[seq + 1] - q_start, "seq_q"), T.bind(CuK[seq + 1] - k_start, "seq_k")
-            else:
-                bx, h, b = blocks
-                seq, q_start, k_start, seq_q, seq_k = b, 0, 0, Sq, Sk
+            bx, h, b, seq, q_start, k_start, seq_q, seq_k = sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk)
             window = Window(seq_q, seq_k, causal, local, window_left, window_right)
             kv_head = h // (Hq // Hkv)  # GQA/MQA: a group of query heads reads one K/V head
             slope = Slopes[seq, h] if alibi else 0.0
@@ -114,16 +107,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 with T.when(bx * bM + i < seq_q):
                     LSE[b, h, q_start + bx * bM + i] = T.where(l[i] > 0, (m_sub[i] + T.log2(l[i])) * LN2, -inf)
 
-    params = dict(Q=strided("Q", (B, Hq, Sq, dim), dtype, vec), K=strided("K", (B, Hkv, Sk, dim), dtype, vec),
-                  V=strided("V", (B, Hkv, Sk, dim), dtype, vec), O=strided("O", (B, Hq, Sq, dim), dtype, vec),
-                  LSE=T.Tensor((B, Hq, Sq), "float32"))
-    if alibi:  # one slope per (sequence, head): a (B, Hq) view, a (Hq,) one expanded over the batch (stride 0)
-        params["Slopes"] = T.Tensor((T.dynamic("sequences") if varlen else B, Hq), "float32",
-                                    strides=(T.dynamic("slopes_stride_b"), 1))
-    if varlen:
-        cu = T.dynamic("sequences_1")
-        params.update(Tiles=T.Tensor((T.dynamic("tiles"), 2), "int32"), CuQ=T.Tensor((cu,), "int32"),
-                      CuK=T.Tensor((cu,), "int32"))
-    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
-    params.update(scale=f32, softcap=f32, window_left=i32, window_right=i32)
-    return T.prim_func(kernel_function("flash_attention", params, attention))
+    tensors = dict(Q=strided("Q", (B, Hq, Sq, dim), dtype, vec), K=strided("K", (B, Hkv, Sk, dim), dtype, vec),
+                   V=strided("V", (B, Hkv, Sk, dim), dtype, vec), O=strided("O", (B, Hq, Sq, dim), dtype, vec),
+                   LSE=T.Tensor((B, Hq, Sq), "float32"))
+    return T.prim_func(kernel_function("flash_attention", signature(B, Hq, alibi, varlen, tensors), attention))

@@ -25,7 +25,7 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig, splits_head_dim
-from .attention_mask import LOG2E, Window, kernel_function, score_log2, strided
+from .attention_mask import LOG2E, Window, kernel_function, score_log2, sequence, signature, strided
 
 
 @tile_ops.jit(out_idx=[])
@@ -50,34 +50,6 @@ def attention_delta(dim: int, dtype: str = "float16", block_M: int = 64):
             T.copy(acc, Delta[b, h, bx * block_M])
 
     return delta
-
-
-def _signature(B, Hq, alibi, varlen, tensors: dict):
-    """The parameters of a backward kernel: ``tensors`` (name -> T.Tensor), ALiBi's (B, Hq) slopes (a slope per
-    sequence and head with ``varlen``), the packed sequences' tile table and offsets, the scalars."""
-    params = dict(tensors)
-    if alibi:
-        params["Slopes"] = T.Tensor((T.dynamic("sequences") if varlen else B, Hq), "float32",
-                                    strides=(T.dynamic("slopes_stride_b"), 1))
-    if varlen:
-        cu = T.dynamic("sequences_1")
-        params.update(Tiles=T.Tensor((T.dynamic("tiles"), 2), "int32"), CuQ=T.Tensor((cu,), "int32"),
-                      CuK=T.Tensor((cu,), "int32"))
-    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
-    return {**params, "scale": f32, "softcap": f32, "window_left": i32, "window_right": i32}
-
-
-def _sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk):
-    """(block index, head, batch entry, sequence, query start, key start, query length, key length) of a block:
-    with ``varlen`` its tile's (sequence, block) from ``Tiles`` and the sequence's rows in the packed tensors."""
-    if not varlen:
-        bx, h, b = blocks
-        return bx, h, b, b, 0, 0, Sq, Sk
-    tile, h = blocks
-    seq, block = T.bind(Tiles[tile, 0], "seq"), T.bind(Tiles[tile, 1], "block")
-    q_start, k_start = T.bind(CuQ[seq], "q_start"), T.bind(CuK[seq], "k_start")
-    return block, h, 0, seq, q_start, k_start, T.bind(CuQ[seq + 1] - q_start, "seq_q"), \
-        T.bind(CuK[seq + 1] - k_start, "seq_k")
 
 
 def _types(dim, dtype):
@@ -125,7 +97,7 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                  Slopes=None, Tiles=None, CuQ=None, CuK=None):
         grid = (Tiles.shape[0], Hkv) if varlen else (T.ceildiv(Sk, bN), Hkv, B)
         with T.Kernel(*grid, threads=cfg.threads) as blocks:
-            bx, kv_head, b, seq, q_start, k_start, seq_q, seq_k = _sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk)
+            bx, kv_head, b, seq, q_start, k_start, seq_q, seq_k = sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk)
             window = Window(seq_q, seq_k, causal, local, window_left, window_right)
             group = Hq // Hkv  # the query heads that read this K/V head
             k0 = bx * bN
@@ -196,7 +168,7 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
             _store_rows(varlen, dK_f, dK, b, kv_head, k_start, k0, seq_k)
             _store_rows(varlen, dV_f, dV, b, kv_head, k_start, k0, seq_k)
 
-    return T.prim_func(kernel_function("flash_attention_bwd", _signature(B, Hq, alibi, varlen, tensors), backward))
+    return T.prim_func(kernel_function("flash_attention_bwd", signature(B, Hq, alibi, varlen, tensors), backward))
 
 
 def _store_rows(varlen, tile, dst, b, h, start, r0, length):
@@ -227,7 +199,7 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
                     CuQ=None, CuK=None):
         grid = (Tiles.shape[0], Hq) if varlen else (T.ceildiv(Sq, bM), Hq, B)
         with T.Kernel(*grid, threads=cfg.threads) as blocks:
-            bx, h, b, seq, q_start, k_start, seq_q, seq_k = _sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk)
+            bx, h, b, seq, q_start, k_start, seq_q, seq_k = sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk)
             window = Window(seq_q, seq_k, causal, local, window_left, window_right)
             kv_head = h // (Hq // Hkv)
             q0 = bx * bM
@@ -265,5 +237,5 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
                 T.gemm(dS, K_s, dQ_f, policy="full_row")
             _store_rows(varlen, dQ_f, dQ, b, h, q_start, q0, seq_q)
 
-    return T.prim_func(kernel_function("flash_attention_bwd_dq", _signature(B, Hq, alibi, varlen, tensors),
+    return T.prim_func(kernel_function("flash_attention_bwd_dq", signature(B, Hq, alibi, varlen, tensors),
                                        backward_dq))

@@ -61,6 +61,34 @@ def score_log2(s, q, k, Sq, Sk, scale, cap, slope, softcap: bool, alibi: bool):
     return x
 
 
+def signature(B, Hq, alibi, varlen, tensors: dict):
+    """A kernel's parameters: ``tensors`` (name -> T.Tensor), ALiBi's (B, Hq) slopes (a slope per sequence and head
+    with ``varlen``), the packed sequences' tile table and offsets, the scalars."""
+    params = dict(tensors)
+    if alibi:
+        params["Slopes"] = T.Tensor((T.dynamic("sequences") if varlen else B, Hq), "float32",
+                                    strides=(T.dynamic("slopes_stride_b"), 1))
+    if varlen:
+        cu = T.dynamic("sequences_1")
+        params.update(Tiles=T.Tensor((T.dynamic("tiles"), 2), "int32"), CuQ=T.Tensor((cu,), "int32"),
+                      CuK=T.Tensor((cu,), "int32"))
+    f32, i32 = T.Scalar("float32"), T.Scalar("int32")
+    return {**params, "scale": f32, "softcap": f32, "window_left": i32, "window_right": i32}
+
+
+def sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk):
+    """(block index, head, batch entry, sequence, query start, key start, query length, key length) of a block:
+    with ``varlen`` its tile's (sequence, block) from ``Tiles`` and the sequence's rows in the packed tensors."""
+    if not varlen:
+        bx, h, b = blocks
+        return bx, h, b, b, 0, 0, Sq, Sk
+    tile, h = blocks
+    seq, block = T.bind(Tiles[tile, 0], "seq"), T.bind(Tiles[tile, 1], "block")
+    q_start, k_start = T.bind(CuQ[seq], "q_start"), T.bind(CuK[seq], "k_start")
+    return block, h, 0, seq, q_start, k_start, T.bind(CuQ[seq + 1] - q_start, "seq_q"), \
+        T.bind(CuK[seq + 1] - k_start, "seq_k")
+
+
 def kernel_function(name: str, params: dict, body):
     """``body(**arguments)`` as a function whose signature is ``params`` (name -> T.Tensor or T.Scalar), for
     ``T.prim_func``: a kernel whose parameter list depends on its compile-time options (ALiBi's slopes)."""
