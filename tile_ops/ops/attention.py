@@ -21,6 +21,17 @@ Implementations:
 * Fake: shapes and dtypes, for ``torch.compile``.
 * Autograd: ``tile_ops::flash_attention_backward(dout, q, k, v, out, lse, grad_lse, ...same options) -> (dq, dk,
   dv)``, itself a custom op: on CUDA ``tile_ops.kernels.attention_backward``, on the CPU the reference's gradients.
+
+Packed sequences (flash-attn's varlen layout) have their own pair, with the same options::
+
+    tile_ops::flash_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, ...)
+        -> (Tensor out, Tensor lse)
+    tile_ops::flash_attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
+        Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, ...) -> (Tensor dq, Tensor dk, Tensor dv)
+
+on (total, H, D) tensors, ``lse`` (Hq, total_q); the offsets are read on the host (checked: int32, from 0,
+non-decreasing, within the tensors); on CUDA one launch of each kernel over the sequences' tiles, on the CPU
+the reference per sequence; rows of no sequence get 0 (lse -inf).
 """
 
 from __future__ import annotations
