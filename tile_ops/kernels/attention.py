@@ -21,7 +21,7 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig
-from .attention_mask import LN2, LOG2E, Window, kernel_function, score_log2, sequence, signature, strided
+from .attention_mask import LN2, LOG2E, Window, kernel_function, score_log2, sequence, signature, store_rows, strided
 
 
 @tile_ops.jit(out_idx=[])
@@ -97,12 +97,7 @@ def flash_attention_forward(dim: int, dtype: str = "float16", causal: bool = Fal
                 T.copy(S, P)  # in S's register layout: the A operand of P V
             for i, j in T.Parallel(bM, dim):
                 acc[i, j] = T.where(l[i] > 0, acc[i, j] / l[i], 0.0)
-            if varlen:  # the sequence's rows only: the next sequence's follow them
-                for i, j in T.Parallel(bM, dim):
-                    with T.when(bx * bM + i < seq_q):
-                        O[b, h, q_start + bx * bM + i, j] = acc[i, j]
-            else:
-                T.copy(acc, O[b, h, bx * bM, 0])
+            store_rows(varlen, acc, O, b, h, q_start, bx * bM, seq_q)
             for i in T.Parallel(bM):  # natural log, as flash-attn's
                 with T.when(bx * bM + i < seq_q):
                     LSE[b, h, q_start + bx * bM + i] = T.where(l[i] > 0, (m_sub[i] + T.log2(l[i])) * LN2, -inf)

@@ -25,7 +25,7 @@ import tile_ops
 import tile_ops.lang as T
 
 from .attention_config import AttentionConfig, splits_head_dim
-from .attention_mask import LOG2E, Window, kernel_function, score_log2, sequence, signature, strided
+from .attention_mask import LOG2E, Window, kernel_function, score_log2, sequence, signature, store_rows, strided
 
 
 @tile_ops.jit(out_idx=[])
@@ -165,21 +165,10 @@ def flash_attention_backward(dim: int, dtype: str = "float16", causal: bool = Fa
                             T.atomic_add(dQ_acc[b, h, q_start + q0, 0], dQ_s)
                         else:
                             T.atomic_add(dQ_acc[b, h, q_start + q0, 0], dQ)
-            _store_rows(varlen, dK_f, dK, b, kv_head, k_start, k0, seq_k)
-            _store_rows(varlen, dV_f, dV, b, kv_head, k_start, k0, seq_k)
+            store_rows(varlen, dK_f, dK, b, kv_head, k_start, k0, seq_k)
+            store_rows(varlen, dV_f, dV, b, kv_head, k_start, k0, seq_k)
 
     return T.prim_func(kernel_function("flash_attention_bwd", signature(B, Hq, alibi, varlen, tensors), backward))
-
-
-def _store_rows(varlen, tile, dst, b, h, start, r0, length):
-    """dst[b, h, start + r0 + i] = tile[i] for the tile's rows: with ``varlen`` only those before ``length`` (the
-    next sequence's rows follow)."""
-    if not varlen:
-        T.copy(tile, dst[b, h, r0, 0])
-        return
-    for i, d in T.Parallel(*tile.shape):
-        with T.when(r0 + i < length):
-            dst[b, h, start + r0 + i, d] = tile[i, d]
 
 
 @tile_ops.jit(out_idx=[])
@@ -235,7 +224,7 @@ def flash_attention_backward_dq(dim: int, dtype: str = "float16", causal: bool =
                     dP[i, j] = dP[i, j] * S[i, j]
                 T.copy(dP, dS)
                 T.gemm(dS, K_s, dQ_f, policy="full_row")
-            _store_rows(varlen, dQ_f, dQ, b, h, q_start, q0, seq_q)
+            store_rows(varlen, dQ_f, dQ, b, h, q_start, q0, seq_q)
 
     return T.prim_func(kernel_function("flash_attention_bwd_dq", signature(B, Hq, alibi, varlen, tensors),
                                        backward_dq))

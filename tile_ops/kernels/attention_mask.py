@@ -89,6 +89,17 @@ def sequence(varlen, blocks, Tiles, CuQ, CuK, Sq, Sk):
         T.bind(CuK[seq + 1] - k_start, "seq_k")
 
 
+def store_rows(varlen, tile, dst, b, h, start, r0, length):
+    """dst[b, h, start + r0 + i] = tile[i] for the tile's rows: with ``varlen`` only those before ``length`` (the
+    next sequence's rows follow)."""
+    if not varlen:
+        T.copy(tile, dst[b, h, r0, 0])
+        return
+    for i, d in T.Parallel(*tile.shape):
+        with T.when(r0 + i < length):
+            dst[b, h, start + r0 + i, d] = tile[i, d]
+
+
 def kernel_function(name: str, params: dict, body):
     """``body(**arguments)`` as a function whose signature is ``params`` (name -> T.Tensor or T.Scalar), for
     ``T.prim_func``: a kernel whose parameter list depends on its compile-time options (ALiBi's slopes)."""

@@ -282,6 +282,15 @@ def _flash_attention_backward_fake(dout, q, k, v, out, lse, grad_lse=None, softm
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+def _readable(dout):
+    """``dout`` as the kernels read it (rows contiguous and 16-byte aligned), copied where it is not: autograd may
+    hand over an expanded or sliced gradient."""
+    if dout.stride(-1) != 1 or dout.data_ptr() % checks.POINTER_ALIGNMENT or \
+            any(s * dout.element_size() % checks.POINTER_ALIGNMENT for s in dout.stride()[:-1]):
+        return dout.contiguous()
+    return dout
+
+
 def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
                                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
                                    deterministic=False):
@@ -290,9 +299,7 @@ def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softm
         return dq.zero_(), dk.zero_(), dv.zero_()
     from ..kernels.attention_launch import launch_attention_backward
 
-    if dout.stride(-1) != 1 or dout.data_ptr() % checks.POINTER_ALIGNMENT or \
-            any(s * dout.element_size() % checks.POINTER_ALIGNMENT for s in dout.stride()[:3]):
-        dout = dout.contiguous()  # (what autograd hands over: an expanded or sliced gradient)
+    dout = _readable(dout)
     launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, (window_left, window_right),
                               softcap, alibi_slopes, grad_lse, deterministic)
     return dq, dk, dv
@@ -444,9 +451,7 @@ def _flash_attention_varlen_backward_cuda(dout, q, k, v, out, lse, grad_lse, cu_
                                           alibi_slopes=None, deterministic=False):
     oq, ok, _ = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    if dout.stride(-1) != 1 or dout.data_ptr() % checks.POINTER_ALIGNMENT or \
-            any(s * dout.element_size() % checks.POINTER_ALIGNMENT for s in dout.stride()[:2]):
-        dout = dout.contiguous()  # (what autograd hands over: an expanded or sliced gradient)
+    dout = _readable(dout)
     from ..kernels.attention_launch import launch_attention_backward_varlen
 
     launch_attention_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, oq, ok, cu_seqlens_q.contiguous(),
