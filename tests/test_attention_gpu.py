@@ -217,3 +217,49 @@ def test_deterministic_gradients_are_bit_identical(dim, kw):
     for got in (runs[0], runs[2]):
         for g, w in zip(got, want):
             assert ((g.double() - w).abs().max() / w.abs().max()).item() < 3e-2
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(40, 8), softcap=5.0, alibi=True)],
+                         ids=["causal", "window-softcap-alibi"])
+def test_repeated_calls_run_from_their_plan(kw):
+    """The first call of a signature records its plan, the next ones launch it from C++ (fastpath.py) on their own
+    inputs: outputs over fresh allocations, against float64, the same bits as the checked path; another scale or
+    layout is another signature."""
+    from tile_ops.ops import fastpath
+
+    kw = dict(kw)
+    slopes = torch.rand(8, device="cuda") * 0.2 if kw.pop("alibi", False) else None
+    fastpath.clear()
+    results = []
+    for seed in (40, 41, 41):
+        q, k, v = _inputs(2, 8, 2, 333, 400, 128, torch.bfloat16, seed=seed, layout="bhsd")
+        results.append(tile_ops.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **kw)[:2])
+        if seed == 40:
+            assert fastpath.count() == 1
+    assert fastpath.count() == 1  # the later calls ran from the plan
+    _check(*results[1], q, k, v, 2e-2, alibi_slopes=slopes, **kw)
+    assert torch.equal(results[1][0], results[2][0]) and torch.equal(results[1][1], results[2][1])
+    checked = torch.ops.tile_ops.flash_attention.default  # (the same op: served by the plan too)
+    tile_ops.flash_attn_func(q, k, v, softmax_scale=0.1, alibi_slopes=slopes, **kw)
+    assert fastpath.count() == 2
+    fastpath.clear()
+    out, lse = checked(q, k, v, None, kw.get("causal", False), *kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                       slopes)
+    assert torch.equal(out, results[2][0]) and torch.equal(lse, results[2][1])
+
+
+def test_torch_func_on_cuda():
+    """torch.func on the CUDA op: per-sample gradients (vmap of grad: the backward kernels over the folded batch)
+    and forward mode, against float64."""
+    q, k, v = _inputs(1, 4, 2, 130, 150, 64, torch.float16, seed=50)
+    Q = torch.randn(3, *q.shape, device="cuda", dtype=torch.float16)
+    loss = lambda f: lambda q: f(q).float().square().sum()  # noqa: E731
+    grads = torch.func.vmap(torch.func.grad(loss(lambda q: tile_ops.flash_attn_func(q, k, v, causal=True))))(Q)
+    k64, v64 = k.double(), v.double()
+    for i in range(3):
+        want = torch.func.grad(loss(lambda q: attention_reference(q, k64, v64, causal=True)))(Q[i].double())
+        assert ((grads[i].double() - want).abs().max() / want.abs().max()).item() < 2e-2
+    t = torch.randn_like(q)
+    _, tangent = torch.func.jvp(lambda q: tile_ops.flash_attn_func(q, k, v, causal=True), (q,), (t,))
+    _, want = torch.func.jvp(lambda q: attention_reference(q, k64, v64, causal=True), (q.double(),), (t.double(),))
+    assert ((tangent.double() - want).abs().max() / want.abs().max()).item() < 2e-2

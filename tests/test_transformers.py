@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 import tile_ops.integrations.transformers as hf  # noqa: E402  (registers "tile_ops")
 from tile_ops.integrations.linear import Linear  # noqa: E402
+from tile_ops.ops.attention import FLASH_ATTENTION  # noqa: E402
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
@@ -106,7 +107,7 @@ def test_compiled_forward_has_no_graph_break(name):
     assert torch.allclose(got, want, atol=2e-2 * want.abs().max().item())
 
 
-def test_every_way_of_switching_a_model(tmp_path):
+def test_every_way_of_switching_a_model(tmp_path, monkeypatch):
     """from_pretrained(..., attn_implementation="tile_ops"), from_config (above) and set_attn_implementation all run
     attention through tile_ops' op: the registered function is called."""
     eager, _ = pair("llama")
@@ -115,22 +116,19 @@ def test_every_way_of_switching_a_model(tmp_path):
     switched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     switched.set_attn_implementation("tile_ops")
     calls = []
-    real = torch.ops.tile_ops.flash_attention
+    real = FLASH_ATTENTION.op
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
     ids = torch.randint(1, 128, (1, 6))
-    try:
-        torch.ops.tile_ops.flash_attention = counted  # noqa: the ops namespace is a plain attribute holder
-        hf_attention = transformers.AttentionInterface()["tile_ops"]
-        assert hf_attention is hf.attention_forward
-        for model in (loaded, switched):
-            with torch.no_grad():
-                model(ids)
-    finally:
-        torch.ops.tile_ops.flash_attention = real
+    monkeypatch.setattr(FLASH_ATTENTION, "op", counted)  # what flash_attn_func calls
+    hf_attention = transformers.AttentionInterface()["tile_ops"]
+    assert hf_attention is hf.attention_forward
+    for model in (loaded, switched):
+        with torch.no_grad():
+            model(ids)
     assert len(calls) == 4  # two layers, two models
 
 

@@ -23,7 +23,8 @@ their own, hooks or parametrizations are left and listed)."""
 
 from __future__ import annotations
 
-from ..ops.attention import flash_attn_func, flash_attn_varlen_func
+from ..ops.attention import flash_attn_func
+from ..ops.attention_varlen import flash_attn_varlen_func
 
 NAME = "tile_ops"
 

@@ -32,21 +32,32 @@ def build_attention(problem: dict, cfg=None, arch=None):
     return flash_attention_forward(**problem, cfg=cfg, target=arch)
 
 
+# the plan buffers of the forward's kernel parameters q, k, v, out, lse, slopes: the op's tensors (q, k, v,
+# alibi_slopes), then its outputs
+_PLAN_BUFFERS = (0, 1, 2, 4, 5, 3)
+
+
 def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
                      alibi_slopes=None, arch=None):
     """out (B, Sq, Hq, D), lse (B, Hq, Sq) of the checked inputs, on the current stream; ``arch``: the path
     (default: the device's).  Batches whose tensors span 2^31 elements or more (the kernel's 32-bit offsets)
-    run in parts along the batch."""
+    run in parts along the batch.  Returns the launch as a plan program (``Kernel.plan``) over the plan buffers
+    q, k, v, alibi_slopes, out, lse, or None where the call ran in parts or on a copy of the slopes."""
     kernel = build_attention(attention_problem(q, causal, window, softcap, alibi_slopes is not None),
                              arch=arch or default_arch(q.device))
     tensors = [q, k, v, out, lse]
     if alibi_slopes is not None:
         tensors.append(slopes_view(alibi_slopes, q.shape[0], q.shape[2]))
     scalars = _scalars(q.shape[-1], softmax_scale, softcap, window)
-    for b0, b1 in batch_parts(tensors):
+    parts = batch_parts(tensors)
+    for b0, b1 in parts:
         # the op checked dtypes, shapes and alignment; the sizes and strides come from these very tensors
-        _launch(kernel, [t[b0:b1].transpose(1, 2) for t in tensors[:4]] + [t[b0:b1] for t in tensors[4:]], q.device,
-                scalars)
+        values = _launch(kernel, [t[b0:b1].transpose(1, 2) for t in tensors[:4]] + [t[b0:b1] for t in tensors[4:]],
+                         q.device, scalars)
+    copied = alibi_slopes is not None and tensors[5].data_ptr() != alibi_slopes.data_ptr()
+    if len(parts) > 1 or copied or kernel.meta.needs_workspace:
+        return None
+    return kernel.plan(q.device, _PLAN_BUFFERS[:len(tensors)], dims=values)
 
 
 def launch_attention_varlen(q, k, v, out, lse, offsets_q, offsets_k, cu_seqlens_q, cu_seqlens_k, softmax_scale=None,
@@ -194,8 +205,11 @@ def _scalars(dim, softmax_scale, softcap, window) -> dict:
     return dict(scale=float(scale), softcap=float(softcap), window_left=int(window[0]), window_right=int(window[1]))
 
 
-def _launch(kernel, args, device, scalars):
-    kernel.launch_ptrs([t.data_ptr() for t in args], device, kernel.values(kernel.dims.read(args), **scalars))
+def _launch(kernel, args, device, scalars) -> tuple:
+    """Launch ``kernel`` on ``args``; returns its launch values (sizes, strides and scalars)."""
+    values = kernel.values(kernel.dims.read(args), **scalars)
+    kernel.launch_ptrs([t.data_ptr() for t in args], device, values)
+    return values
 
 
 def batch_parts(tensors, limit: int = 2**31) -> list:

@@ -11,13 +11,14 @@ shapes and layouts), forward_ad.py and functorch.py (the transforms' mechanics).
     tile_ops.gemm(a, b, bias=None, out_dtype=None)          torch.ops.tile_ops.gemm
     tile_ops.gemm_softmax(a, b, scale=1.0, out_dtype=None)  torch.ops.tile_ops.gemm_softmax
     tile_ops.flash_attn_func(q, k, v, ...)                   torch.ops.tile_ops.flash_attention
-    tile_ops.flash_attn_varlen_func(q, k, v, cu_seqlens_q, ...)
+    tile_ops.flash_attn_varlen_func(q, k, v, cu_seqlens_q, ...)  torch.ops.tile_ops.flash_attention_varlen
 """
 
 from . import sharding
-from .attention import flash_attention, flash_attn_func, flash_attn_varlen_func
 from .gemm import gemm
 from .gemm_softmax import gemm_softmax
+from .attention import flash_attention, flash_attn_func  # noqa: I001 (registration order: the plan ids)
+from .attention_varlen import flash_attn_varlen_func
 
 sharding.register_if_in_use()  # DTensor already loaded: its sharding rules for the ops, now
 

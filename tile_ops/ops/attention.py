@@ -15,23 +15,19 @@ natural log-sum-exp of each row's scores (-inf, with out 0, for a row that sees 
 Implementations:
 
 * CUDA: ``tile_ops.kernels.attention`` (fp16/bf16), one kernel per (head dim, dtype, mask kind, config) for
-  every batch, head count, length, scale, softcap and window size; q, k and v reach it through their strides, no copies, where
-  each has a contiguous last dimension and 16-byte-aligned rows (e.g. (B, H, S, D) tensors transposed).
+  every batch, head count, length, scale, softcap and window size; q, k and v reach it through their strides, no
+  copies, where each has a contiguous last dimension and 16-byte-aligned rows (e.g. (B, H, S, D) tensors transposed).
 * CPU: the reference in plain torch (float32; float64 for float64 inputs).
 * Fake: shapes and dtypes, for ``torch.compile``.
+* Fast path: a repeated CUDA call of a signature launches the plan its first call recorded (fastpath.py).
 * Autograd: ``tile_ops::flash_attention_backward(dout, q, k, v, out, lse, grad_lse, ...same options) -> (dq, dk,
-  dv)``, itself a custom op: on CUDA ``tile_ops.kernels.attention_backward``, on the CPU the reference's gradients.
+  dv)``, itself a custom op: on CUDA ``tile_ops.kernels.attention_backward``, on the CPU the reference's gradients;
+  no second derivative, none in ALiBi's slopes (refused by name).
+* Forward mode (``torch.func.jvp``, ``forward_ad``): the tangents of out and lse in plain torch, the scores formed.
+* vmap: the mapped dim folded into the batch, one call; torch.func's grad, vjp, jacrev through flash-attn's
+  functions (their autograd.Function, as for every op: spec.py).
 
-Packed sequences (flash-attn's varlen layout) have their own pair, with the same options::
-
-    tile_ops::flash_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, ...)
-        -> (Tensor out, Tensor lse)
-    tile_ops::flash_attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,
-        Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, ...) -> (Tensor dq, Tensor dk, Tensor dv)
-
-on (total, H, D) tensors, ``lse`` (Hq, total_q); the offsets are read on the host (checked: int32, from 0,
-non-decreasing, within the tensors); on CUDA one launch of each kernel over the sequences' tiles, on the CPU
-the reference per sequence; rows of no sequence get 0 (lse -inf).
+Packed sequences (flash-attn's varlen layout) have their own pair: attention_varlen.py.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ import numbers
 
 import torch
 
-from . import checks, record
+from . import checks, fastpath, functorch, spec
 
 OP = "tile_ops.flash_attention"
 HEAD_DIMS = (64, 96, 128, 192, 256)  # the CUDA kernel's (any head dim on the CPU)
@@ -56,9 +52,10 @@ def _check_window(window_left, window_right):
             raise ValueError(f"{OP}: {name}={w!r}; accepted: an int >= -1 (-1: unbounded)")
 
 
-def check_inputs(q, k, v, softmax_scale=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
-    """ValueError/TypeError naming the argument unless the op can run on these inputs (shapes and dtypes only:
-    the fake implementation runs it too)."""
+def check_inputs(q, k, v, softmax_scale=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                 strides=True):
+    """ValueError/TypeError naming the argument unless the op can run on these inputs (shapes and dtypes, and with
+    ``strides`` the last dimension's: the fake implementation runs it too)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -86,7 +83,7 @@ def check_inputs(q, k, v, softmax_scale=None, window_left=-1, window_right=-1, s
                          f"of k's (MQA/GQA)")
     if kind == "cuda" and D not in HEAD_DIMS:
         raise ValueError(f"{OP}: head_dim {D}; accepted on CUDA: {', '.join(map(str, HEAD_DIMS))}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v)) if strides else ():
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{OP}: {name} has strides {list(t.stride())}; accepted: a contiguous last dimension "
                              f"(stride 1), e.g. {name}.contiguous()")
@@ -98,10 +95,10 @@ def check_inputs(q, k, v, softmax_scale=None, window_left=-1, window_right=-1, s
     _check_window(window_left, window_right)
     if not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"{OP}: softcap={softcap!r}; accepted: a finite float >= 0 (0: none)")
-    _check_slopes(alibi_slopes, B, Hq, q.device)
+    check_slopes(alibi_slopes, B, Hq, q.device)
 
 
-def _check_slopes(alibi_slopes, B, Hq, device):
+def check_slopes(alibi_slopes, B, Hq, device):
     """ALiBi's slopes: None, or float32 of shape (Hq,) or (B, Hq) on ``device``."""
     if alibi_slopes is None:
         return
@@ -115,7 +112,7 @@ def _check_slopes(alibi_slopes, B, Hq, device):
         raise RuntimeError(f"{OP}: alibi_slopes is on {alibi_slopes.device}, q on {device}")
 
 
-def _check_cuda_layout(q, k, v):
+def check_cuda_layout(q, k, v):
     """The kernel reads each (B, S, H, D) tensor through its strides: rows 16-byte aligned."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel() == 0:
@@ -175,6 +172,15 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False, window_size=(
     return (out, lse.to(cdt)) if return_lse else out
 
 
+def _probabilities(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """(P = exp(s - lse), 0 where a query does not see a key; the scaled products before the softcap; the scale;
+    the query heads per K/V head; the compute dtype) from the forward's ``lse``."""
+    s, raw, visible, cdt = _scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    p = torch.exp(s - lse.to(cdt).unsqueeze(-1)).masked_fill(~visible, 0.0).nan_to_num(0.0)
+    return p, raw, scale, q.shape[2] // k.shape[2] if k.shape[2] else 1, cdt
+
+
 def attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """(dq, dk, dv) in plain torch, from the forward's ``out`` and ``lse`` as the kernels take them: P = exp(s - lse),
@@ -182,10 +188,7 @@ def attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax
     tanh and the scale; dQ = dS K, dK = dS^T Q; dK and dV summed over each query group."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    group = Hq // Hkv if Hkv else 1
-    s, raw, visible, cdt = _scores(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes)
-    scale = D ** -0.5 if softmax_scale is None else softmax_scale
-    p = torch.exp(s - lse.to(cdt).unsqueeze(-1)).masked_fill(~visible, 0.0).nan_to_num(0.0)
+    p, raw, scale, group, cdt = _probabilities(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes)
     do, qh = dout.to(cdt).transpose(1, 2), q.to(cdt).transpose(1, 2)
     delta = (do * out.to(cdt).transpose(1, 2)).sum(-1)
     if grad_lse is not None:
@@ -202,18 +205,38 @@ def attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax
     return tuple(g.to(t.dtype).contiguous() for g, t in ((dq.transpose(1, 2), q), (dk, k), (dv, v)))
 
 
-def _note(q, softmax_scale, causal, window, softcap, alibi_slopes, varlen=False):
-    """While recording (record.py): the kernel a CUDA call on these inputs launches."""
-    if record.active() and q.dtype in checks.CUDA_INPUT_DTYPES and q.shape[-1] in HEAD_DIMS:
-        from ..kernels.attention_launch import attention_problem
+def attention_tangent(q, k, v, out, lse, tq, tk, tv, softmax_scale=None, causal=False, window_size=(-1, -1),
+                      softcap=0.0, alibi_slopes=None, t_slopes=None):
+    """The tangents of (out, lse) for tangents ``tq``, ``tk``, ``tv``, ``t_slopes`` (None: zero) of (B, S, H, D)
+    inputs and the ALiBi slopes, in plain torch with the scores formed: with P = exp(s - lse) and ds the scores'
+    tangent (through the softcap's tanh), d lse = rowsum(P ds) and d out = (P (ds - d lse)) V + P dV."""
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    p, raw, scale, group, cdt = _probabilities(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    ds = torch.zeros_like(p)
+    if tq is not None:
+        ds = ds + tq.to(cdt).transpose(1, 2) @ _grouped(k.to(cdt), group).transpose(-1, -2)
+    if tk is not None:
+        ds = ds + q.to(cdt).transpose(1, 2) @ _grouped(tk.to(cdt), group).transpose(-1, -2)
+    ds = ds * scale
+    if softcap > 0:
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+    if t_slopes is not None:  # the bias -slope * |i + Sk - Sq - j|
+        distance = torch.arange(Sq, device=q.device).view(-1, 1) + Sk - Sq - torch.arange(Sk, device=q.device)
+        ds = ds - t_slopes.to(cdt).reshape(-1, Hq, 1, 1) * distance.abs().to(cdt)
+    dlse = (p * ds).sum(-1)
+    dout = (p * (ds - dlse.unsqueeze(-1))) @ _grouped(v.to(cdt), group)
+    if tv is not None:
+        dout = dout + p @ _grouped(tv.to(cdt), group)
+    return dout.transpose(1, 2).to(out.dtype).contiguous(), dlse.to(lse.dtype)
 
-        record.add("flash_attention", attention_problem(q, causal, window, softcap, alibi_slopes is not None, varlen))
+
+# --------------------------------------------------------------------------- the forward op
 
 
 def _flash_attention_reference(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
                                softcap=0.0, alibi_slopes=None, deterministic=False):
     check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
-    _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
     out, lse = attention_reference(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
                                    alibi_slopes, return_lse=True)
     return out.contiguous(), lse.to(torch.float32).contiguous()
@@ -226,14 +249,11 @@ def _flash_attention_fake(q, k, v, softmax_scale=None, causal=False, window_left
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
-# --------------------------------------------------------------------------- CUDA
-
-
 def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
                           alibi_slopes=None, deterministic=False):
+    """Checked, launched on the caller's tensors; the call's plan recorded where one launch ran it."""
     check_inputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes)
-    _check_cuda_layout(q, k, v)
-    _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
+    check_cuda_layout(q, k, v)
     B, Sq, Hq, D = q.shape
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
@@ -243,30 +263,129 @@ def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left
         return out.zero_(), lse.fill_(-math.inf)
     from ..kernels.attention_launch import launch_attention
 
-    launch_attention(q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
+    program = launch_attention(q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
+                               alibi_slopes)
+    if program is not None:
+        fastpath.record(FLASH_ATTENTION.plan_id, *_signature(q, k, v, softmax_scale, causal, window_left,
+                                                             window_right, softcap, alibi_slopes, deterministic),
+                        (out, lse), program)
     return out, lse
 
 
-# --------------------------------------------------------------------------- autograd
+def _signature(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+               alibi_slopes=None, deterministic=False):
+    """(tensors, flags): what a call's plan is keyed on; the plan's buffers q, k, v, alibi_slopes, then out, lse."""
+    return (q, k, v, alibi_slopes), (softmax_scale, causal, window_left, window_right, softcap, deterministic)
+
+
+def _problem(q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+             alibi_slopes=None, deterministic=False) -> list:
+    """The kernel problem of a call (record.py), where the CUDA path launches one."""
+    if q.dtype not in checks.CUDA_INPUT_DTYPES or q.shape[-1] not in HEAD_DIMS or not q.numel() or not k.shape[1]:
+        return []
+    from ..kernels.attention_launch import attention_problem
+
+    return [attention_problem(q, causal, (window_left, window_right), softcap, alibi_slopes is not None)]
+
+
+_FORWARD_ARGS = spec.with_defaults(_flash_attention_reference)  # the dispatcher drops trailing defaults
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic = \
+        _FORWARD_ARGS(inputs)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.options = (softmax_scale, causal, window_left, window_right, softcap)
     ctx.deterministic = deterministic
 
 
+def refuse_slope_gradients(needs: bool) -> None:
+    """ALiBi's slopes are an input the kernels take no derivative in: refused, never a silent zero."""
+    if needs:
+        raise NotImplementedError(f"{OP}: alibi_slopes requires a gradient, which is not computed; accepted: "
+                                  f"slopes that need none (a buffer, or alibi_slopes.detach())")
+
+
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    needs = tuple(ctx.needs_input_grad) + (False,) * 10
+    refuse_slope_gradients(needs[8])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.tile_ops.flash_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.options,
-                                                             alibi_slopes, ctx.deterministic)
-    needs = ctx.needs_input_grad[:3]
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-            None, None, None, None, None, None, None)
+    dq, dk, dv = apply(FLASH_ATTENTION_BACKWARD, (grad_out, q, k, v, out, lse, grad_lse, *ctx.options, alibi_slopes,
+                                                  ctx.deterministic))
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 7
+
+
+def _tangent(ops, args, tangents, output):
+    (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, _), t = args, tangents
+    return attention_tangent(q, k, v, *output, *t[:3], softmax_scale, causal, (window_left, window_right), softcap,
+                             alibi_slopes, t[8])
+
+
+def _jvp(ctx, tq, tk, tv, *rest):
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    softmax_scale, causal, window_left, window_right, softcap = ctx.options
+    return attention_tangent(q, k, v, out, lse, tq, tk, tv, softmax_scale, causal, (window_left, window_right),
+                             softcap, alibi_slopes, rest[5] if len(rest) > 5 else None)
+
+
+# --------------------------------------------------------------------------- vmap: the mapped dim as more batch
+
+
+def fold(x, dim, n, into=0):
+    """``x`` mapped at ``dim`` (None: unmapped, the same for each of the ``n`` slices) with the mapped dim folded
+    into its dim ``into``: the slices side by side, slice-major."""
+    x = x.movedim(dim, into) if dim is not None else x.unsqueeze(into).expand(*x.shape[:into], n, *x.shape[into:])
+    return x.flatten(into, into + 1)
+
+
+def fold_slopes(slopes, dim, n, batch):
+    """ALiBi slopes, (Hq,) or (B, Hq) a slice, as the folded batch's: (n * B, Hq), or (Hq,) where no slice differs."""
+    if slopes is None or (dim is None and slopes.dim() == 1):
+        return slopes
+    slopes = functorch.mapped_first(slopes, dim) if dim is not None else slopes.expand(n, *slopes.shape)
+    if slopes.dim() == 2:  # (n, Hq): a slice's slopes over its batch
+        slopes = slopes.unsqueeze(1).expand(n, batch, slopes.shape[-1])
+    return slopes.flatten(0, 1)
+
+
+def _vmap(info, in_dims, q, k, v, softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+          alibi_slopes=None, deterministic=False):
+    """Slices are independent batches: one call over their batches side by side (a slice checked first)."""
+    in_dims = tuple(in_dims) + (None,) * (10 - len(in_dims))
+    one = functorch.one_slice
+    q1 = one(q, in_dims[0])
+    check_inputs(q1, one(k, in_dims[1]), one(v, in_dims[2]), softmax_scale, window_left, window_right, softcap,
+                 one(alibi_slopes, in_dims[8]), strides=False)  # (folding lays the slices out anew)
+    n, B = info.batch_size, q1.shape[0]
+    out, lse = FLASH_ATTENTION.op(*(fold(t, d, n) for t, d in zip((q, k, v), in_dims)), softmax_scale, causal,
+                                  window_left, window_right, softcap,
+                                  fold_slopes(alibi_slopes, in_dims[8], n, B), deterministic)
+    return (out.unflatten(0, (n, B)), lse.unflatten(0, (n, B))), (0, 0)
+
+
+FLASH_ATTENTION = spec.register(spec.OpSpec(
+    name="flash_attention",
+    schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, int window_left=-1, "
+           "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, bool deterministic=False) -> "
+           "(Tensor, Tensor)",
+    reference=_flash_attention_reference,
+    fake=_flash_attention_fake,
+    launch=_flash_attention_cuda,
+    signature=_signature,
+    vmap=_vmap,
+    setup_context=_setup_context,
+    backward=_backward,
+    saved=lambda inputs, output: (*inputs[:3], *output, _FORWARD_ARGS(inputs)[8]),  # as the backward reads them
+    jvp=_jvp,
+    tangent=_tangent,
+    problem=_problem,
+))
+
+
+# --------------------------------------------------------------------------- the backward op
 
 
 def _flash_attention_backward_reference(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
@@ -282,7 +401,7 @@ def _flash_attention_backward_fake(dout, q, k, v, out, lse, grad_lse=None, softm
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-def _readable(dout):
+def readable(dout):
     """``dout`` as the kernels read it (rows contiguous and 16-byte aligned), copied where it is not: autograd may
     hand over an expanded or sliced gradient."""
     if dout.stride(-1) != 1 or dout.data_ptr() % checks.POINTER_ALIGNMENT or \
@@ -299,185 +418,39 @@ def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softm
         return dq.zero_(), dk.zero_(), dv.zero_()
     from ..kernels.attention_launch import launch_attention_backward
 
-    dout = _readable(dout)
-    launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, (window_left, window_right),
-                              softcap, alibi_slopes, grad_lse, deterministic)
+    launch_attention_backward(readable(dout), q, k, v, out, lse, dq, dk, dv, softmax_scale, causal,
+                              (window_left, window_right), softcap, alibi_slopes, grad_lse, deterministic)
     return dq, dk, dv
 
 
-_op = torch.library.custom_op(
-    "tile_ops::flash_attention", _flash_attention_reference, mutates_args=(), device_types="cpu",
-    schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, int window_left=-1, "
-           "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, bool deterministic=False) -> "
-           "(Tensor, Tensor)")
-_op.register_kernel("cuda", _flash_attention_cuda)
-_op.register_fake(_flash_attention_fake)
-_op.register_autograd(_backward, setup_context=_setup_context)
+def _backward_signature(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False, window_left=-1,
+                        window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
+    return (dout, q, k, v, out, lse, grad_lse, alibi_slopes), (softmax_scale, causal, window_left, window_right,
+                                                               softcap, deterministic)
 
-_backward_op = torch.library.custom_op(
-    "tile_ops::flash_attention_backward", _flash_attention_backward_reference, mutates_args=(), device_types="cpu",
+
+def _backward_vmap(info, in_dims, dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
+                   window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
+    """As the forward's: the slices' batches side by side, one call."""
+    in_dims = tuple(in_dims) + (None,) * (14 - len(in_dims))
+    n, B = info.batch_size, functorch.one_slice(q, in_dims[1]).shape[0]
+    tensors = [None if t is None else fold(t, d, n) for t, d in zip((dout, q, k, v, out, lse, grad_lse), in_dims)]
+    grads = FLASH_ATTENTION_BACKWARD.op(*tensors, softmax_scale, causal, window_left, window_right, softcap,
+                                        fold_slopes(alibi_slopes, in_dims[12], n, B), deterministic)
+    return tuple(g.unflatten(0, (n, B)) for g in grads), (0, 0, 0)
+
+
+FLASH_ATTENTION_BACKWARD = spec.register(spec.OpSpec(
+    name="flash_attention_backward",
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse=None, "
            "float? softmax_scale=None, bool causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, "
-           "Tensor? alibi_slopes=None, bool deterministic=False) -> (Tensor, Tensor, Tensor)")
-_backward_op.register_kernel("cuda", _flash_attention_backward_cuda)
-_backward_op.register_fake(_flash_attention_backward_fake)
-
-
-# --------------------------------------------------------------------------- packed sequences (varlen)
-
-
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap,
-                  alibi_slopes):
-    """check_inputs on packed (total, H, D) tensors and their offsets' dtypes and shapes (not their values)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{OP}: {name} must be a packed (total, nheads, headdim) tensor, got "
-                             f"{list(getattr(t, 'shape', [])) or type(t).__name__}")
-    check_inputs(q[None], k[None], v[None], softmax_scale, window_left, window_right, softcap)
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-            raise TypeError(f"{OP}: {name} must be a 1-D int32 tensor of batch + 1 offsets, got "
-                            f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
-        if cu.device != q.device:
-            raise RuntimeError(f"{OP}: {name} is on {cu.device}, q on {q.device}; accepted: all on one device")
-    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
-        raise ValueError(f"{OP}: cu_seqlens_k has {cu_seqlens_k.numel()} offsets, cu_seqlens_q "
-                         f"{cu_seqlens_q.numel()}; accepted: the same count")
-    _check_slopes(alibi_slopes, cu_seqlens_q.numel() - 1, q.shape[1], q.device)
-
-
-def _offsets(name, cu, total):
-    """The host copy of a cu_seqlens tensor, checked: from 0, non-decreasing, ending within ``total``."""
-    offsets = cu.tolist()
-    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[-1] > total:
-        raise ValueError(f"{OP}: {name}={offsets[:8]}{'...' if len(offsets) > 8 else ''}; accepted: offsets from 0, "
-                         f"non-decreasing, the last at most the tensor's {total} tokens")
-    return offsets
-
-
-def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
-    """[(sequence index, (q0, q1), (k0, k1))] of the non-empty query sequences, offsets checked."""
-    oq = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    ok = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
-    return oq, ok, [(i, (oq[i], oq[i + 1]), (ok[i], ok[i + 1])) for i in range(len(oq) - 1) if oq[i + 1] > oq[i]]
-
-
-def _slopes_of(alibi_slopes, i):
-    return alibi_slopes[i] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
-
-
-def _flash_attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
-                                      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                                      deterministic=False):
-    """Each sequence through the reference; rows past the last sequence: out 0, lse -inf."""
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes)
-    _, _, seqs = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
-    out = torch.zeros(q.shape, dtype=q.dtype)
-    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32)
-    for i, (q0, q1), (k0, k1) in seqs:
-        o, l_ = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal,
-                                    (window_left, window_right), softcap, _slopes_of(alibi_slopes, i), return_lse=True)
-        out[q0:q1], lse[:, q0:q1] = o[0], l_[0]
-    return out, lse
-
-
-def _flash_attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
-                                 window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes)
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
-
-
-def _flash_attention_varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
-                                 window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes)
-    _check_cuda_layout(q[None], k[None], v[None])
-    _note(q, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, varlen=True)
-    oq, ok, _ = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    out[oq[-1]:].zero_()  # rows past the last sequence belong to none, as flash-attn leaves them
-    lse[:, oq[-1]:].fill_(-math.inf)
-    if out.numel():
-        from ..kernels.attention_launch import launch_attention_varlen
-
-        launch_attention_varlen(q, k, v, out, lse, oq, ok, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-                                softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes)
-    return out, lse
-
-
-def _setup_varlen_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, \
-        deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    ctx.options = (softmax_scale, causal, window_left, window_right, softcap)
-    ctx.deterministic = deterministic
-
-
-def _varlen_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv = torch.ops.tile_ops.flash_attention_varlen_backward(
-        grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes,
-        ctx.deterministic)
-    needs = ctx.needs_input_grad[:3]
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 9
-
-
-def _flash_attention_varlen_backward_reference(dout, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
-                                               softmax_scale=None, causal=False, window_left=-1, window_right=-1,
-                                               softcap=0.0, alibi_slopes=None, deterministic=False):
-    """Each sequence's gradients by the reference; 0 on rows of no sequence."""
-    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
-    for i, (q0, q1), (k0, k1) in _sequences(q, k, cu_seqlens_q, cu_seqlens_k)[2]:
-        glse = None if grad_lse is None else grad_lse[None, :, q0:q1]
-        grads = attention_backward_reference(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                                             out[None, q0:q1], lse[None, :, q0:q1], glse, softmax_scale, causal,
-                                             (window_left, window_right), softcap, _slopes_of(alibi_slopes, i))
-        for acc, g, (a, b) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
-            acc[a:b] += g[0]
-    return dq, dk, dv
-
-
-def _flash_attention_varlen_backward_fake(dout, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
-                                          softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-                                          alibi_slopes=None, deterministic=False):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-
-def _flash_attention_varlen_backward_cuda(dout, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
-                                          softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-                                          alibi_slopes=None, deterministic=False):
-    oq, ok, _ = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    dout = _readable(dout)
-    from ..kernels.attention_launch import launch_attention_backward_varlen
-
-    launch_attention_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, oq, ok, cu_seqlens_q.contiguous(),
-                                     cu_seqlens_k.contiguous(), softmax_scale, causal, (window_left, window_right),
-                                     softcap, alibi_slopes, grad_lse, deterministic)
-    return dq, dk, dv
-
-
-_varlen_op = torch.library.custom_op(
-    "tile_ops::flash_attention_varlen", _flash_attention_varlen_reference, mutates_args=(), device_types="cpu",
-    schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float? softmax_scale=None, "
-           "bool causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
-           "bool deterministic=False) -> (Tensor, Tensor)")
-_varlen_op.register_kernel("cuda", _flash_attention_varlen_cuda)
-_varlen_op.register_fake(_flash_attention_varlen_fake)
-_varlen_op.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
-
-_varlen_backward_op = torch.library.custom_op(
-    "tile_ops::flash_attention_varlen_backward", _flash_attention_varlen_backward_reference, mutates_args=(),
-    device_types="cpu",
-    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, Tensor cu_seqlens_q, "
-           "Tensor cu_seqlens_k, float? softmax_scale=None, bool causal=False, int window_left=-1, "
-           "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, bool deterministic=False) -> "
-           "(Tensor, Tensor, Tensor)")
-_varlen_backward_op.register_kernel("cuda", _flash_attention_varlen_backward_cuda)
-_varlen_backward_op.register_fake(_flash_attention_varlen_backward_fake)
+           "Tensor? alibi_slopes=None, bool deterministic=False) -> (Tensor, Tensor, Tensor)",
+    reference=_flash_attention_backward_reference,
+    fake=_flash_attention_backward_fake,
+    launch=_flash_attention_backward_cuda,
+    signature=_backward_signature,
+    vmap=_backward_vmap,
+))
 
 
 # --------------------------------------------------------------------------- flash-attn's API
@@ -500,24 +473,31 @@ def _flag(name, value) -> bool:
     raise TypeError(f"{OP}: {name}={value!r}; accepted: True or False")
 
 
-def _scale(softmax_scale):
+def api_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                block_table=None):
+    """flash-attn's keywords checked, as the ops take them: (softmax_scale, causal, window_left, window_right,
+    softcap, deterministic), return_attn_probs."""
+    _refuse(dropout_p, block_table)
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
         raise TypeError(f"{OP}: softmax_scale={softmax_scale!r}; accepted: None (1/sqrt(head_dim)) or a finite "
                         f"float > 0")
-    return softmax_scale
-
-
-def _softcap(softcap) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"{OP}: softcap={softcap!r}; accepted: a finite float >= 0 (0: none)")
-    return float(softcap)
-
-
-def _window(window_size):
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"{OP}: window_size={window_size!r}; accepted: a pair (left, right) of ints >= -1")
     _check_window(*window_size)
-    return int(window_size[0]), int(window_size[1])
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{OP}: softcap={softcap!r}; accepted: a finite float >= 0 (0: none)")
+    causal, deterministic, probs = (_flag(n, x) for n, x in (("causal", causal), ("deterministic", deterministic),
+                                                              ("return_attn_probs", return_attn_probs)))
+    options = (softmax_scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), deterministic)
+    return options, probs
+
+
+def apply(op_spec, args):
+    """``op_spec``'s op on ``args`` (the op's arguments) as the flash-attn functions call it: under a torch.func
+    transform or a forward-mode level its autograd.Function (grad, vmap, jvp), else the op."""
+    eager = not torch.compiler.is_compiling()
+    out = spec.transformed(op_spec, op_spec.op, args, eager)
+    return out if out is not None else op_spec.op(*args)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -525,42 +505,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """flash-attn 2's ``flash_attn_func`` on (batch, seqlen, nheads, headdim) tensors: ``out``, with
     ``return_attn_probs`` ``(out, softmax_lse, None)`` (lse (batch, nheads, seqlen_q), float32; the probabilities
     themselves are never formed).  ``deterministic``: bit-identical gradients run to run (dQ from its own kernel
-    rather than atomic adds; the forward is deterministic either way)."""
-    _refuse(dropout_p)
-    left, right = _window(window_size)
-    causal, deterministic, probs = (_flag(n, x) for n, x in (("causal", causal), ("deterministic", deterministic),
-                                                              ("return_attn_probs", return_attn_probs)))
-    out, lse = torch.ops.tile_ops.flash_attention(q, k, v, _scale(softmax_scale), causal, left, right,
-                                                  _softcap(softcap), alibi_slopes, deterministic)
-    return (out, lse, None) if probs else out
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
-    """flash-attn 2's ``flash_attn_varlen_func`` on packed (total, nheads, headdim) tensors, sequence i being
-    rows ``cu_seqlens[i]:cu_seqlens[i + 1]``: ``out`` (total_q, nheads, headdim), with ``return_attn_probs``
-    ``(out, softmax_lse, None)``, lse (nheads, total_q); rows past the last sequence get 0 (lse -inf).  On CUDA
-    one launch over every sequence's query tiles (``torch.ops.tile_ops.flash_attention_varlen``); the offsets
-    are checked on the host (one copy of each), ``max_seqlen_*`` against them."""
-    _refuse(dropout_p, block_table)
-    left, right = _window(window_size)
-    causal, deterministic, probs = (_flag(n, x) for n, x in (("causal", causal), ("deterministic", deterministic),
-                                                              ("return_attn_probs", return_attn_probs)))
-    softcap, softmax_scale = _softcap(softcap), _scale(softmax_scale)
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, softcap, alibi_slopes)
-    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
-        if isinstance(bound, torch.SymInt):  # traced: the op checks the offsets, the bound is a hint
-            continue
-        offsets = _offsets(name.replace("max_seqlen", "cu_seqlens"), cu, (q if name.endswith("q") else k).shape[0])
-        longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
-        if isinstance(bound, torch.Tensor) and bound.numel() == 1 and not bound.is_floating_point():
-            bound = int(bound)  # transformers may hand the longest length over as a tensor
-        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral) or bound < longest:
-            raise ValueError(f"{OP}: {name}={bound!r}; accepted: an int at least the longest sequence ({longest}): "
-                             f"flash-attn sizes its grid by it and would leave the rows past it unwritten")
-    out, lse = torch.ops.tile_ops.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-                                                         left, right, softcap, alibi_slopes, deterministic)
+    rather than atomic adds; the forward is deterministic either way).  Differentiable in q, k and v
+    (``loss.backward()``, ``torch.func.grad``/``vjp``/``jacrev``), forward mode too (``torch.func.jvp``,
+    ``forward_ad``: the scores formed in plain torch), ``torch.func.vmap`` (the mapped dim as more batch); not
+    twice (no second derivative), and not in ALiBi's slopes."""
+    (scale, causal, left, right, softcap, deterministic), probs = api_options(
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    out, lse = apply(FLASH_ATTENTION, (q, k, v, scale, causal, left, right, softcap, alibi_slopes, deterministic))
     return (out, lse, None) if probs else out
 
 

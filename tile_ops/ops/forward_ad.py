@@ -85,9 +85,16 @@ def dual(spec, run, ops, args):
     split = _split(spec.public_name, *args)
     if split is None:
         return None
+    if spec.tangent is None:
+        raise NotImplementedError(f"{spec.public_name}: forward-mode AD through this op (torch.func.jvp, jacfwd, "
+                                  f"forward_ad; a second derivative through a backward op) is not supported; "
+                                  f"supported: reverse mode (loss.backward(), torch.func.grad, vjp)")
     primals, tangents = split
     out = run(*primals)
-    return fwAD.make_dual(out, spec.tangent(ops, primals, tangents, out), level=_level())
+    tangent = spec.tangent(ops, primals, tangents, out)
+    if isinstance(out, tuple):  # an op of several outputs: a tangent each
+        return tuple(fwAD.make_dual(o, t, level=_level()) for o, t in zip(out, tangent))
+    return fwAD.make_dual(out, tangent, level=_level())
 
 
 def register_forward_mode(op, jvp) -> None:

@@ -24,7 +24,10 @@ from . import dense_only, fastpath, forward_ad, functorch, record
 @dataclass
 class OpSpec:
     """One library op as its module declares it: the functions below are op-specific code (formulas, rules,
-    layouts), which the generic modules call without naming the op."""
+    layouts), which the generic modules call without naming the op.  An op without a derivative (a backward op)
+    leaves ``setup_context``, ``backward``, ``saved`` and ``jvp`` None, one without a forward-mode formula
+    ``tangent``: ``register`` fills them with refusals, so differentiating through it fails by name.  ``tuning`` is
+    None for an op the autotuner and the command line do not drive (yet: the attention ops)."""
 
     name: str  # the op is torch.ops.tile_ops.<name>; its public wrapper tile_ops.<name>
     schema: str  # the torch.library schema: "(Tensor a, ...) -> Tensor"
@@ -32,13 +35,13 @@ class OpSpec:
     fake: Callable  # shapes and dtypes only (torch.compile)
     launch: Callable  # the checked CUDA path: checks, lays out, launches and records the call's plan
     signature: Callable  # (*args) -> (tensors, flags): what a call's plan is keyed on, its plan buffers first
-    setup_context: Callable  # autograd, as register_autograd takes it
-    backward: Callable
-    saved: Callable  # (inputs, output) -> what the eager autograd.Function saves, in backward's order
-    jvp: Callable  # (ctx, *tangents): the eager autograd.Function's forward mode, from what it saved
-    tangent: Callable  # (ops, args, tangents, out) -> out's tangent, from ``ops``' functions (forward_ad.dual)
     vmap: Callable  # the batching rule, as register_vmap takes it
-    tuning: targets.Target  # the kernel as the autotuner and the command line drive it
+    setup_context: Optional[Callable] = None  # autograd, as register_autograd takes it
+    backward: Optional[Callable] = None
+    saved: Optional[Callable] = None  # (inputs, output) -> what the eager autograd.Function saves, in backward's order
+    jvp: Optional[Callable] = None  # (ctx, *tangents): the eager autograd.Function's forward mode, from what it saved
+    tangent: Optional[Callable] = None  # (ops, args, tangents, out) -> out's tangent (forward_ad.dual)
+    tuning: Optional[targets.Target] = None  # the kernel as the autotuner and the command line drive it
     sharding: Optional[Callable] = None  # DTensor strategies (register_sharding), where tensor parallelism runs it
     problem: Optional[Callable] = None  # (*args) -> the kernel problems a call launches (JSON-able dicts: record.py)
     # made by register():
@@ -65,18 +68,38 @@ def register(spec: OpSpec) -> OpSpec:
     spec.cuda = _cuda(spec)
     op.register_kernel("cuda", spec.cuda)
     op.register_fake(spec.fake)
+    if spec.backward is None:
+        spec.setup_context, spec.backward, spec.saved = (lambda ctx, inputs, output: None), _refused(spec), \
+            (lambda inputs, output: ())
+    spec.jvp = spec.jvp or _refused(spec, forward_mode=True)
     op.register_autograd(spec.backward, setup_context=spec.setup_context)
-    run, full = getattr(torch.ops.tile_ops, spec.name), _with_defaults(spec.reference)
+    run, full = getattr(torch.ops.tile_ops, spec.name), with_defaults(spec.reference)
     forward_ad.register_forward_mode(op, lambda *args: forward_ad.dual(spec, run, torch.ops.tile_ops, full(args)))
     op.register_vmap(spec.vmap)
     dense_only.refuse_non_dense(spec.name, spec.public_name)
     spec.function = functorch.autograd_function(spec, op)
     SPECS[spec.name] = spec
-    targets.register(spec.name, spec.tuning)
+    if spec.tuning is not None:
+        targets.register(spec.name, spec.tuning)
     return spec
 
 
-def _with_defaults(fn: Callable) -> Callable:
+def _refused(spec: OpSpec, forward_mode: bool = False) -> Callable:
+    """The backward (or the autograd.Function's jvp) of an op that has none: a derivative through it is refused."""
+
+    def refuse(ctx, *grads):
+        if forward_mode:
+            raise NotImplementedError(f"{spec.public_name}: forward-mode AD through this op (torch.func.jvp, "
+                                      f"jacfwd; a second derivative through a backward op) is not supported; "
+                                      f"supported: reverse mode (loss.backward(), torch.func.grad, vjp)")
+        raise NotImplementedError(f"{spec.public_name}: a derivative of this op (a second derivative: double "
+                                  f"backward, hessian, jacrev of grad) is not supported; supported: first "
+                                  f"derivatives (loss.backward(), torch.func.grad, vjp, jvp)")
+
+    return refuse
+
+
+def with_defaults(fn: Callable) -> Callable:
     """``full(args)``: ``args`` with the trailing ones the dispatcher leaves out where they equal their defaults
     (those of ``fn``, which has the schema's arguments) filled in."""
     params = list(inspect.signature(fn).parameters.values())
@@ -84,7 +107,7 @@ def _with_defaults(fn: Callable) -> Callable:
 
 
 def _cuda(spec: OpSpec) -> Callable:
-    full = _with_defaults(spec.reference)
+    full = with_defaults(spec.reference)
 
     def cuda(*args):
         out = fastpath.call(spec.plan_id, *spec.signature(*args), False)
@@ -100,7 +123,7 @@ def _cuda(spec: OpSpec) -> Callable:
 def _recorded(spec: OpSpec) -> Callable:
     """The CPU implementation, noting the call's kernel problem while recording (a model traced on the CPU
     lists what its CUDA run would launch)."""
-    full = _with_defaults(spec.reference)
+    full = with_defaults(spec.reference)
 
     @functools.wraps(spec.reference)
     def reference(*args):
