@@ -265,3 +265,21 @@ def test_batches_past_32_bit_offsets_run_in_parts():
     assert batch_parts([q.transpose(1, 2).transpose(1, 2), lse], limit=2**30) == [(0, 7), (7, 14), (14, 16)]
     with pytest.raises(ValueError, match="one batch entry spans 2,147,483,648 elements"):
         batch_parts([torch.empty(1, 2**20, 16, 128, device="meta")])
+
+
+def test_packed_offsets_are_read_once_per_tensor_and_version(monkeypatch):
+    """A model's layers pass the same cu_seqlens: its host copy (a device sync on CUDA) is made once, the forward
+    and the backward included, and again after an in-place write."""
+    q, k, v = (torch.randn(10, 2, 16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    for _ in range(3):
+        tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True).sum().backward()
+    assert len(reads) == 1
+    cu[1] = 5
+    out = tile_ops.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+    assert len(reads) == 2
+    want = attention_reference(q[None, :5], k[None, :5], v[None, :5], causal=True)[0]
+    torch.testing.assert_close(out[:5], want)

@@ -22,6 +22,7 @@ import math
 import numbers
 
 import torch
+import torch.utils.weak
 
 from . import functorch, spec
 from .attention import (OP, api_options, apply, attention_backward_reference, attention_reference,
@@ -51,9 +52,23 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left
     check_slopes(alibi_slopes, cu_seqlens_q.numel() - 1, q.shape[1], q.device)
 
 
+# cu_seqlens tensor -> (its version, its values): a model's layers share one, read (a device sync) once
+_HOST_COPIES = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _host_copy(cu) -> list:
+    """``cu.tolist()``, once per tensor and version (an in-place write makes a new version)."""
+    seen = _HOST_COPIES.get(cu)
+    if seen is not None and seen[0] == cu._version:
+        return seen[1]
+    values = cu.tolist()
+    _HOST_COPIES[cu] = (cu._version, values)
+    return values
+
+
 def offsets(name, cu, total):
     """The host copy of a cu_seqlens tensor, checked: from 0, non-decreasing, ending within ``total``."""
-    values = cu.tolist()
+    values = _host_copy(cu)
     if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] > total:
         raise ValueError(f"{OP}: {name}={values[:8]}{'...' if len(values) > 8 else ''}; accepted: offsets from 0, "
                          f"non-decreasing, the last at most the tensor's {total} tokens")
