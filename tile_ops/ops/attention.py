@@ -16,7 +16,8 @@ Implementations:
 
 * CUDA: ``tile_ops.kernels.attention`` (fp16/bf16), one kernel per (head dim, dtype, mask kind, config) for
   every batch, head count, length, scale, softcap and window size; q, k and v reach it through their strides, no
-  copies, where each has a contiguous last dimension and 16-byte-aligned rows (e.g. (B, H, S, D) tensors transposed).
+  copies, where each has a contiguous last dimension and 16-byte-aligned rows (e.g. (B, H, S, D) tensors
+  transposed); an expanded dim (stride 0, which TMA cannot step through) is copied.
 * CPU: the reference in plain torch (float32; float64 for float64 inputs).
 * Fake: shapes and dtypes, for ``torch.compile``.
 * Fast path: a repeated CUDA call of a signature launches the plan its first call recorded (fastpath.py).
@@ -263,9 +264,10 @@ def _flash_attention_cuda(q, k, v, softmax_scale=None, causal=False, window_left
         return out.zero_(), lse.fill_(-math.inf)
     from ..kernels.attention_launch import launch_attention
 
-    program = launch_attention(q, k, v, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
+    operands = tuple(readable(t) for t in (q, k, v))  # (aligned: checked above; an expanded dim is copied)
+    program = launch_attention(*operands, out, lse, softmax_scale, causal, (window_left, window_right), softcap,
                                alibi_slopes)
-    if program is not None:
+    if program is not None and all(a is b for a, b in zip(operands, (q, k, v))):  # the caller's own tensors: planned
         fastpath.record(FLASH_ATTENTION.plan_id, *_signature(q, k, v, softmax_scale, causal, window_left,
                                                              window_right, softcap, alibi_slopes, deterministic),
                         (out, lse), program)
@@ -401,13 +403,15 @@ def _flash_attention_backward_fake(dout, q, k, v, out, lse, grad_lse=None, softm
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-def readable(dout):
-    """``dout`` as the kernels read it (rows contiguous and 16-byte aligned), copied where it is not: autograd may
-    hand over an expanded or sliced gradient."""
-    if dout.stride(-1) != 1 or dout.data_ptr() % checks.POINTER_ALIGNMENT or \
-            any(s * dout.element_size() % checks.POINTER_ALIGNMENT for s in dout.stride()[:-1]):
-        return dout.contiguous()
-    return dout
+def readable(t):
+    """``t`` as the kernels read it (rows contiguous and 16-byte aligned, no dim of stride 0: TMA steps through
+    each), copied where it is not: autograd may hand over an expanded or sliced gradient, a caller K and V expanded
+    over their heads."""
+    if t.stride(-1) != 1 or t.data_ptr() % checks.POINTER_ALIGNMENT or any(
+            s * t.element_size() % checks.POINTER_ALIGNMENT or (s == 0 and n > 1)
+            for n, s in zip(t.shape[:-1], t.stride()[:-1])):
+        return t.contiguous()
+    return t
 
 
 def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softmax_scale=None, causal=False,
@@ -418,7 +422,8 @@ def _flash_attention_backward_cuda(dout, q, k, v, out, lse, grad_lse=None, softm
         return dq.zero_(), dk.zero_(), dv.zero_()
     from ..kernels.attention_launch import launch_attention_backward
 
-    launch_attention_backward(readable(dout), q, k, v, out, lse, dq, dk, dv, softmax_scale, causal,
+    dout, q, k, v = (readable(t) for t in (dout, q, k, v))
+    launch_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal,
                               (window_left, window_right), softcap, alibi_slopes, grad_lse, deterministic)
     return dq, dk, dv
 

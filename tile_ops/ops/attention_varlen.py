@@ -114,6 +114,7 @@ def _cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
     """Checked and launched; no plan: the launch's tile table comes from the offsets' values."""
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window_left, window_right, softcap, alibi_slopes)
     check_cuda_layout(q[None], k[None], v[None])
+    q, k, v = (readable(t) for t in (q, k, v))
     oq, ok, _ = _sequences(q, k, cu_seqlens_q, cu_seqlens_k)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -271,7 +272,8 @@ def _backward_cuda(dout, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     from ..kernels.attention_launch import launch_attention_backward_varlen
 
-    launch_attention_backward_varlen(readable(dout), q, k, v, out, lse, dq, dk, dv, oq, ok, cu_seqlens_q.contiguous(),
+    dout, q, k, v = (readable(t) for t in (dout, q, k, v))
+    launch_attention_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, oq, ok, cu_seqlens_q.contiguous(),
                                      cu_seqlens_k.contiguous(), softmax_scale, causal, (window_left, window_right),
                                      softcap, alibi_slopes, grad_lse, deterministic)
     return dq, dk, dv
