@@ -27,6 +27,7 @@ from tile_ops.kernels import gemm_defaults, gemm_launch, gemm_space
 from tile_ops.kernels import gemm_softmax as softmax_programs
 from tile_ops.kernels import gemm_softmax_defaults as softmax_defaults
 from tile_ops.kernels import gemm_softmax_launch as softmax_launch
+from tile_ops.kernels.attention_config import AttentionConfig
 from tile_ops.kernels.gemm_config import GemmConfig
 from tile_ops.kernels.gemm_softmax_config import SoftmaxConfig
 
@@ -58,7 +59,8 @@ def subprocess_env() -> dict:
 # ------------------------------------------------------------------------------------ config spaces
 @pytest.mark.parametrize("op, shape", [("gemm", (4096, 4096, 4096)), ("gemm", (16, 8192, 8192)),
                                        ("gemm", (1000, 1000, 1000)), ("gemm_softmax", (8192, 2048, 1024)),
-                                       ("gemm_softmax", (200, 96, 64))])
+                                       ("gemm_softmax", (200, 96, 64)), ("flash_attention", (4096, 32, 128)),
+                                       ("flash_attention", (512, 8, 256))])
 def test_config_space_is_declared_by_the_kernel_and_round_trips_json(op, shape):
     target = targets.get(op)
     space = target.config_space(shape, "float16", "sm_90a")
@@ -592,23 +594,53 @@ def test_cli_list_and_bad_input(capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
 
 
+def test_attention_launches_the_tuned_config_for_its_head_dim_and_heads(fake_gpu, monkeypatch):
+    """A tuned (seqlen, heads, head dim) serves lengths in its bucket at that head count and head dim, every mask
+    kind; others launch the default."""
+    from tile_ops.kernels import attention_config, attention_launch
+
+    seen = []
+
+    def build(problem, cfg=None, arch=None):
+        seen.append(cfg)
+        raise StopIteration  # the config is all this test needs
+
+    monkeypatch.setattr(attention_launch, "build_attention", build)
+    tuned = attention_config.AttentionConfig(64, 80, 2, 128)
+    autotune.record("flash_attention", (1024, 8, 64), "float16", FAKE_GPU, tuned, arch="sm_90a")
+    for S, H, causal, want in ((700, 8, False, tuned), (1000, 8, True, tuned), (1000, 4, False, None),
+                               (2000, 8, False, None)):
+        q = torch.empty(1, S, H, 64, dtype=torch.float16)
+        with pytest.raises(StopIteration):
+            attention_launch.launch_attention(q, q, q, q, torch.empty(1, H, S), causal=causal, arch="sm_90a")
+        assert seen[-1] == (want or attention_config.default_config(64, "sm_90a")), (S, H)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("op, shape, configs", [
     ("gemm", (256, 192, 128), [GemmConfig(64, 64, 32, 3, 128, 0), GemmConfig(128, 64, 64, 2, 128, 0)]),
     ("gemm_softmax", (200, 96, 64), [SoftmaxConfig(64, 64, 32, 3, 128, "full_row"),
                                       SoftmaxConfig(128, 128, 32, 2, 256)]),
+    ("flash_attention", (300, 4, 64), [AttentionConfig(64, 64, 2, 128), AttentionConfig(128, 80, 3, 256, 2)]),
 ])
 def test_tune_end_to_end_on_the_gpu(op, shape, configs):
     result = autotune.tune(op, shape, "float16", configs=configs, show_progress=False)
     assert all(c.skipped is None and c.ms > 0 for c in result.candidates), [c.skipped for c in result.candidates]
     assert result.key and autotune.TuneTable().entries()[result.key]["gpu"] == torch.cuda.get_device_name()
     assert autotune.config_for(op, *shape, "float16", torch.device("cuda")) == result.best.config
+    import tile_ops
+
+    if op == "flash_attention":  # the op launches the tuned config
+        from tile_ops.ops.attention import attention_reference
+
+        q, k, v = (torch.randn(2, shape[0], shape[1], shape[2], dtype=torch.float16, device="cuda") for _ in range(3))
+        got, ref = tile_ops.flash_attn_func(q, k, v), attention_reference(q.double(), k.double(), v.double())
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 5e-3
+        return
     M, N, K = shape
     a = torch.randn(M, K, dtype=torch.float16, device="cuda")
     b = torch.randn(K, N, dtype=torch.float16, device="cuda") * K ** -0.5
-    import tile_ops
-
     if op == "gemm":
         got, ref = tile_ops.gemm(a, b), a.double() @ b.double()
     else:

@@ -254,6 +254,8 @@ def test_demo_quick_without_gpu(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith(("gemm ", "gemm_softmax "))]
     assert len(rows) == 3, out
     assert all("ERROR" not in r for r in rows), out
+    attention = [line for line in out.splitlines() if line.startswith("flash_attention ")]
+    assert len(attention) == 1 and "ERROR" not in attention[0] and "256x4x64" in attention[0], out
     header = next(line for line in out.splitlines() if line.startswith("kernel "))
     for col in ("regs", "spills", "smem_bytes", "HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "SHFL", "BAR"):
         assert col in header.split()
@@ -323,15 +325,16 @@ def test_console_script(tmp_path):
 
 
 def test_precompile_builds_attention_kernels_for_every_length(tmp_path):
-    """--attention D: the kernels of head dim D, causal and not, on padded and packed sequences: the forward, the
-    backward's Delta (one), key-block kernel and (at D64) dQ kernel; a recorded run's attention calls (any lengths, scales)
-    name the same forward kernels, whose keys are the op path's own."""
+    """--flash-attention SxHxD: what a training step at head dim D launches, causal and not, on padded and packed
+    sequences: the forward, Delta (one for all), the key-block kernel and (at D64) the dQ kernel, 13 in all; a
+    recorded run's attention calls (any lengths, scales) name the same forward kernels, whose keys are the op
+    path's own."""
     cache = tmp_path / "cache"
-    out = run_cli(cache, "precompile", "--arch", "sm_90a", "--attention", "64", "--dtype", "float16")
-    assert "flash_attention d64 float16 causal" in out and "flash_attention bwd d64 float16 causal" in out, out
-    assert "flash_attention bwd dq d64 float16 causal" in out, out
-    assert "flash_attention d64 float16 causal varlen" in out and "flash_attention bwd dq d64 float16 varlen" in out
-    assert "flash_attention delta d64 float16" in out and "13 built, 0 already cached, 0 failed" in out, out
+    out = run_cli(cache, "precompile", "--arch", "sm_90a", "--flash-attention", "1024x8x64", "--dtype", "float16")
+    for kind in ("", " causal", " varlen", " causal varlen"):
+        assert f"flash_attention d64 float16{kind} " in out, out
+    assert "4 built, 0 already cached, 0 failed" in out, out
+    assert "entries: 13" in run_cli(cache, "cache", "info"), out
     script = ("import torch, tile_ops; q = torch.randn(2, 33, 4, 64).half(); k = torch.randn(2, 70, 2, 64).half(); "
               "tile_ops.flash_attn_func(q, k, k, causal=True); "
               "tile_ops.flash_attn_func(q[:, :5], k, k, causal=True, softmax_scale=0.3)")

@@ -3,7 +3,7 @@
     tile_ops demo [--arch ARCH] [--quick]     compile the library's kernels, show registers / smem / SASS mix;
                                              with a GPU also check them against torch and time both
     tile_ops cache info | clear               the on-disk kernel cache ($TILE_OPS_CACHE_DIR or ~/.tile_ops/cache)
-    tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--attention D ...]
+    tile_ops precompile --arch sm_90a [--gemm MxNxK ...] [--gemm-softmax MxNxK ...] [--flash-attention SxHxD ...]
                         [--dtype ...] [--record FILE ...] [--module FILE.py:FN ...] [--all-m MAX]
                                              fill the cache ahead of time (no GPU needed): an option per op, the
                                              problems a run recorded (TILE_OPS_RECORD), or a model's forward
@@ -42,11 +42,12 @@ class Job:
     """One library kernel specialization: the op, its problem, and the target arch."""
 
     op: str
-    shape: tuple
+    shape: tuple | None  # the target's three sizes (None: a recorded problem whose kernels serve every size)
     dtype: str
     arch: str
     scale: float = 1.0  # the ops whose kernel takes one (Target.scaled)
     recorded: dict | None = None  # a problem from a recording (layouts, batch, bias...), else a plain call's
+    whole: bool = True  # build what precompile builds (a backward's kernels too), not only what one call launches
 
     @property
     def target(self):
@@ -62,73 +63,24 @@ class Job:
     def label(self) -> str:
         if self.recorded:
             return f"{self.op} {self.target.describe(self.recorded)}"
-        M, N, K = self.shape
-        s = f"{self.op} {M}x{N}x{K} {self.dtype}"
+        s = f"{self.op} {'x'.join(map(str, self.shape))} {self.dtype}"
         return s + (f" scale={self.scale:g}" if self.target.scaled else "")
 
     def key_and_builder(self):
         """(cache key of the main kernel the torch op path builds, a callable that builds what it launches:
-        for a gemm, with its operand pads and split-K reduction)."""
+        for a gemm, with its operand pads and split-K reduction; with ``whole``, what precompile builds)."""
+        if self.whole:
+            return self.target.precompiled(self.problem, self.arch)
         return self.target.launched(self.problem, self.arch)
 
     @staticmethod
     def of(entry: dict, arch: str) -> "Job":
         """The job of a recorded ``{"op", "problem"}`` entry (record.py)."""
+        from .autotune import targets
+
         p = entry["problem"]
-        if entry["op"] == AttentionJob.op:
-            return AttentionJob(p, arch)
-        return Job(entry["op"], (p["M"], p["N"], p["K"]), p["dtype"], arch, p.get("scale", 1.0), recorded=p)
-
-
-@dataclasses.dataclass
-class AttentionJob:
-    """A FlashAttention kernel: its problem (``attention_launch.attention_problem``: head dim, dtype, mask kind;
-    never a size, scale or window), the target arch, and which of the op's kernels: the forward, or the
-    backward's Delta and key-block kernels."""
-
-    problem: dict
-    arch: str
-    part: str = "forward"  # "forward" | "delta" | "backward"
-    op = "flash_attention"
-
-    @property
-    def label(self) -> str:
-        p = self.problem
-        kind = [name for name in ("causal", "local", "softcap", "alibi", "varlen") if p.get(name)]
-        name = {"forward": "flash_attention", "delta": "flash_attention delta", "backward": "flash_attention bwd",
-                "dq": "flash_attention bwd dq"}
-        return " ".join([f"{name[self.part]} d{p['dim']} {p['dtype']}", *kind])
-
-    def key_and_builder(self):
-        from .kernels.attention import flash_attention_forward
-        from .kernels.attention_backward import attention_delta
-        from .kernels.attention_config import default_config
-        from .kernels.attention_launch import backward_kernels, build_attention
-
-        problem, arch = self.problem, self.arch
-        if self.part == "delta":
-            args = dict(dim=problem["dim"], dtype=problem["dtype"])
-            return attention_delta.key((), args, arch), lambda: attention_delta(**args, target=arch)
-        if self.part in ("backward", "dq"):  # the launch's own kernels and arguments
-            fn, args = backward_kernels(problem, arch=arch)[self.part == "dq"]
-            return fn.key((), args, arch), lambda: fn(**args, target=arch)
-        cfg = default_config(problem["dim"], arch)
-        return (flash_attention_forward.key((), dict(problem, cfg=cfg), arch),
-                lambda: build_attention(problem, cfg, arch))
-
-    @staticmethod
-    def training(dim: int, dtype: str, causal: bool, arch: str) -> list:
-        """The kernels a training step launches for plain (or causal) attention, on padded and on packed
-        sequences: Delta, the forward and the backward's (``backward_kernels``: the key-block kernel, and where
-        it computes dQ the query-block one)."""
-        from .kernels.attention_launch import backward_kernels
-
-        problem = dict(dim=dim, dtype=dtype, causal=causal, local=False, softcap=False, alibi=False, varlen=False)
-        jobs = [AttentionJob(dict(problem, causal=False), arch, "delta")]  # (one per head dim and dtype)
-        for packed in (dict(problem), dict(problem, varlen=True)):
-            parts = ["forward", "backward", "dq"][:1 + len(backward_kernels(packed, arch=arch))]
-            jobs += [AttentionJob(packed, arch, part) for part in parts]
-        return jobs
+        return Job(entry["op"], targets.get(entry["op"]).shape_of(p), p["dtype"], arch, p.get("scale", 1.0),
+                   recorded=p)
 
 
 @dataclasses.dataclass
@@ -233,8 +185,8 @@ def _run_on_gpu(b: Built, device="cuda") -> dict:
     job, target = b.job, b.job.target
     args = target.inputs(job.shape, job.dtype, torch.device(device))
     out = args[-1].fill_(float("nan"))  # poisoned
-    ptrs = [t.data_ptr() for t in args]
-    ours = lambda: b.kernel.launch_ptrs(ptrs, out.device)  # noqa: E731
+    ptrs, kernel = [t.data_ptr() for t in args], target.launchable(b.kernel, job.shape, job.dtype)
+    ours = lambda: kernel.launch_ptrs(ptrs, out.device)  # noqa: E731
     theirs = target.torch_equivalent(args, job.scale)
     ref = target.reference(args, job.scale, torch.float64)
     ours()
@@ -266,7 +218,7 @@ def cmd_demo(args) -> int:
     print(f"Kernel cache: {cache_dir()}  (entries at <cache>/<key[:2]>/<key>/)")
     from .autotune import targets
 
-    jobs = [Job(op, shape, dt, arch, DEMO_SCALE) for op, target in targets.TARGETS.items()
+    jobs = [Job(op, shape, dt, arch, DEMO_SCALE, whole=False) for op, target in targets.TARGETS.items()
             for shape, dt in (target.demo_quick if args.quick else target.demo)]
     t0 = time.perf_counter()
     built = build_all(jobs)
@@ -341,12 +293,10 @@ def cmd_precompile(args) -> int:
 
     asked = {op: getattr(args, op) for op in targets.TARGETS}
     recorded = recorded_jobs(args)
-    if all(shapes is None for shapes in asked.values()) and not recorded and not args.attention:
+    if all(shapes is None for shapes in asked.values()) and not recorded:
         asked = {op: target.precompile for op, target in targets.TARGETS.items()}
-    jobs = [Job(op, s, dt, args.arch, sc) for op, target in targets.TARGETS.items() for s in asked[op] or []
-            for dt in args.dtype for sc in (args.scale if target.scaled else [1.0])]
-    jobs += [job for d in args.attention or [] for dt in args.dtype for causal in (False, True)
-             for job in AttentionJob.training(d, dt, causal, args.arch)]
+    jobs = [job for op, target in targets.TARGETS.items() for s in asked[op] or [] for dt in args.dtype
+            for sc in (args.scale if target.scaled else [1.0]) for job in _shape_jobs(op, s, dt, args.arch, sc)]
     jobs = _distinct(jobs + recorded)
     if args.all_m:
         jobs = _distinct([j for job in jobs for j in every_m(job, args.all_m)])
@@ -367,6 +317,16 @@ def cmd_precompile(args) -> int:
           + (f", {n_unstored} built but NOT stored in the cache" if n_unstored else "")
           + f" in {time.perf_counter() - t0:.1f} s{_parallel_note(built)}")
     return 1 if n_err or n_unstored else 0
+
+
+def _shape_jobs(op: str, shape, dtype: str, arch: str, scale: float) -> list:
+    """The jobs of one shape asked for: its plain call's, or one per problem the op's target builds for it."""
+    from .autotune import targets
+
+    problems = targets.get(op).problems(shape, dtype, scale)
+    if len(problems) == 1:
+        return [Job(op, shape, dtype, arch, scale)]
+    return [Job(op, shape, dtype, arch, scale, recorded=p) for p in problems]
 
 
 def _distinct(jobs) -> list:
@@ -409,6 +369,8 @@ def module_problems(spec: str) -> list:
 def every_m(job: Job, most: int) -> list:
     """``job`` at every M in 1..``most`` that the op launches another kernel for (its config, or a variant of
     one, changes with M): a deployment's every token count, one job per kernel."""
+    if "M" not in job.problem:  # its kernels serve every size
+        return [job]
     seen, jobs = set(), []
     for M in range(1, most + 1):
         problem = dict(job.problem, M=M)
@@ -441,12 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     pc = sub.add_parser("precompile", help="fill the kernel cache for given shapes (no GPU needed)")
     pc.add_argument("--arch", required=True, type=parse_arch, help="target arch, e.g. sm_90a or sm_80")
     for op, target in targets.TARGETS.items():
-        pc.add_argument(f"--{op.replace('_', '-')}", dest=op, nargs="+", type=parse_shape, metavar="MxNxK",
+        pc.add_argument(f"--{op.replace('_', '-')}", dest=op, nargs="+", type=parse_shape, metavar=target.metavar,
                         help=f"{op} shapes (default, when no op's shapes are given: "
-                        + " ".join("x".join(map(str, s)) for s in target.precompile) + ")")
-    pc.add_argument("--attention", nargs="+", type=int, choices=(64, 96, 128, 192, 256), metavar="HEAD_DIM",
-                    help="FlashAttention kernels of these head dims, causal and not (every length and batch): the "
-                         "forward, and the backward's where the head dim has them")
+                        + (" ".join("x".join(map(str, s)) for s in target.precompile) or "none") + ")")
     pc.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
     pc.add_argument("--scale", nargs="+", type=parse_scale, default=PRECOMPILE_SCALES,
                     help=f"scales of {', '.join(op for op, t in targets.TARGETS.items() if t.scaled)} "

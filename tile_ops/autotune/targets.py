@@ -22,8 +22,10 @@ class KernelConfigs(NamedTuple):
 
 
 class Target(abc.ABC):
-    """An op's kernel, for a plain row-major problem of ``shape`` (M, N, K) in ``dtype`` (a name: "float16")."""
+    """An op's kernel, for a plain row-major problem of ``shape`` (three sizes: M, N, K for a matmul) in ``dtype``
+    (a name: "float16")."""
 
+    metavar = "MxNxK"  # what the three sizes are, on the command line
     scaled = False  # its kernel takes a scale as a compile-time constant (precompile --scale)
     speed = "TFLOP/s"  # how the demo reports its time: "TFLOP/s" (from flops) or "us"
     demo: list = []  # [(shape, dtype)] the demo builds, and with --quick
@@ -63,6 +65,23 @@ class Target(abc.ABC):
         """(the cache key of the main kernel the op launches for ``problem``, a callable building all it launches)."""
         (factory, args, kwargs), build = self.kernel_call(problem, arch)
         return factory.key(args, kwargs, arch), build
+
+    def precompiled(self, problem: dict, arch: str):
+        """``launched``, with what precompile builds for ``problem``: all the op's use of it launches (an op whose
+        backward has kernels of its own builds them too)."""
+        return self.launched(problem, arch)
+
+    def problems(self, shape, dtype: str, scale: float = 1.0) -> list:
+        """The problems precompile builds for ``shape``: the plain call's."""
+        return [self.problem(shape, dtype, scale)]
+
+    def shape_of(self, problem: dict):
+        """The shape of a recorded ``problem`` (None where its kernels serve every size)."""
+        return problem["M"], problem["N"], problem["K"]
+
+    def launchable(self, kernel, shape, dtype: str):
+        """``kernel`` as ``launch_ptrs(pointers, device)`` over ``inputs``' tensors (the demo's launch)."""
+        return kernel
 
     def describe(self, problem: dict) -> str:
         """``problem`` in a few words, for tables: its sizes, then what differs from a plain row-major call."""

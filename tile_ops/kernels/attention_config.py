@@ -48,6 +48,17 @@ def default_config(dim: int, arch: str | None = None) -> AttentionConfig:
     return AttentionConfig(64, 64, 3, 128)
 
 
+def config_space(seqlen: int, heads: int, dim: int, dtype: str = "float16", arch: str | None = None) -> list:
+    """The forward's candidates for the autotuner: query blocks of 64 or 128 rows over one or two warpgroups,
+    key tiles of 64 to 128 (FA3's 80 and 176 among them on sm_90a), two or three stages, and on sm_90a clusters of
+    two query blocks sharing each K/V load; the tuner drops those whose shared memory does not fit."""
+    hopper = (arch or default_arch()) == "sm_90a"
+    keys = (64, 80, 128, 176) if hopper else (32, 64)
+    return [AttentionConfig(bm, bn, stages, threads, cluster)
+            for bm in (64, 128) for bn in keys for stages in ((2, 3) if hopper else (1, 2))
+            for threads in (128, 256) if threads <= 2 * bm for cluster in ((1, 2) if hopper else (1,))]
+
+
 def splits_head_dim(cfg: AttentionConfig) -> bool:
     """Whether the backward's warpgroups split the head dim (each all of the block's keys) rather than the keys:
     where the block has fewer than 64 keys a warpgroup (a wgmma's rows)."""

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from tile_ops.autotune import config_for
 from tile_ops.compiler.meta import span
 from tile_ops.jit import default_arch
 
@@ -43,8 +44,10 @@ def launch_attention(q, k, v, out, lse, softmax_scale=None, causal=False, window
     (default: the device's).  Batches whose tensors span 2^31 elements or more (the kernel's 32-bit offsets)
     run in parts along the batch.  Returns the launch as a plan program (``Kernel.plan``) over the plan buffers
     q, k, v, alibi_slopes, out, lse, or None where the call ran in parts or on a copy of the slopes."""
-    kernel = build_attention(attention_problem(q, causal, window, softcap, alibi_slopes is not None),
-                             arch=arch or default_arch(q.device))
+    problem = attention_problem(q, causal, window, softcap, alibi_slopes is not None)
+    B, Sq, Hq, D = q.shape
+    cfg = config_for("flash_attention", Sq, Hq, D, problem["dtype"], q.device, arch)
+    kernel = build_attention(problem, cfg, arch=arch or default_arch(q.device))
     tensors = [q, k, v, out, lse]
     if alibi_slopes is not None:
         tensors.append(slopes_view(alibi_slopes, q.shape[0], q.shape[2]))
@@ -197,6 +200,38 @@ def launch_attention_backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, offset
     query_tiles = _tile_table(tuple(offsets_q), tuple(offsets_k), args["cfg"].block_M, bool(causal), device)
     if query_tiles is not None:
         _launch(fn(**args, target=arch), inputs + [packed(dq)] + slopes + [query_tiles] + offsets, device, scalars)
+
+
+class ShapedLaunch:
+    """A kernel bound to one layout, as the autotuner and the demo launch it: ``launch_ptrs(pointers, device)``
+    with the pointers of ``tensors`` (the kernel's parameters as views, meta tensors will do) in the order
+    ``order`` gives (parameter i takes pointer ``order[i]``), its sizes, strides and ``scalars`` read once."""
+
+    def __init__(self, kernel, tensors, order, scalars):
+        self.kernel, self.order = kernel, order
+        self.values = kernel.values(kernel.dims.read(tensors), **scalars)
+
+    def launch_ptrs(self, ptrs, device):
+        self.kernel.launch_ptrs([ptrs[i] for i in self.order], device, self.values)
+
+    def __getattr__(self, name):  # meta, instruction_mix(), ...: the kernel's
+        return getattr(self.kernel, name)
+
+
+def forward_launch(kernel, batch: int, seqlen: int, heads: int, dim: int, dtype) -> ShapedLaunch:
+    """``kernel`` (the forward) over contiguous (B, S, H, D) q, k, v, an (B, H, S) lse and an out like q, its
+    pointers in that order (out last: the tuner's convention), plain attention at the default scale."""
+    q = torch.empty(batch, seqlen, heads, dim, dtype=dtype, device="meta")
+    lse = torch.empty(batch, heads, seqlen, device="meta")
+    views = [q.transpose(1, 2)] * 4 + [lse]
+    return ShapedLaunch(kernel, views, (0, 1, 2, 4, 3), _scalars(dim, None, 0.0, (-1, -1)))
+
+
+def training_kernels(problem: dict, arch: str) -> list:
+    """The kernels a training step launches for ``problem``, built: the forward (default config), Delta and the
+    backward's (``backward_kernels``)."""
+    built = [build_attention(problem, arch=arch), attention_delta(problem["dim"], problem["dtype"], target=arch)]
+    return built + [fn(**args, target=arch) for fn, args in backward_kernels(problem, arch=arch)]
 
 
 def _scalars(dim, softmax_scale, softcap, window) -> dict:

@@ -38,6 +38,7 @@ import numbers
 
 import torch
 
+from ..autotune import targets
 from . import checks, fastpath, functorch, spec
 
 OP = "tile_ops.flash_attention"
@@ -368,6 +369,90 @@ def _vmap(info, in_dims, q, k, v, softmax_scale=None, causal=False, window_left=
     return (out.unflatten(0, (n, B)), lse.unflatten(0, (n, B))), (0, 0)
 
 
+# --------------------------------------------------------------------------- the autotuner and the command line
+
+
+class FlashAttentionTarget(targets.Target):
+    """The forward kernel at (seqlen, q heads, head dim), "SxHxD": tuned on plain attention with Sq = Sk = seqlen
+    over ``batch(seqlen)`` sequences (a full GPU); the tuned config serves every mask kind at that head dim and
+    head count, lengths bucketed as a gemm's M (autotune/table.py).  Precompile builds what a training step
+    launches (forward, Delta, backward), plain and causal, padded and packed, at the default configs."""
+
+    metavar = "SxHxD"
+    speed = "TFLOP/s"
+    demo = [((2048, 16, 128), "bfloat16")]
+    demo_quick = [((256, 4, 64), "float16")]
+    precompile = [(4096, 32, 128)]
+
+    @staticmethod
+    def batch(seqlen: int) -> int:
+        return max(1, 16384 // seqlen)
+
+    def configs(self):
+        from ..kernels import attention_config as ac
+
+        return targets.KernelConfigs(ac.AttentionConfig, ac.config_space,
+                                     lambda S, H, D, arch=None: ac.default_config(D, arch),
+                                     lambda cfg, S, H, D, dtype: ac.shared_memory_bytes(cfg, D))
+
+    def problem(self, shape, dtype: str, scale: float = 1.0) -> dict:
+        return dict(dim=shape[2], dtype=dtype, causal=False, local=False, softcap=False, alibi=False, varlen=False)
+
+    def problems(self, shape, dtype: str, scale: float = 1.0) -> list:
+        plain = self.problem(shape, dtype)
+        return [dict(plain, causal=causal, varlen=packed) for causal in (False, True) for packed in (False, True)]
+
+    def shape_of(self, problem: dict):
+        return None  # a problem holds no sizes: its kernels serve every one
+
+    def describe(self, problem: dict) -> str:
+        kind = [name for name in ("causal", "local", "softcap", "alibi", "varlen") if problem.get(name)]
+        return " ".join([f"d{problem['dim']} {problem['dtype']}", *kind])
+
+    def compile(self, shape, dtype: str, cfg, arch: str):
+        from ..kernels.attention_launch import build_attention
+
+        return self.launchable(build_attention(self.problem(shape, dtype), cfg, arch), shape, dtype)
+
+    def launchable(self, kernel, shape, dtype: str):
+        from ..kernels.attention_launch import forward_launch
+
+        S, H, D = shape
+        return forward_launch(kernel, self.batch(S), S, H, D, getattr(torch, dtype))
+
+    def kernel_call(self, problem: dict, arch: str):
+        from ..kernels.attention import flash_attention_forward
+        from ..kernels.attention_config import default_config
+        from ..kernels.attention_launch import build_attention
+
+        cfg = default_config(problem["dim"], arch)
+        return (flash_attention_forward, (), dict(problem, cfg=cfg)), lambda: build_attention(problem, cfg, arch)
+
+    def precompiled(self, problem: dict, arch: str):
+        from ..kernels.attention_launch import training_kernels
+
+        key, _ = self.launched(problem, arch)
+        return key, lambda: training_kernels(problem, arch)[0]
+
+    def inputs(self, shape, dtype: str, device):
+        S, H, D = shape
+        B, dt = self.batch(S), getattr(torch, dtype)
+        q, k, v = (torch.randn(B, S, H, D, dtype=dt, device=device) for _ in range(3))
+        return [q, k, v, torch.empty(B, H, S, device=device), torch.empty_like(q)]
+
+    def reference(self, args, scale: float = 1.0, dtype=None):
+        dtype = dtype or torch.float32  # one sequence at a time: the scores of all would not fit
+        return torch.cat([attention_reference(*(t[b:b + 1].to(dtype) for t in args[:3])) for b in range(len(args[0]))])
+
+    def torch_equivalent(self, args, scale: float):
+        q, k, v = (t.transpose(1, 2) for t in args[:3])
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def flops(self, shape) -> int:  # Q K^T and P V
+        S, H, D = shape
+        return 4 * self.batch(S) * S * S * H * D
+
+
 FLASH_ATTENTION = spec.register(spec.OpSpec(
     name="flash_attention",
     schema="(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, int window_left=-1, "
@@ -383,6 +468,7 @@ FLASH_ATTENTION = spec.register(spec.OpSpec(
     saved=lambda inputs, output: (*inputs[:3], *output, _FORWARD_ARGS(inputs)[8]),  # as the backward reads them
     jvp=_jvp,
     tangent=_tangent,
+    tuning=FlashAttentionTarget(),
     problem=_problem,
 ))
 

@@ -27,7 +27,8 @@ class OpSpec:
     layouts), which the generic modules call without naming the op.  An op without a derivative (a backward op)
     leaves ``setup_context``, ``backward``, ``saved`` and ``jvp`` None, one without a forward-mode formula
     ``tangent``: ``register`` fills them with refusals, so differentiating through it fails by name.  ``tuning`` is
-    None for an op the autotuner and the command line do not drive (yet: the attention ops)."""
+    None for an op the autotuner and the command line do not drive on their own (a backward op: its forward's
+    target precompiles its kernels)."""
 
     name: str  # the op is torch.ops.tile_ops.<name>; its public wrapper tile_ops.<name>
     schema: str  # the torch.library schema: "(Tensor a, ...) -> Tensor"
