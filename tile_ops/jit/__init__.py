@@ -21,6 +21,7 @@ import threading
 import time
 import warnings
 
+from . import interpret
 from .kernel import Kernel, KernelMeta
 
 TVM_VERSION = "0.27.0.post1"  # the apache-tvm release the compiler is written against (setup.py pins it)
@@ -190,15 +191,19 @@ class JITFunction:
     def __call__(self, *args, target: str | None = None, **kwargs) -> Kernel:
         arch = check_arch(target) if target else self.target or default_arch()
         env = self.environment()  # with the types: 1 == 1.0 == True, but the full key (and the program) differ
-        fast = (args, tuple(sorted(kwargs.items())), arch, env, _types(args), _types(kwargs.values()), _types(env))
+        interpreted = interpret.enabled()  # TILE_OPS_INTERPRET: the emulator's kernel, nothing compiled
+        fast = (args, tuple(sorted(kwargs.items())), arch, env, _types(args), _types(kwargs.values()), _types(env),
+                interpreted)
         try:
             kernel = self._fast.get(fast)
         except TypeError:  # unhashable arguments: always take the full key
             kernel, fast = None, None
         if kernel is None:
-            key = self.key(args, kwargs, arch)
+            key = self.key(args, kwargs, arch) + ("-interpreted" if interpreted else "")
             kernel = self._mem.get(key)
-            if kernel is None:
+            if kernel is None and interpreted:
+                kernel = self._mem[key] = interpret.Interpreted(self.fn(*args, **kwargs), arch, self.out_idx)
+            elif kernel is None:
                 kernel = self._mem[key] = _load_or_build(key, lambda: self.fn(*args, **kwargs), build_target(arch),
                                                          self.out_idx)
             if fast is not None:

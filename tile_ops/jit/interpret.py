@@ -6,12 +6,70 @@ emulator (``emulator.py``), so a kernel can be written and debugged without a GP
     c = torch.empty(128, 128, dtype=torch.float16)
     tile_ops.interpret(prog, a, b, c)                      # every parameter, outputs too; T.Scalars by name
 
+or, with ``TILE_OPS_INTERPRET=1`` in the environment, the factories themselves: ``my_kernel(128, 128, 64)``
+returns an :class:`Interpreted` kernel instead of compiling one, called as a compiled one is (``kernel(a, b)``
+allocates the outputs, NaN-filled, on the CPU; ``kernel.launch(a, b, c)`` writes in place).
+
 The tensors are written in place, as a launch writes CUDA tensors; the result is the count of PTX-level
 instructions that ran (``mma.f16``, ``tma.load.2d.swizzle128``, ``wgmma.m64n64k16.f16``, ...).  Shared memory
 starts as NaN, so a read of shared memory nothing wrote shows; an index past a tensor's end raises.  Slow
 (numpy, Python generators per thread): sizes of a few tiles."""
 
 from __future__ import annotations
+
+import os
+
+ENV = "TILE_OPS_INTERPRET"
+
+
+def enabled() -> bool:
+    """Whether ``TILE_OPS_INTERPRET`` asks the ``@tile_ops.jit`` factories for interpreted kernels."""
+    return os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+class Interpreted:
+    """A program lowered for ``arch``, run by the emulator on CPU tensors with a compiled ``Kernel``'s calls:
+    ``kernel(*inputs, **scalars)`` allocates the outputs ``out_idx`` names (NaN-filled: what no thread writes
+    shows) and returns them, ``kernel.launch(*tensors, **scalars)`` writes every parameter in place.  ``ran``:
+    the instructions the last run executed."""
+
+    def __init__(self, program, arch: str = "sm_90a", out_idx=()):
+        from ..compiler.lower import lower
+
+        self.lowered = lower(program, arch)
+        self.meta = self.lowered.meta.replace(out_idx=list(out_idx))
+        self.ran: dict = {}
+
+    def launch(self, *tensors, ctas: int | None = None, **scalars) -> None:
+        self.ran = _run(self.lowered, tensors, ctas, scalars)
+
+    def __call__(self, *inputs, **scalars):
+        import torch
+
+        from .kernel import _TORCH_DTYPES, LaunchDims
+        from ..compiler.meta import evaluate
+
+        m = self.meta
+        in_pos = [i for i in range(len(m.params)) if i not in m.out_idx]
+        if len(inputs) != len(in_pos):
+            names = ", ".join(m.params[i][0] for i in in_pos)
+            raise TypeError(f"{m.name} takes {len(in_pos)} tensors ({names}), got {len(inputs)}")
+        args = [None] * len(m.params)
+        for pos, t in zip(in_pos, inputs):
+            args[pos] = t
+        dims = LaunchDims(m, in_pos)
+        named = dims.named(dims.read(args)) if m.dims else {}
+        for pos in m.out_idx:
+            name, shape, dtype = m.params[pos]
+            torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+            shape = [evaluate(d, named) for d in shape]
+            strides = [evaluate(st, named) for st in m.strides.get(name, ())] or None
+            out = torch.empty(shape, dtype=torch_dtype) if strides is None else \
+                torch.empty_strided(shape, strides, dtype=torch_dtype)
+            args[pos] = out.fill_(float("nan") if torch_dtype.is_floating_point else 0)
+        self.launch(*args, **scalars)
+        outs = [args[i] for i in m.out_idx]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def interpret(program, *tensors, arch: str = "sm_90a", ctas: int | None = None, **scalars):
@@ -20,15 +78,20 @@ def interpret(program, *tensors, arch: str = "sm_90a", ctas: int | None = None, 
     ``ctas``: a persistent kernel's CTA count (default: the launch's, up to the SM count; fewer run faster
     here, and stream-K splits its work by it).  A workspace (stream-K's partials and flags) is allocated zeroed,
     and its flags must be zero again at the end, as the next launch sharing it needs."""
+    kernel = Interpreted(program, arch)
+    kernel.launch(*tensors, ctas=ctas, **scalars)
+    return kernel.ran
+
+
+def _run(lk, tensors, ctas, scalars) -> dict:
+    """The lowered kernel ``lk`` over ``tensors``: ``interpret``'s run."""
     import numpy as np
     import torch
 
-    from ..compiler.lower import lower
     from ..compiler.meta import FLAG_SLOTS, WORKSPACE, evaluate
     from .emulator import Emulator
     from .kernel import EntryArgs, LaunchDims, check_layouts, workspace_bytes
 
-    lk = lower(program, arch)
     m = lk.meta
     if len(tensors) != len(m.params):
         names = ", ".join(name for name, _, _ in m.params)
