@@ -83,3 +83,6 @@ def test_an_integer_argument_is_refused_at_its_line():
 def test_a_name_the_language_lacks_lists_the_names_it_has():
     with pytest.raises(AttributeError, match=r"tile_ops.lang has no 'gelu'; the language's names: .*\berf\b.*\bsigmoid\b"):
         T.gelu  # noqa: B018
+    with pytest.raises(AttributeError) as e:
+        T.cumsum  # noqa: B018
+    assert "__" not in str(e.value)  # the language's names, not the module's dunders

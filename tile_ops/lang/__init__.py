@@ -38,7 +38,8 @@ def __getattr__(name):
         from . import frontend
 
         return getattr(frontend, name)
-    raise AttributeError(f"tile_ops.lang has no {name!r}; the language's names: {', '.join(sorted(__dir__()))}")
+    names = sorted(n for n in __dir__() if not n.startswith("_"))
+    raise AttributeError(f"tile_ops.lang has no {name!r}; the language's names: {', '.join(names)}")
 
 
 def __dir__():
