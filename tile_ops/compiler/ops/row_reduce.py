@@ -13,7 +13,7 @@ from tvm.script import tirx as TS
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ...lang.ir import RowReduceStore, error, walk
+from ...lang.ir import RowReduceStore, error
 from ..cuda import emit_ptx, helper
 from ..meta import FLAG_SLOTS
 from ..schedules.stream_k import flag_signal, flag_wait
