@@ -44,32 +44,11 @@ class Interpreted:
         self.ran = _run(self.lowered, tensors, ctas, scalars)
 
     def __call__(self, *inputs, **scalars):
-        import torch
-
-        from .kernel import _TORCH_DTYPES, LaunchDims
-        from ..compiler.meta import evaluate
+        from .kernel import LaunchDims, call_with_outputs
 
         m = self.meta
-        in_pos = [i for i in range(len(m.params)) if i not in m.out_idx]
-        if len(inputs) != len(in_pos):
-            names = ", ".join(m.params[i][0] for i in in_pos)
-            raise TypeError(f"{m.name} takes {len(in_pos)} tensors ({names}), got {len(inputs)}")
-        args = [None] * len(m.params)
-        for pos, t in zip(in_pos, inputs):
-            args[pos] = t
-        dims = LaunchDims(m, in_pos)
-        named = dims.named(dims.read(args)) if m.dims else {}
-        for pos in m.out_idx:
-            name, shape, dtype = m.params[pos]
-            torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
-            shape = [evaluate(d, named) for d in shape]
-            strides = [evaluate(st, named) for st in m.strides.get(name, ())] or None
-            out = torch.empty(shape, dtype=torch_dtype) if strides is None else \
-                torch.empty_strided(shape, strides, dtype=torch_dtype)
-            args[pos] = out.fill_(float("nan") if torch_dtype.is_floating_point else 0)
-        self.launch(*args, **scalars)
-        outs = [args[i] for i in m.out_idx]
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        dims = LaunchDims(m, [i for i in range(len(m.params)) if i not in m.out_idx])
+        return call_with_outputs(m, dims, inputs, "cpu", lambda *args: self.launch(*args, **scalars), poison=True)
 
 
 def interpret(program, *tensors, arch: str = "sm_90a", ctas: int | None = None, **scalars):

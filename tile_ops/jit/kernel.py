@@ -161,6 +161,33 @@ def _current_stream_getter():
     return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
+def call_with_outputs(meta: KernelMeta, dims: "LaunchDims", inputs, device, launch, poison: bool = False):
+    """A kernel's ``kernel(*inputs)``: ``inputs`` at the parameters ``out_idx`` does not name, the outputs
+    allocated on ``device`` at the sizes ``dims`` reads from them (``poison``: NaN-filled, 0 for integers, so what
+    no thread writes shows), ``launch(*every parameter)``; returns the outputs."""
+    import torch
+
+    in_pos = [i for i in range(len(meta.params)) if i not in meta.out_idx]
+    if len(inputs) != len(in_pos):
+        names = [meta.params[i][0] for i in in_pos]
+        raise TypeError(f"{meta.name} takes {len(names)} tensors ({', '.join(names)}), got {len(inputs)}")
+    args = [None] * len(meta.params)
+    for pos, t in zip(in_pos, inputs):
+        args[pos] = t
+    named = dims.named(dims.read(args)) if meta.dims else {}
+    for pos in meta.out_idx:
+        name, shape, dtype = meta.params[pos]
+        torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+        shape = [evaluate(d, named) for d in shape]
+        strides = [evaluate(st, named) for st in meta.strides.get(name, ())] or None
+        out = (torch.empty(shape, dtype=torch_dtype, device=device) if strides is None
+               else torch.empty_strided(shape, strides, dtype=torch_dtype, device=device))
+        args[pos] = out.fill_(float("nan") if torch_dtype.is_floating_point else 0) if poison else out
+    launch(*args)
+    outs = [args[i] for i in meta.out_idx]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 class Kernel:
     """``kernel(*inputs)`` allocates the outputs named by ``out_idx``, launches, and returns them."""
 
@@ -172,8 +199,7 @@ class Kernel:
         self._bound: dict = {}  # torch.device -> launch(ptrs), see launcher
         self._grids: dict = {}  # device index -> launch grid (grid_on)
         self._entry_args = EntryArgs(meta)
-        self._in_pos = [i for i in range(len(meta.params)) if i not in meta.out_idx]
-        self.dims = LaunchDims(meta, self._in_pos)
+        self.dims = LaunchDims(meta, [i for i in range(len(meta.params)) if i not in meta.out_idx])
 
     def __repr__(self) -> str:
         m = self.meta
@@ -210,27 +236,11 @@ class Kernel:
     def __call__(self, *inputs, **scalars):
         import torch
 
-        m = self.meta
-        if len(inputs) != len(self._in_pos):
-            names = [m.params[i][0] for i in self._in_pos]
-            raise TypeError(f"{m.name} takes {len(names)} tensors ({', '.join(names)}), got {len(inputs)}")
-        args = [None] * len(m.params)
-        for pos, t in zip(self._in_pos, inputs):
-            args[pos] = t
         if not inputs:
             device = torch.device("cuda", torch.cuda.current_device())
         else:  # a non-tensor has no device: launch refuses it by name
             device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else None
-        named = self.dims.named(self.dims.read(args)) if m.dims else {}
-        for pos in m.out_idx:
-            name, shape, dtype = m.params[pos]
-            shape = [evaluate(d, named) for d in shape]
-            strides = [evaluate(s, named) for s in m.strides.get(name, ())] or None
-            args[pos] = (torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device) if strides is None
-                         else torch.empty_strided(shape, strides, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device))
-        self.launch(*args, **scalars)
-        outs = [args[i] for i in m.out_idx]
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return call_with_outputs(self.meta, self.dims, inputs, device, lambda *args: self.launch(*args, **scalars))
 
     def values(self, dims: tuple = (), **scalars) -> tuple:
         """The launch's values: the T.dynamic sizes ``dims`` (``self.dims.read``), then the T.Scalars by name."""

@@ -78,6 +78,13 @@ def sum_terms(terms):
     return functools.reduce(operator.add, terms)
 
 
+def refuse_forward_mode(op: str) -> None:
+    """An op without a forward-mode formula (a backward op): a tangent through it is refused by name."""
+    raise NotImplementedError(f"{op}: forward-mode AD through this op (torch.func.jvp, jacfwd, forward_ad; a second "
+                              f"derivative through a backward op) is not supported; supported: reverse mode "
+                              f"(loss.backward(), torch.func.grad, vjp)")
+
+
 def dual(spec, run, ops, args):
     """``run(*args)`` (the op ``spec`` describes, or its public wrapper) with its tangent,
     ``spec.tangent(ops, primals, tangents, out)``; None when no tensor argument has a tangent.  ``ops``: the
@@ -86,9 +93,7 @@ def dual(spec, run, ops, args):
     if split is None:
         return None
     if spec.tangent is None:
-        raise NotImplementedError(f"{spec.public_name}: forward-mode AD through this op (torch.func.jvp, jacfwd, "
-                                  f"forward_ad; a second derivative through a backward op) is not supported; "
-                                  f"supported: reverse mode (loss.backward(), torch.func.grad, vjp)")
+        refuse_forward_mode(spec.public_name)
     primals, tangents = split
     out = run(*primals)
     tangent = spec.tangent(ops, primals, tangents, out)

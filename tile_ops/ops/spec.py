@@ -90,9 +90,7 @@ def _refused(spec: OpSpec, forward_mode: bool = False) -> Callable:
 
     def refuse(ctx, *grads):
         if forward_mode:
-            raise NotImplementedError(f"{spec.public_name}: forward-mode AD through this op (torch.func.jvp, "
-                                      f"jacfwd; a second derivative through a backward op) is not supported; "
-                                      f"supported: reverse mode (loss.backward(), torch.func.grad, vjp)")
+            forward_ad.refuse_forward_mode(spec.public_name)
         raise NotImplementedError(f"{spec.public_name}: a derivative of this op (a second derivative: double "
                                   f"backward, hessian, jacrev of grad) is not supported; supported: first "
                                   f"derivatives (loss.backward(), torch.func.grad, vjp, jvp)")
