@@ -369,7 +369,7 @@ def module_problems(spec: str) -> list:
 def every_m(job: Job, most: int) -> list:
     """``job`` at every M in 1..``most`` that the op launches another kernel for (its config, or a variant of
     one, changes with M): a deployment's every token count, one job per kernel."""
-    if "M" not in job.problem:  # its kernels serve every size
+    if job.target.shape_of(job.problem) is None:  # its kernels serve every size
         return [job]
     seen, jobs = set(), []
     for M in range(1, most + 1):
